@@ -1,0 +1,87 @@
+"""The one msgpack encoding of the vocabulary, and the schema hash that names it.
+
+One ``Encoder`` and one ``Decoder`` per process, reused (msgspec's advice for speed). Encoding uses
+``order="deterministic"``, so equal values give equal bytes in every process whatever ``PYTHONHASHSEED`` is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import msgspec
+
+from events.commands import Command
+from events.records import Frame, TickInputs, TickOutputs
+from events.types import CoreGauges, Record
+
+FORMAT_VERSION = 1
+"""Version of the frame layout (see ``events.log``); the payload schema is versioned by ``SCHEMA_HASH``."""
+
+_encoder = msgspec.msgpack.Encoder(order="deterministic")
+_frame_decoder = msgspec.msgpack.Decoder(Frame)
+_commands_decoder = msgspec.msgpack.Decoder(list[Command])
+
+
+def encode(value: object) -> bytes:
+    """Encode any vocabulary value (or list of them) to msgpack."""
+    return _encoder.encode(value)
+
+
+def decode_frame(payload: bytes | memoryview) -> Frame:
+    """Decode one frame payload; raises ``msgspec.ValidationError`` or ``msgspec.DecodeError`` on bad data."""
+    return _frame_decoder.decode(payload)
+
+
+def decode_commands(payload: bytes) -> list[Command]:
+    """Decode a list of commands encoded with :func:`encode_commands`."""
+    return _commands_decoder.decode(payload)
+
+
+def encode_commands(commands: Sequence[Command]) -> bytes:
+    """Encode a tick's commands once: the digest hashes these bytes and the frame embeds them unchanged."""
+    return _encoder.encode(commands)
+
+
+# Why these two mirror types: the digest is computed over the encoded commands, and the tick frame holds the
+# same commands again. Encoding them twice would double the hot path's encode cost, so the frame is encoded
+# through a Struct with the same field order whose ``commands`` is the already-encoded ``msgspec.Raw``. The
+# bytes are identical to encoding ``TickRecord`` directly (a test checks it), so readers never know.
+class _TickOutputsWire(Record):
+    tick: int
+    commands: msgspec.Raw
+    needs_tick: bool
+    gauges: CoreGauges
+    digest: bytes
+
+
+class _TickRecordWire(Record, tag="tick"):
+    inputs: TickInputs
+    outputs: _TickOutputsWire
+
+
+def encode_tick(inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None = None) -> bytes:
+    """Encode a tick frame payload, reusing ``encoded_commands`` (from :func:`encode_commands`) if given."""
+    raw = msgspec.Raw(encoded_commands if encoded_commands is not None else encode_commands(outputs.commands))
+    wire = _TickOutputsWire(outputs.tick, raw, outputs.needs_tick, outputs.gauges, outputs.digest)
+    return _encoder.encode(_TickRecordWire(inputs, wire))
+
+
+def _wire_only(node: object) -> object:
+    """Drop docs from a JSON schema: only what reaches the bytes may change the hash."""
+    if isinstance(node, dict):
+        return {k: _wire_only(v) for k, v in node.items() if k not in ("title", "description")}
+    if isinstance(node, list):
+        return [_wire_only(v) for v in node]
+    return node
+
+
+def compute_schema_hash() -> str:
+    """Hash of the wire schema of every frame type: field order, types, defaults and tags (not docs)."""
+    _, components = msgspec.json.schema_components([Frame])
+    canonical = msgspec.json.encode(_wire_only(components), order="deterministic")
+    return hashlib.blake2b(canonical, digest_size=12).hexdigest()
+
+
+SCHEMA_HASH = compute_schema_hash()
+"""The schema hash of this build; must appear in ``known_schemas.txt`` (a test checks it)."""

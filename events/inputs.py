@@ -1,0 +1,123 @@
+"""Inputs to the core: everything that can change what the scheduler does arrives as one of these.
+
+Tags are pinned short strings; never change one, never reuse one.
+"""
+
+from __future__ import annotations
+
+from events.types import Record, SamplingSpec
+
+
+class RequestArrived(Record, tag="arrive"):
+    """A client submitted a request. ``seed`` None lets the core assign one; ``deadline_ns`` is absolute."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingSpec
+    seed: int | None = None
+    priority: int = 0
+    deadline_ns: int | None = None
+    cache_salt: str = ""
+
+
+class RequestCancelled(Record, tag="cancel"):
+    """The client asked to cancel a request."""
+
+    request_id: str
+
+
+class ClientGone(Record, tag="gone"):
+    """The client stopped reading a request's stream; treated like a cancel."""
+
+    request_id: str
+
+
+class StepDone(Record, tag="done"):
+    """A step finished: one sampled token per sampling row of ``RunStep``, in row order (columnar)."""
+
+    step_id: int
+    request_ids: list[str]
+    token_ids: list[int]
+    step_time_ns: int = 0
+    logprobs: list[float] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class StepFailed(Record, tag="fail"):
+    """A step raised on the device; its rows (and rows fed from it) end with an error."""
+
+    step_id: int
+    error: str
+
+
+class SpillDone(Record, tag="spilled"):
+    """A ``SpillOut`` finished: ``ok`` False means the copy failed and ``error`` says why."""
+
+    request_id: str
+    ok: bool
+    error: str = ""
+    nbytes: int = 0
+
+
+class SwapInReady(Record, tag="ready"):
+    """A swapped request's KV is in the host tier; it may be swapped in."""
+
+    request_id: str
+
+
+class SwapInFailed(Record, tag="swapfail"):
+    """Bringing a swapped request's KV back failed; that request alone ends with an error."""
+
+    request_id: str
+    error: str
+
+
+class StopMatched(Record, tag="stopmatch"):
+    """The retire actor matched a stop string ending at output token ``token_index`` (0-based, inclusive)."""
+
+    request_id: str
+    token_index: int
+
+
+class DeadlineReached(Record, tag="deadline"):
+    """The deadline actor's timer for a request fired."""
+
+    request_id: str
+    deadline_ns: int
+
+
+class Shutdown(Record, tag="shutdown"):
+    """The engine is shutting down: everything still open ends with an error."""
+
+    reason: str = "engine shut down"
+
+
+Input = (
+    RequestArrived
+    | RequestCancelled
+    | ClientGone
+    | StepDone
+    | StepFailed
+    | SpillDone
+    | SwapInReady
+    | SwapInFailed
+    | StopMatched
+    | DeadlineReached
+    | Shutdown
+)
+"""Any input to the core."""
+
+INPUT_TYPES: tuple[type[Record], ...] = (
+    RequestArrived,
+    RequestCancelled,
+    ClientGone,
+    StepDone,
+    StepFailed,
+    SpillDone,
+    SwapInReady,
+    SwapInFailed,
+    StopMatched,
+    DeadlineReached,
+    Shutdown,
+)

@@ -1,0 +1,227 @@
+"""One log is one file: a header frame, then one frame per tick and a snapshot frame every N ticks.
+
+``LogWriter`` only encodes and writes; *when* to flush and fsync (never, every tick, every N ms) is the log
+actor's policy, in ``actors/``. ``LogReader`` verifies frames lazily as it iterates, and can seek to a tick by
+walking frame headers to the nearest snapshot. ``recover_log`` truncates a torn tail. See ``events.frames`` for
+the byte layout and the torn-versus-corrupt rule.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from importlib import resources
+from types import TracebackType
+
+import attrs
+import msgspec
+
+from events.codec import FORMAT_VERSION, SCHEMA_HASH, decode_frame, encode, encode_tick
+from events.errors import LogCorrupt, LogError, LogIncompatible
+from events.frames import DEFAULT_MAX_FRAME_BYTES, FrameInfo, FrameKind, pack_frame, read_frame
+from events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
+
+
+def known_schema_hashes() -> tuple[str, ...]:
+    """Schema hashes this build reads, from the checked-in, append-only ``known_schemas.txt``."""
+    text = resources.files("events").joinpath("known_schemas.txt").read_text(encoding="utf-8")
+    lines = (line.split("#", 1)[0].split() for line in text.splitlines())
+    return tuple(parts[0] for parts in lines if parts)
+
+
+class LogWriter:
+    """Appends frames to a new log file (mode 0600). Not thread-safe; one writer per file."""
+
+    def __init__(self, path: str | os.PathLike[str], header: LogHeader, *, overwrite: bool = False) -> None:
+        self.path = os.fspath(path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if overwrite else os.O_EXCL)
+        self._fd: int | None = os.open(self.path, flags, 0o600)
+        os.fchmod(self._fd, 0o600)
+        self._buffer = bytearray()
+        self.bytes_written = 0
+        self.header = header
+        self._append("header", 0, encode(header))
+
+    def _append(self, kind: FrameKind, tick: int, payload: bytes) -> int:
+        frame = pack_frame(kind, tick, payload)
+        self._buffer += frame
+        return len(frame)
+
+    def append_tick(self, inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None = None) -> int:
+        """Buffer one tick frame; returns its size. Pass the core's encoded commands to skip re-encoding."""
+        return self._append("tick", inputs.tick, encode_tick(inputs, outputs, encoded_commands))
+
+    def append_snapshot(self, snapshot: SnapshotRecord) -> int:
+        """Buffer one snapshot frame; returns its size."""
+        return self._append("snapshot", snapshot.tick, encode(snapshot))
+
+    def flush(self) -> None:
+        """Hand buffered frames to the OS (no fsync). Frames are written whole, in order."""
+        if self._fd is None:
+            raise LogError(f"{self.path}: write to a closed log")
+        written = 0
+        with memoryview(self._buffer) as view:
+            while written < len(view):
+                written += os.write(self._fd, view[written:])
+        self.bytes_written += written
+        self._buffer.clear()
+
+    def sync(self) -> None:
+        """Flush, then fsync: everything appended so far survives a crash of the machine."""
+        self.flush()
+        assert self._fd is not None
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Flush and close. Idempotent."""
+        if self._fd is None:
+            return
+        try:
+            self.flush()
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@attrs.define(slots=True)
+class TailInfo:
+    """What the last completed scan found at the end of the file."""
+
+    end_offset: int = 0
+    torn_bytes: int = 0
+
+
+class LogReader:
+    """Reads and verifies a log. Frames are checked (CRCs, size limit) as they are iterated."""
+
+    def __init__(self, path: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.path = os.fspath(path)
+        self.max_frame_bytes = max_frame_bytes
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self._mmap: mmap.mmap | None = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            )
+        self._buf: memoryview = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
+        self.tail = TailInfo()
+        first = read_frame(
+            self._buf, 0, path=self.path, expected_tick=None, max_frame_bytes=max_frame_bytes
+        )
+        if first is None or first.kind != "header":
+            raise LogCorrupt(self.path, 0, None, "missing or damaged header frame")
+        header = self._decode(first)
+        if not isinstance(header, LogHeader):
+            raise LogCorrupt(self.path, 0, None, "first frame is not a header")
+        self.header: LogHeader = header
+        self._check_compatible()
+        self._first_frame_offset = first.end
+
+    def _check_compatible(self) -> None:
+        if self.header.format_version != FORMAT_VERSION:
+            raise LogIncompatible(
+                self.path, "format version", str(self.header.format_version), f"version {FORMAT_VERSION}"
+            )
+        known = known_schema_hashes()
+        if self.header.schema_hash not in known:
+            raise LogIncompatible(
+                self.path, "schema", self.header.schema_hash, f"schemas {', '.join(known)} (this build: {SCHEMA_HASH})"
+            )
+
+    def _decode(self, info: FrameInfo) -> Frame:
+        try:
+            return decode_frame(self._buf[info.payload_offset : info.end])
+        except msgspec.MsgspecError as exc:
+            raise LogCorrupt(self.path, info.offset, info.tick, f"payload does not decode: {exc}") from exc
+
+    def frames(self, start_offset: int | None = None) -> Iterator[FrameInfo]:
+        """Verified frames after the header, lazily. Stops at a torn tail (see ``tail``); raises on corruption."""
+        offset = self._first_frame_offset if start_offset is None else start_offset
+        expected: int | None = 0
+        while offset < len(self._buf):
+            info = read_frame(
+                self._buf, offset, path=self.path, expected_tick=expected, max_frame_bytes=self.max_frame_bytes
+            )
+            if info is None:
+                break
+            yield info
+            expected = info.tick + 1
+            offset = info.end
+        self.tail = TailInfo(end_offset=offset, torn_bytes=len(self._buf) - offset)
+
+    def records(self, start_offset: int | None = None) -> Iterator[TickRecord | SnapshotRecord]:
+        """Decoded tick and snapshot records, in file order."""
+        for info in self.frames(start_offset):
+            record = self._decode(info)
+            if isinstance(record, LogHeader):
+                raise LogCorrupt(self.path, info.offset, info.tick, "a second header frame")
+            if info.kind != ("tick" if isinstance(record, TickRecord) else "snapshot"):
+                raise LogCorrupt(self.path, info.offset, info.tick, "frame kind does not match its payload")
+            yield record
+
+    def ticks(self) -> Iterator[TickRecord]:
+        """Tick records only, in order."""
+        for record in self.records():
+            if isinstance(record, TickRecord):
+                yield record
+
+    def seek(self, tick: int) -> tuple[SnapshotRecord | None, Iterator[TickRecord]]:
+        """The newest snapshot taken at or before ``tick`` (None if none) and the tick records after it.
+
+        Walks frame headers only; payloads are decoded from the snapshot on.
+        """
+        best: FrameInfo | None = None
+        for info in self.frames():
+            if info.tick > tick:
+                break
+            if info.kind == "snapshot":
+                best = info
+        if best is None:
+            return None, self.ticks()
+        snapshot = self._decode(best)
+        if not isinstance(snapshot, SnapshotRecord):
+            raise LogCorrupt(self.path, best.offset, best.tick, "frame kind does not match its payload")
+        return snapshot, (r for r in self.records(best.end) if isinstance(r, TickRecord))
+
+    def close(self) -> None:
+        self._buf.release()
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+
+    def __enter__(self) -> LogReader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+@attrs.frozen(slots=True)
+class Recovery:
+    """What ``recover_log`` found: whole frames kept, the last whole tick, and the torn bytes it dropped."""
+
+    frames: int
+    last_tick: int | None
+    bytes_dropped: int
+
+
+def recover_log(path: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Recovery:
+    """Truncate a torn tail so the log ends at its last whole frame. Corruption raises ``LogCorrupt``."""
+    frames = 0
+    last_tick: int | None = None
+    with LogReader(path, max_frame_bytes=max_frame_bytes) as reader:
+        for info in reader.frames():
+            frames += 1
+            last_tick = info.tick
+        tail = reader.tail
+    if tail.torn_bytes:
+        os.truncate(path, tail.end_offset)
+    return Recovery(frames, last_tick, tail.torn_bytes)
