@@ -47,7 +47,7 @@ def encode_commands(commands: Sequence[Command]) -> bytes:
 # same commands again. Encoding them twice would double the hot path's encode cost, so the frame is encoded
 # through a Struct with the same field order whose ``commands`` is the already-encoded ``msgspec.Raw``. The
 # bytes are identical to encoding ``TickRecord`` directly (a test checks it), so readers never know.
-class _TickOutputsWire(Record):
+class _TickOutputsWire(Record, frozen=True):
     tick: int
     commands: msgspec.Raw
     needs_tick: bool
@@ -55,7 +55,7 @@ class _TickOutputsWire(Record):
     digest: bytes
 
 
-class _TickRecordWire(Record, tag="tick"):
+class _TickRecordWire(Record, frozen=True, tag="tick"):
     inputs: TickInputs
     outputs: _TickOutputsWire
 

@@ -18,7 +18,7 @@ NO_SAMPLE = -1
 """``RunStep.sample_indices`` value of a row that samples nothing (a prefill chunk before the prompt's end)."""
 
 
-class BindRequest(Record, tag="bind"):
+class BindRequest(Record, frozen=True, tag="bind"):
     """Tell the executor how a request samples; sent once, before its first ``RunStep`` row."""
 
     request_id: str
@@ -29,7 +29,7 @@ class BindRequest(Record, tag="bind"):
     """Token ids masked at sampling while the output index is below ``params.min_tokens``."""
 
 
-class RunStep(Record, tag="step"):
+class RunStep(Record, frozen=True, tag="step"):
     """Run one forward step. Row i covers ``num_tokens[i]`` tokens of ``request_ids[i]`` from ``positions[i]``.
 
     ``token_ids`` is every row's input, concatenated. A row with ``fed_from[i] == t`` takes as input the token
@@ -50,20 +50,20 @@ class RunStep(Record, tag="step"):
     new_block_ids: list[int]
 
 
-class ReleaseRequest(Record, tag="release"):
+class ReleaseRequest(Record, frozen=True, tag="release"):
     """The request has ended: the executor forgets its block table and sampling state."""
 
     request_id: str
 
 
-class Preempted(Record, tag="preempt"):
+class Preempted(Record, frozen=True, tag="preempt"):
     """A running request was preempted: ``requeue`` drops its KV (recompute later), ``swap`` spills it."""
 
     request_id: str
     mode: Literal["requeue", "swap"]
 
 
-class SpillOut(Record, tag="spill"):
+class SpillOut(Record, frozen=True, tag="spill"):
     """Copy the first ``num_tokens`` tokens of KV in ``block_ids`` out to the host tier, then forget them."""
 
     request_id: str
@@ -71,7 +71,7 @@ class SpillOut(Record, tag="spill"):
     num_tokens: int
 
 
-class SwapIn(Record, tag="swapin"):
+class SwapIn(Record, frozen=True, tag="swapin"):
     """Copy a spilled request's KV from the host tier into ``block_ids``; it becomes its new block table."""
 
     request_id: str
@@ -79,19 +79,19 @@ class SwapIn(Record, tag="swapin"):
     num_tokens: int
 
 
-class PrefetchSpill(Record, tag="prefetch"):
+class PrefetchSpill(Record, frozen=True, tag="prefetch"):
     """Ask the swap-in actor to bring a spilled request's KV to the host tier (answered by ``SwapInReady``)."""
 
     request_id: str
 
 
-class DropSpill(Record, tag="dropspill"):
+class DropSpill(Record, frozen=True, tag="dropspill"):
     """A spilled copy is no longer needed: delete it from every tier."""
 
     request_id: str
 
 
-class EmitTokens(Record, tag="emit"):
+class EmitTokens(Record, frozen=True, tag="emit"):
     """Tokens to stream: entry i is output token ``token_indices[i]`` of ``request_ids[i]`` (columnar)."""
 
     request_ids: list[str]
@@ -103,7 +103,7 @@ class EmitTokens(Record, tag="emit"):
     top_logprobs: list[list[float]] | None = None
 
 
-class Finish(Record, tag="finish"):
+class Finish(Record, frozen=True, tag="finish"):
     """A request ended. Its stream ends after exactly ``usage.completion_tokens`` output tokens."""
 
     request_id: str
@@ -112,14 +112,14 @@ class Finish(Record, tag="finish"):
     error: str = ""
 
 
-class WatchDeadline(Record, tag="watch"):
+class WatchDeadline(Record, frozen=True, tag="watch"):
     """Ask the deadline actor to send ``DeadlineReached`` at ``deadline_ns``."""
 
     request_id: str
     deadline_ns: int
 
 
-class UnwatchDeadline(Record, tag="unwatch"):
+class UnwatchDeadline(Record, frozen=True, tag="unwatch"):
     """The request ended before its deadline: drop its timer."""
 
     request_id: str

@@ -8,7 +8,7 @@ from __future__ import annotations
 from events.types import Record, SamplingSpec
 
 
-class RequestArrived(Record, tag="arrive"):
+class RequestArrived(Record, frozen=True, tag="arrive"):
     """A client submitted a request. ``seed`` None lets the core assign one; ``deadline_ns`` is absolute."""
 
     request_id: str
@@ -20,19 +20,19 @@ class RequestArrived(Record, tag="arrive"):
     cache_salt: str = ""
 
 
-class RequestCancelled(Record, tag="cancel"):
+class RequestCancelled(Record, frozen=True, tag="cancel"):
     """The client asked to cancel a request."""
 
     request_id: str
 
 
-class ClientGone(Record, tag="gone"):
+class ClientGone(Record, frozen=True, tag="gone"):
     """The client stopped reading a request's stream; treated like a cancel."""
 
     request_id: str
 
 
-class StepDone(Record, tag="done"):
+class StepDone(Record, frozen=True, tag="done"):
     """A step finished: one sampled token per sampling row of ``RunStep``, in row order (columnar)."""
 
     step_id: int
@@ -44,14 +44,14 @@ class StepDone(Record, tag="done"):
     top_logprobs: list[list[float]] | None = None
 
 
-class StepFailed(Record, tag="fail"):
+class StepFailed(Record, frozen=True, tag="fail"):
     """A step raised on the device; its rows (and rows fed from it) end with an error."""
 
     step_id: int
     error: str
 
 
-class SpillDone(Record, tag="spilled"):
+class SpillDone(Record, frozen=True, tag="spilled"):
     """A ``SpillOut`` finished: ``ok`` False means the copy failed and ``error`` says why."""
 
     request_id: str
@@ -60,34 +60,34 @@ class SpillDone(Record, tag="spilled"):
     nbytes: int = 0
 
 
-class SwapInReady(Record, tag="ready"):
+class SwapInReady(Record, frozen=True, tag="ready"):
     """A swapped request's KV is in the host tier; it may be swapped in."""
 
     request_id: str
 
 
-class SwapInFailed(Record, tag="swapfail"):
+class SwapInFailed(Record, frozen=True, tag="swapfail"):
     """Bringing a swapped request's KV back failed; that request alone ends with an error."""
 
     request_id: str
     error: str
 
 
-class StopMatched(Record, tag="stopmatch"):
+class StopMatched(Record, frozen=True, tag="stopmatch"):
     """The retire actor matched a stop string ending at output token ``token_index`` (0-based, inclusive)."""
 
     request_id: str
     token_index: int
 
 
-class DeadlineReached(Record, tag="deadline"):
+class DeadlineReached(Record, frozen=True, tag="deadline"):
     """The deadline actor's timer for a request fired."""
 
     request_id: str
     deadline_ns: int
 
 
-class Shutdown(Record, tag="shutdown"):
+class Shutdown(Record, frozen=True, tag="shutdown"):
     """The engine is shutting down: everything still open ends with an error."""
 
     reason: str = "engine shut down"

@@ -7,7 +7,7 @@ from events.inputs import Input
 from events.types import CoreGauges, Record
 
 
-class TickInputs(Record):
+class TickInputs(Record, frozen=True):
     """Everything the core sees in one tick, in the order it applies it."""
 
     tick: int
@@ -15,7 +15,7 @@ class TickInputs(Record):
     inputs: list[Input]
 
 
-class TickOutputs(Record):
+class TickOutputs(Record, frozen=True):
     """Everything one tick decided. ``needs_tick``: tick again even with no new input."""
 
     tick: int
@@ -25,14 +25,14 @@ class TickOutputs(Record):
     digest: bytes
 
 
-class TickRecord(Record, tag="tick"):
+class TickRecord(Record, frozen=True, tag="tick"):
     """The payload of one tick frame: the tick's inputs and outputs together."""
 
     inputs: TickInputs
     outputs: TickOutputs
 
 
-class SnapshotRecord(Record, tag="snapshot"):
+class SnapshotRecord(Record, frozen=True, tag="snapshot"):
     """The core's whole state after ``tick``, encoded by the core (``state``), with the digest at that point."""
 
     tick: int
@@ -40,7 +40,7 @@ class SnapshotRecord(Record, tag="snapshot"):
     state: bytes
 
 
-class LogHeader(Record, tag="header"):
+class LogHeader(Record, frozen=True, tag="header"):
     """The first frame of every log: what wrote it and with which configuration."""
 
     format_version: int

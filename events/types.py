@@ -20,7 +20,7 @@ class Record(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Base class of every logged Struct."""
 
 
-class SamplingSpec(Record):
+class SamplingSpec(Record, frozen=True):
     """How one request samples and stops; the wire form of the public ``SamplingParams``."""
 
     max_tokens: int = 16
@@ -42,7 +42,7 @@ class SamplingSpec(Record):
     skip_special_tokens: bool = True
 
 
-class Usage(Record):
+class Usage(Record, frozen=True):
     """Token counts of a finished request."""
 
     prompt_tokens: int
@@ -51,7 +51,7 @@ class Usage(Record):
     reasoning_tokens: int = 0
 
 
-class CoreGauges(Record):
+class CoreGauges(Record, frozen=True):
     """A few state counters, logged with every tick and folded into the digest."""
 
     waiting: int
