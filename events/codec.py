@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from events.commands import Command
-from events.records import Frame, TickInputs, TickOutputs
+from events.records import Frame, TickInputs, TickOutputs, TickRecord
 from events.types import CoreGauges, Record
 
 FORMAT_VERSION = 1
@@ -60,11 +60,30 @@ class _TickRecordWire(Record, frozen=True, tag="tick"):
     outputs: _TickOutputsWire
 
 
-def encode_tick(inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None = None) -> bytes:
-    """Encode a tick frame payload, reusing ``encoded_commands`` (from :func:`encode_commands`) if given."""
+def _tick_wire(inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None) -> _TickRecordWire:
     raw = msgspec.Raw(encoded_commands if encoded_commands is not None else encode_commands(outputs.commands))
     wire = _TickOutputsWire(outputs.tick, raw, outputs.needs_tick, outputs.gauges, outputs.digest)
-    return _encoder.encode(_TickRecordWire(inputs, wire))
+    return _TickRecordWire(inputs, wire)
+
+
+def encode_tick(inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None = None) -> bytes:
+    """Encode a tick frame payload, reusing ``encoded_commands`` (from :func:`encode_commands`) if given."""
+    return _encoder.encode(_tick_wire(inputs, outputs, encoded_commands))
+
+
+def encode_tick_into(
+    buf: bytearray, inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None = None
+) -> None:
+    """Append the bytes of :func:`encode_tick` to ``buf`` (no intermediate copy)."""
+    if encoded_commands is None:
+        _encoder.encode_into(TickRecord(inputs, outputs), buf, -1)
+    else:
+        _encoder.encode_into(_tick_wire(inputs, outputs, encoded_commands), buf, -1)
+
+
+def encode_into(buf: bytearray, value: object) -> None:
+    """Append the bytes of :func:`encode` to ``buf``."""
+    _encoder.encode_into(value, buf, -1)
 
 
 def _wire_only(node: object) -> object:

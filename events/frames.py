@@ -52,6 +52,29 @@ def pack_frame(kind: FrameKind, tick: int, payload: bytes) -> bytes:
     return HEADER.pack(magic, length, tick, head_crc, zlib.crc32(payload)) + payload
 
 
+_BLANK_HEADER = bytes(HEADER_SIZE)
+
+
+def begin_frame(buf: bytearray) -> int:
+    """Reserve a frame header at the end of ``buf``; returns the frame's start. Append the payload, then call
+    :func:`end_frame`. Together they build the same bytes as ``pack_frame`` without copying the payload."""
+    start = len(buf)
+    buf += _BLANK_HEADER
+    return start
+
+
+def end_frame(buf: bytearray, start: int, kind: FrameKind, tick: int) -> int:
+    """Fill in the header of the frame begun at ``start``, whose payload is the rest of ``buf``; returns the
+    frame's size."""
+    magic = MAGIC[kind]
+    length = len(buf) - start - HEADER_SIZE
+    head_crc = zlib.crc32(_HEAD_FIELDS.pack(magic, length, tick))
+    with memoryview(buf) as view:
+        body_crc = zlib.crc32(view[start + HEADER_SIZE :])
+    HEADER.pack_into(buf, start, magic, length, tick, head_crc, body_crc)
+    return HEADER_SIZE + length
+
+
 @attrs.frozen(slots=True)
 class FrameInfo:
     """Where one verified frame lies in the file."""
@@ -79,6 +102,20 @@ def _parse_header(buf: bytes | memoryview, offset: int) -> tuple[FrameKind, int,
     if kind is None or zlib.crc32(_HEAD_FIELDS.pack(magic, length, tick)) != head_crc:
         return None
     return kind, length, tick, body_crc
+
+
+def framed_format_version(buf: bytes | memoryview, offset: int = 0) -> int | None:
+    """The format version byte of a whole, CRC-checking frame header at ``offset`` of *any* format version, or
+    None. Lets a reader tell a log from a later format (incompatible) from a damaged one (corrupt)."""
+    if len(buf) - offset < HEADER_SIZE:
+        return None
+    magic, length, tick, head_crc, _ = HEADER.unpack_from(buf, offset)
+    magic = bytes(magic)
+    if magic[:2] != b"TL" or magic[2:3] not in (b"h", b"t", b"s"):
+        return None
+    if zlib.crc32(_HEAD_FIELDS.pack(magic, length, tick)) != head_crc:
+        return None
+    return magic[3]
 
 
 def _valid_header_after(buf: bytes | memoryview, start: int) -> bool:

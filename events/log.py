@@ -17,9 +17,16 @@ from types import TracebackType
 import attrs
 import msgspec
 
-from events.codec import FORMAT_VERSION, SCHEMA_HASH, decode_frame, encode, encode_tick
+from events.codec import FORMAT_VERSION, SCHEMA_HASH, decode_frame, encode_into, encode_tick_into
 from events.errors import LogCorrupt, LogError, LogIncompatible
-from events.frames import DEFAULT_MAX_FRAME_BYTES, FrameInfo, FrameKind, pack_frame, read_frame
+from events.frames import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FrameInfo,
+    begin_frame,
+    end_frame,
+    framed_format_version,
+    read_frame,
+)
 from events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
 
 
@@ -28,6 +35,9 @@ def known_schema_hashes() -> tuple[str, ...]:
     text = resources.files("events").joinpath("known_schemas.txt").read_text(encoding="utf-8")
     lines = (line.split("#", 1)[0].split() for line in text.splitlines())
     return tuple(parts[0] for parts in lines if parts)
+
+
+_KEEP_BUFFER_BYTES = 1 << 20
 
 
 class LogWriter:
@@ -39,33 +49,56 @@ class LogWriter:
         self._fd: int | None = os.open(self.path, flags, 0o600)
         os.fchmod(self._fd, 0o600)
         self._buffer = bytearray()
+        self._flushed = 0
+        """Bytes at the start of ``_buffer`` already written."""
         self.bytes_written = 0
         self.header = header
-        self._append("header", 0, encode(header))
+        start = begin_frame(self._buffer)
+        encode_into(self._buffer, header)
+        end_frame(self._buffer, start, "header", 0)
 
-    def _append(self, kind: FrameKind, tick: int, payload: bytes) -> int:
-        frame = pack_frame(kind, tick, payload)
-        self._buffer += frame
-        return len(frame)
-
+    # Frames are encoded straight into the write buffer behind a reserved header (no payload copies); if encoding
+    # raises, the partial frame is cut off again so the buffer only ever holds whole frames.
     def append_tick(self, inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None = None) -> int:
         """Buffer one tick frame; returns its size. Pass the core's encoded commands to skip re-encoding."""
-        return self._append("tick", inputs.tick, encode_tick(inputs, outputs, encoded_commands))
+        buf = self._buffer
+        start = begin_frame(buf)
+        try:
+            encode_tick_into(buf, inputs, outputs, encoded_commands)
+        except BaseException:
+            del buf[start:]
+            raise
+        return end_frame(buf, start, "tick", inputs.tick)
 
     def append_snapshot(self, snapshot: SnapshotRecord) -> int:
         """Buffer one snapshot frame; returns its size."""
-        return self._append("snapshot", snapshot.tick, encode(snapshot))
+        buf = self._buffer
+        start = begin_frame(buf)
+        try:
+            encode_into(buf, snapshot)
+        except BaseException:
+            del buf[start:]
+            raise
+        return end_frame(buf, start, "snapshot", snapshot.tick)
 
     def flush(self) -> None:
         """Hand buffered frames to the OS (no fsync). Frames are written whole, in order."""
         if self._fd is None:
             raise LogError(f"{self.path}: write to a closed log")
-        written = 0
-        with memoryview(self._buffer) as view:
-            while written < len(view):
-                written += os.write(self._fd, view[written:])
-        self.bytes_written += written
-        self._buffer.clear()
+        buf = self._buffer
+        start = self._flushed
+        if start == len(buf):
+            return
+        with memoryview(buf) as view:
+            pos = start
+            while pos < len(view):  # more than one pass only after a short write
+                pos += os.write(self._fd, view[pos:])
+        self.bytes_written += pos - start
+        # Keep the buffer's memory while it is small: clearing frees it, and the next frame would allocate again.
+        if pos > _KEEP_BUFFER_BYTES:
+            buf.clear()
+            pos = 0
+        self._flushed = pos
 
     def sync(self) -> None:
         """Flush, then fsync: everything appended so far survives a crash of the machine."""
@@ -111,27 +144,33 @@ class LogReader:
             )
         self._buf: memoryview = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
         self.tail = TailInfo()
-        first = read_frame(
-            self._buf, 0, path=self.path, expected_tick=None, max_frame_bytes=max_frame_bytes
-        )
+        try:
+            self.header: LogHeader = self._read_header()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_header(self) -> LogHeader:
+        version = framed_format_version(self._buf, 0)
+        if version is not None and version != FORMAT_VERSION:
+            raise LogIncompatible(self.path, "format version", str(version), f"version {FORMAT_VERSION}")
+        first = read_frame(self._buf, 0, path=self.path, expected_tick=None, max_frame_bytes=self.max_frame_bytes)
         if first is None or first.kind != "header":
             raise LogCorrupt(self.path, 0, None, "missing or damaged header frame")
         header = self._decode(first)
         if not isinstance(header, LogHeader):
             raise LogCorrupt(self.path, 0, None, "first frame is not a header")
-        self.header: LogHeader = header
-        self._check_compatible()
+        self._check_compatible(header)
         self._first_frame_offset = first.end
+        return header
 
-    def _check_compatible(self) -> None:
-        if self.header.format_version != FORMAT_VERSION:
-            raise LogIncompatible(
-                self.path, "format version", str(self.header.format_version), f"version {FORMAT_VERSION}"
-            )
+    def _check_compatible(self, header: LogHeader) -> None:
+        if header.format_version != FORMAT_VERSION:
+            raise LogIncompatible(self.path, "format version", str(header.format_version), f"version {FORMAT_VERSION}")
         known = known_schema_hashes()
-        if self.header.schema_hash not in known:
+        if header.schema_hash not in known:
             raise LogIncompatible(
-                self.path, "schema", self.header.schema_hash, f"schemas {', '.join(known)} (this build: {SCHEMA_HASH})"
+                self.path, "schema", header.schema_hash, f"schemas {', '.join(known)} (this build: {SCHEMA_HASH})"
             )
 
     def _decode(self, info: FrameInfo) -> Frame:

@@ -1,0 +1,97 @@
+"""Phase 2 of a tick: admit waiting requests through the KV gate, first come first served.
+
+The gate serves the waiting queue strictly in (priority, arrival) order: if the head does not fit, nothing
+behind it is admitted (no overtaking). A request needs ``blocks(prompt + min(max_tokens, watermark))`` blocks,
+less the prefix-cache blocks it would hit. What is already promised counts against the free blocks: the
+unallocated part of every admitted sequence's reservation, and the resume needs of preempted ones. Swapped
+sequences are not counted; they return only through swap-in.
+"""
+
+from __future__ import annotations
+
+from engine.core.blocks import blocks_for
+from engine.core.context import TickContext
+from engine.core.lifecycle import full_block_hashes, is_settled, preempt, resume_blocks
+from engine.core.state import CoreState, Seq, Status
+from events import BindRequest
+
+
+def in_flight_demand(state: CoreState) -> int:
+    """Blocks promised but not yet allocated: admitted reservations plus parked sequences' resume needs."""
+    demand = 0
+    for seq in state.running:
+        if seq.status is Status.RUNNING and seq.reserve > len(seq.block_ids):
+            demand += seq.reserve - len(seq.block_ids)
+    for seq in state.preempted:
+        demand += resume_blocks(state, seq) + 1
+    return demand
+
+
+def prefix_hits(state: CoreState, seq: Seq) -> list[int]:
+    """Cached blocks the prompt would reuse. At most ``prompt_len - 1`` tokens: the last is always computed."""
+    if not state.config.prefix_caching:
+        return []
+    return state.pool.lookup(full_block_hashes(state, seq, len(seq.prompt) - 1))
+
+
+def admission_need(state: CoreState, seq: Seq) -> int:
+    reserve = len(seq.prompt) + min(seq.params.max_tokens, state.config.admit_watermark)
+    return blocks_for(reserve, state.config.block_size)
+
+
+def admit(state: CoreState, ctx: TickContext) -> None:
+    """Admit from the head of the waiting queue while it fits and the batch has room."""
+    if not state.waiting:
+        return
+    config = state.config
+    pool = state.pool
+    active = sum(1 for seq in state.running if seq.status is Status.RUNNING)
+    demand = in_flight_demand(state)
+    while state.waiting and active < config.max_batch_size:
+        head = state.waiting[0]
+        need = admission_need(state, head)
+        hits = prefix_hits(state, head)
+        new_blocks = need - len(hits)
+        if new_blocks > pool.num_free - demand:
+            pool.reclaim(new_blocks - (pool.num_free - demand), protect=hits)
+        if new_blocks > pool.num_free - demand and config.spill_enabled:
+            swap_out_for(state, ctx, new_blocks - (pool.num_free - demand))
+        if new_blocks > pool.num_free - demand:
+            return
+        state.waiting.pop(0)
+        head.status = Status.RUNNING
+        head.admitted = state.next_admission
+        state.next_admission += 1
+        head.reserve = need
+        state.running.append(head)
+        active += 1
+        demand += need
+        masked = [] if head.params.ignore_eos else list(config.eos_token_ids)
+        masked += [t for t in head.params.stop_token_ids if t not in masked]
+        ctx.commands.append(BindRequest(head.request_id, head.params, head.seed, len(head.prompt), masked))
+        head.bound = True
+
+
+def swap_out_for(state: CoreState, ctx: TickContext, shortfall: int) -> None:
+    """Swap out settled, non-immune decoding sequences, most blocks first, to free ``shortfall`` blocks.
+
+    Nothing is swapped unless swapping every candidate would cover the shortfall: a swap that cannot make the
+    head fit would only cost I/O.
+    """
+    candidates = [
+        seq
+        for seq in state.running
+        if seq.status is Status.RUNNING
+        and is_settled(state, seq)
+        and seq.outputs
+        and seq.num_computed >= seq.prefill_target
+        and len(seq.outputs) >= seq.immune_until
+    ]
+    if sum(len(seq.block_ids) for seq in candidates) < shortfall:
+        return
+    candidates.sort(key=lambda seq: (len(seq.block_ids), seq.admitted), reverse=True)
+    for victim in candidates:
+        if shortfall <= 0:
+            return
+        shortfall -= len(victim.block_ids)
+        preempt(state, ctx, victim)

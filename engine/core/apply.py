@@ -1,0 +1,301 @@
+"""Phase 1 of a tick: apply the inputs, in the seed's order.
+
+Arrivals, then cancellations, then step results, then spill and swap-in completions, then stop-string matches,
+then deadline notices, then shutdown. Within a kind, inputs apply in the order the step actor logged them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections.abc import Sequence
+
+from engine.core.context import TickContext
+from engine.core.errors import InvariantViolation
+from engine.core.lifecycle import mark_finish, release_fences
+from engine.core.state import CoreState, InflightStep, Seq, Status, ends_in_thinking
+from events import (
+    ClientGone,
+    DeadlineReached,
+    DropSpill,
+    Finish,
+    Input,
+    PrefetchSpill,
+    RequestArrived,
+    RequestCancelled,
+    Shutdown,
+    SpillDone,
+    StepDone,
+    StepFailed,
+    StopMatched,
+    SwapInFailed,
+    SwapInReady,
+    Usage,
+    WatchDeadline,
+)
+
+_ORDER: dict[type, int] = {
+    RequestArrived: 0,
+    RequestCancelled: 1,
+    ClientGone: 1,
+    StepDone: 2,
+    StepFailed: 2,
+    SpillDone: 3,
+    SwapInReady: 3,
+    SwapInFailed: 3,
+    StopMatched: 4,
+    DeadlineReached: 5,
+    Shutdown: 6,
+}
+
+
+def apply_inputs(state: CoreState, ctx: TickContext, inputs: Sequence[Input]) -> None:
+    """Apply every input of the tick, grouped by kind in the seed's order (a stable sort keeps log order)."""
+    ordered = inputs if len(inputs) <= 1 else sorted(inputs, key=lambda msg: _ORDER[type(msg)])
+    for msg in ordered:
+        if isinstance(msg, StepDone):
+            settle_step(state, ctx, msg)
+        elif isinstance(msg, RequestArrived):
+            arrive(state, ctx, msg)
+        elif isinstance(msg, RequestCancelled | ClientGone):
+            cancel(state, msg.request_id)
+        elif isinstance(msg, StepFailed):
+            fail_step(state, ctx, msg)
+        elif isinstance(msg, SpillDone):
+            spill_done(state, ctx, msg)
+        elif isinstance(msg, SwapInReady):
+            seq = state.seqs.get(msg.request_id)
+            if seq is not None and seq.status in (Status.SWAPPING, Status.SWAPPED):
+                seq.swap_ready = True
+                ctx.unblocked = True
+        elif isinstance(msg, SwapInFailed):
+            seq = state.seqs.get(msg.request_id)
+            if seq is not None and seq.status is not Status.FINISHED:
+                mark_finish(state, seq, "error", len(seq.outputs) - 1, f"swap-in failed: {msg.error}")
+        elif isinstance(msg, StopMatched):
+            stop_matched(state, msg)
+        elif isinstance(msg, DeadlineReached):
+            seq = state.seqs.get(msg.request_id)
+            if seq is not None and seq.deadline_ns == msg.deadline_ns:
+                # Due now, whatever the clock says: the sweep at the end of this tick times it out.
+                heapq.heappush(state.deadlines, (-1, seq.arrival, seq.request_id))
+        else:
+            shut_down(state, msg)
+    ctx.flush_emits()
+
+
+def _invalid_arrival(state: CoreState, msg: RequestArrived) -> str | None:
+    config = state.config
+    prompt = msg.prompt_token_ids
+    params = msg.params
+    if state.shut_down:
+        return "the engine is shut down"
+    if not prompt:
+        return "empty prompt"
+    if len(prompt) >= config.max_seq_len:
+        return f"prompt of {len(prompt)} tokens does not fit max_seq_len={config.max_seq_len}"
+    for position, token in enumerate(prompt):
+        if not 0 <= token < config.vocab_size:
+            return f"prompt token id {token} at position {position} is outside vocab_size={config.vocab_size}"
+    if params.max_tokens < 1:
+        return f"max_tokens={params.max_tokens} must be at least 1"
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        return f"min_tokens={params.min_tokens} must be between 0 and max_tokens={params.max_tokens}"
+    if params.thinking_budget is not None and params.thinking_budget < 0:
+        return f"thinking_budget={params.thinking_budget} must not be negative"
+    if len(state.waiting) >= config.max_waiting:
+        return f"waiting queue is full (max_waiting={config.max_waiting})"
+    return None
+
+
+def derive_seed(request_id: str, arrival: int) -> int:
+    """A seed for a request that brought none: stable across processes, unlike ``hash()``."""
+    digest = hashlib.blake2b(f"{arrival}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def arrive(state: CoreState, ctx: TickContext, msg: RequestArrived) -> None:
+    """Queue a valid arrival by (priority, arrival); answer an invalid one at once with ``Finish(error)``."""
+    if msg.request_id in state.seqs:
+        raise InvariantViolation("unique request ids", f"request {msg.request_id!r} arrived while still live")
+    problem = _invalid_arrival(state, msg)
+    if problem is not None:
+        usage = Usage(len(msg.prompt_token_ids), 0, 0)
+        ctx.commands.append(Finish(msg.request_id, "error", usage, f"request rejected: {problem}"))
+        return
+    arrival = state.next_arrival
+    state.next_arrival += 1
+    seed = msg.seed if msg.seed is not None else derive_seed(msg.request_id, arrival)
+    seq = Seq(msg.request_id, arrival, msg.priority, list(msg.prompt_token_ids), msg.params, seed,
+              msg.deadline_ns, msg.cache_salt)
+    seq.thinking = ends_in_thinking(seq.prompt, state.config.think_start_token, state.config.think_end_token)
+    state.seqs[msg.request_id] = seq
+    key = (seq.priority, seq.arrival)
+    waiting = state.waiting
+    i = len(waiting)
+    while i > 0 and (waiting[i - 1].priority, waiting[i - 1].arrival) > key:
+        i -= 1
+    waiting.insert(i, seq)
+    if msg.deadline_ns is not None:
+        ctx.commands.append(WatchDeadline(msg.request_id, msg.deadline_ns))
+        heapq.heappush(state.deadlines, (msg.deadline_ns, arrival, msg.request_id))
+    ctx.unblocked = True
+
+
+def cancel(state: CoreState, request_id: str) -> None:
+    seq = state.seqs.get(request_id)
+    if seq is not None:
+        mark_finish(state, seq, "cancelled", len(seq.outputs) - 1)
+
+
+def _step_to_settle(state: CoreState, step_id: int) -> InflightStep:
+    if not state.steps or state.steps[0].step_id != step_id:
+        expected = state.steps[0].step_id if state.steps else None
+        raise InvariantViolation("steps settle in order", f"got a result for step {step_id}, expected {expected}")
+    return state.steps.popleft()
+
+
+def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
+    """Commit the sampled tokens of a finished step and apply the stop rules.
+
+    Rows of sequences that finished meanwhile (an over-run of running ahead, a cancel, a deadline) are
+    discarded: never streamed, never counted.
+    """
+    step = _step_to_settle(state, msg.step_id)
+    samplers = step.samplers
+    if len(msg.request_ids) != len(samplers) or any(
+        seq.request_id != rid for seq, rid in zip(samplers, msg.request_ids, strict=True)
+    ):
+        raise InvariantViolation(
+            "step results match their step",
+            f"step {msg.step_id} sampled for {[s.request_id for s in samplers]} but reported {msg.request_ids}",
+        )
+    if len(msg.token_ids) != len(samplers):
+        raise InvariantViolation("step results match their step",
+                                 f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(samplers)} rows")
+    state.settled_step = msg.step_id
+    for seq, end in zip(step.seqs, step.kv_ends, strict=True):
+        if end > seq.kv_settled:
+            seq.kv_settled = end
+        if seq.has_spill and seq.status is Status.RUNNING:
+            seq.has_spill = False
+            ctx.commands.append(DropSpill(seq.request_id))
+    logprobs = msg.logprobs
+    running = Status.RUNNING
+    for i, seq in enumerate(samplers):
+        seq.inflight -= 1
+        if seq.status is not running:
+            continue
+        if step.sample_indices[i] != len(seq.outputs):
+            raise InvariantViolation(
+                "step results match their step",
+                f"step {msg.step_id} sampled output {step.sample_indices[i]} of {seq.request_id!r}, "
+                f"which has {len(seq.outputs)} outputs",
+            )
+        commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i])
+    release_fences(state, ctx)
+
+
+def commit_token(state: CoreState, ctx: TickContext, seq: Seq, token: int, logprob: float | None) -> None:
+    """Append one sampled token, stream it, and apply the stop rules and the thinking budget."""
+    config = state.config
+    outputs = seq.outputs
+    outputs.append(token)
+    index = len(outputs) - 1
+    reasoning = seq.thinking
+    if config.think_start_token is not None:
+        if token == config.think_start_token:
+            seq.thinking = reasoning = True
+        elif token == config.think_end_token:
+            seq.thinking = False
+        elif reasoning:
+            seq.thinking_tokens += 1
+    ctx.emit(seq.request_id, token, index, reasoning, logprob)
+    params = seq.params
+    count = index + 1
+    if count >= params.min_tokens and (
+        (not params.ignore_eos and token in config.eos_token_ids) or token in params.stop_token_ids
+    ):
+        mark_finish(state, seq, "stop", index)
+    if count >= params.max_tokens or len(seq.prompt) + count >= config.max_seq_len:
+        mark_finish(state, seq, "length", index)
+    budget = params.thinking_budget
+    if (
+        seq.thinking
+        and budget is not None
+        and seq.thinking_tokens >= budget
+        and seq.status is Status.RUNNING
+        and config.think_end_token is not None
+    ):
+        commit_token(state, ctx, seq, config.think_end_token, None)
+
+
+def fail_step(state: CoreState, ctx: TickContext, msg: StepFailed) -> None:
+    """A failed step ends its rows' requests with an error, and with them the rows of the next step fed from it.
+
+    Blocks whose hashes this step's plan registered hold no trustworthy KV: they leave the prefix cache, and any
+    other live request that already shares one ends with an error too.
+    """
+    step = _step_to_settle(state, msg.step_id)
+    state.settled_step = msg.step_id
+    for seq in step.samplers:
+        seq.inflight -= 1
+    error = f"step {msg.step_id} failed: {msg.error}"
+    for seq in step.seqs:
+        if seq.status is not Status.FINISHED:
+            mark_finish(state, seq, "error", len(seq.outputs) - 1, error)
+    if step.registered:
+        untrusted = set(step.registered)
+        for block in step.registered:
+            state.pool.unregister(block)
+        for seq in list(state.running):
+            if seq.status is Status.RUNNING and not untrusted.isdisjoint(seq.block_ids):
+                mark_finish(state, seq, "error", len(seq.outputs) - 1, error)
+    release_fences(state, ctx)
+
+
+def spill_done(state: CoreState, ctx: TickContext, msg: SpillDone) -> None:
+    """A spill finished: prefetch it for swap-in, or on failure fall back to requeue (nothing is lost)."""
+    seq = state.seqs.get(msg.request_id)
+    if seq is None or seq.status is not Status.SWAPPING:
+        return
+    if msg.ok:
+        seq.status = Status.SWAPPED
+        ctx.commands.append(PrefetchSpill(seq.request_id))
+        return
+    state.swapped.remove(seq)
+    seq.status = Status.PREEMPTED
+    seq.swap_ready = False
+    state.preempted.append(seq)
+    ctx.commands.append(DropSpill(seq.request_id))
+    seq.has_spill = False
+    ctx.unblocked = True
+
+
+def stop_matched(state: CoreState, msg: StopMatched) -> None:
+    """Finish a still-running request as ``stop``, truncated after ``token_index``; ignore a finished one."""
+    seq = state.seqs.get(msg.request_id)
+    if seq is None:
+        return
+    if not 0 <= msg.token_index < len(seq.outputs):
+        raise InvariantViolation(
+            "stop matches name delivered tokens",
+            f"{msg.request_id!r} has {len(seq.outputs)} outputs; a stop string matched at {msg.token_index}",
+        )
+    if mark_finish(state, seq, "stop", msg.token_index):
+        del seq.outputs[msg.token_index + 1 :]
+
+
+def shut_down(state: CoreState, msg: Shutdown) -> None:
+    """End every live request with an error that names the state it was in."""
+    state.shut_down = True
+    where = {
+        Status.WAITING: " while waiting",
+        Status.RUNNING: "",
+        Status.PREEMPTED: " while preempted (requeued for recompute)",
+        Status.SWAPPING: " while swapped out",
+        Status.SWAPPED: " while swapped out",
+    }
+    for seq in list(state.seqs.values()):
+        if seq.status is not Status.FINISHED:
+            mark_finish(state, seq, "error", len(seq.outputs) - 1, f"{msg.reason}{where[seq.status]}")

@@ -1,0 +1,42 @@
+"""What one tick accumulates while its phases run: commands in order, and the tokens to stream."""
+
+from __future__ import annotations
+
+import attrs
+
+from events import Command, EmitTokens
+
+
+@attrs.define(slots=True, eq=False)
+class TickContext:
+    """Per-tick scratch state, created by ``SchedulerCore.tick`` and thrown away after it."""
+
+    now_ns: int
+    commands: list[Command] = attrs.Factory(list)
+    emit_ids: list[str] = attrs.Factory(list)
+    emit_tokens: list[int] = attrs.Factory(list)
+    emit_indices: list[int] = attrs.Factory(list)
+    emit_reasoning: list[bool] = attrs.Factory(list)
+    emit_logprobs: list[float] | None = None
+    planned_step: bool = False
+    unblocked: bool = False
+    """Something this tick may let parked work run next tick (blocks freed, a resume, an admission)."""
+
+    def emit(self, request_id: str, token: int, index: int, reasoning: bool, logprob: float | None) -> None:
+        self.emit_ids.append(request_id)
+        self.emit_tokens.append(token)
+        self.emit_indices.append(index)
+        self.emit_reasoning.append(reasoning)
+        if logprob is not None or self.emit_logprobs is not None:
+            if self.emit_logprobs is None:
+                self.emit_logprobs = [float("nan")] * (len(self.emit_ids) - 1)
+            self.emit_logprobs.append(float("nan") if logprob is None else logprob)
+
+    def flush_emits(self) -> None:
+        """Append one columnar ``EmitTokens`` for everything committed so far, if anything was."""
+        if self.emit_ids:
+            self.commands.append(
+                EmitTokens(self.emit_ids, self.emit_tokens, self.emit_indices, self.emit_reasoning, self.emit_logprobs)
+            )
+            self.emit_ids, self.emit_tokens, self.emit_indices, self.emit_reasoning = [], [], [], []
+            self.emit_logprobs = None

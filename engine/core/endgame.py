@@ -1,0 +1,156 @@
+"""Phase 4 of a tick, in the seed's order: deadline sweep, fences, retirement, swap-in, resume.
+
+Swap-in and resume run on every tick, including ticks with nothing active, so a parked sequence never waits
+for an unrelated arrival (C11).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from engine.core.blocks import blocks_for
+from engine.core.context import TickContext
+from engine.core.lifecycle import (
+    cache_full_blocks,
+    full_block_hashes,
+    mark_finish,
+    release_blocks,
+    resume_blocks,
+)
+from engine.core.state import CoreState, Seq, Status, ends_in_thinking
+from events import DropSpill, Finish, ReleaseRequest, SwapIn, UnwatchDeadline, Usage
+
+
+def sweep_deadlines(state: CoreState) -> None:
+    """Time out every live request whose deadline has passed or whose ``DeadlineReached`` arrived.
+
+    Checks waiting, running, preempted and swapped requests alike, and also requests that another reason
+    finished in this tick (a timeout at the same token takes precedence).
+    """
+    heap = state.deadlines
+    now = state.now_ns
+    while heap and heap[0][0] <= now:
+        _, arrival, request_id = heapq.heappop(heap)
+        seq = state.seqs.get(request_id)
+        if seq is not None and seq.arrival == arrival:
+            mark_finish(state, seq, "timeout", len(seq.outputs) - 1)
+
+
+def fence_finished(state: CoreState) -> list[Seq]:
+    """Take this tick's finished sequences; their blocks stay fenced while an unsettled step references them."""
+    finished = state.finishing
+    state.finishing = []
+    return finished
+
+
+def retire_finished(state: CoreState, ctx: TickContext, finished: list[Seq]) -> None:
+    """Emit each finish, insert its KV into the prefix cache (unless it errored), then free or fence its blocks."""
+    for seq in finished:
+        reason = seq.finish_reason
+        assert reason is not None
+        usage = Usage(len(seq.prompt), seq.cached_prompt_tokens, len(seq.outputs), _reasoning_tokens(state, seq))
+        ctx.commands.append(Finish(seq.request_id, reason, usage, seq.finish_error))
+        if seq.deadline_ns is not None:
+            ctx.commands.append(UnwatchDeadline(seq.request_id))
+        if seq.has_spill:
+            ctx.commands.append(DropSpill(seq.request_id))
+            seq.has_spill = False
+        if seq.bound:
+            ctx.commands.append(ReleaseRequest(seq.request_id))
+        if reason != "error" and seq.block_ids:
+            cache_full_blocks(state, seq, min(seq.kv_settled, seq.num_tokens))
+        release_blocks(state, ctx, seq)
+        del state.seqs[seq.request_id]
+
+
+def _reasoning_tokens(state: CoreState, seq: Seq) -> int:
+    start, end = state.config.think_start_token, state.config.think_end_token
+    if start is None:
+        return 0
+    thinking = ends_in_thinking(seq.prompt, start, end)
+    count = 0
+    for token in seq.outputs:
+        if token == start:
+            thinking = True
+        count += thinking
+        if token == end:
+            thinking = False
+    return count
+
+
+def _active(state: CoreState) -> int:
+    return sum(1 for seq in state.running if seq.status is Status.RUNNING)
+
+
+def swap_in(state: CoreState, ctx: TickContext) -> None:
+    """Bring swapped sequences back, the seed's loop.
+
+    Candidates are swapped sequences whose KV is in the host tier. While there are candidates and the batch
+    has room: if the smallest does not fit in the free blocks, reclaim prefix-cache blocks pass by pass until
+    it fits or a pass frees nothing; then resume the first candidate, in swap-out order, that fits.
+    """
+    pool = state.pool
+    size = state.config.block_size
+    active = _active(state)
+    while active < state.config.max_batch_size:
+        candidates = [seq for seq in state.swapped if seq.status is Status.SWAPPED and seq.swap_ready]
+        if not candidates:
+            return
+        smallest = min(blocks_for(seq.spill_tokens, size) for seq in candidates)
+        while pool.num_free < smallest and pool.reclaim(smallest - pool.num_free):
+            pass
+        chosen = next((s for s in candidates if blocks_for(s.spill_tokens, size) <= pool.num_free), None)
+        if chosen is None:
+            return
+        state.swapped.remove(chosen)
+        chosen.block_ids = pool.allocate(blocks_for(chosen.spill_tokens, size))
+        chosen.sent_blocks = len(chosen.block_ids)
+        chosen.num_computed = chosen.kv_settled = chosen.spill_tokens
+        chosen.reserve = len(chosen.block_ids)
+        chosen.first_planned = True
+        _resume(state, chosen)
+        ctx.commands.append(SwapIn(chosen.request_id, list(chosen.block_ids), chosen.spill_tokens))
+        ctx.unblocked = True
+        active += 1
+
+
+def _resume(state: CoreState, seq: Seq) -> None:
+    seq.status = Status.RUNNING
+    seq.swap_ready = False
+    seq.immune_until = len(seq.outputs) + state.config.preempt_immunity_tokens
+    state.running.append(seq)
+
+
+def resume_preempted(state: CoreState, ctx: TickContext) -> None:
+    """Resume requeued sequences, fewest blocks first, each when ``need + 1`` blocks can be had.
+
+    The sequence's own cached prefix counts towards its need and is never reclaimed to make room for it; a
+    sequence that needs more blocks than the pool has gets an error instead of waiting forever.
+    """
+    pool = state.pool
+    size = state.config.block_size
+    active = _active(state)
+    while state.preempted and active < state.config.max_batch_size:
+        seq = min(state.preempted, key=lambda s: (resume_blocks(state, s), s.arrival))
+        need = resume_blocks(state, seq)
+        if need + 1 > pool.num_blocks:
+            mark_finish(state, seq, "error", len(seq.outputs) - 1,
+                        f"needs {need + 1} KV blocks to resume, more than the pool's {pool.num_blocks}")
+            continue
+        # A fresh prompt keeps its last token to compute (it samples); a history's pending token is fed later.
+        reusable = seq.prefill_target if seq.outputs else seq.prefill_target - 1
+        hits = pool.lookup(full_block_hashes(state, seq, reusable)) if state.config.prefix_caching else []
+        new_blocks = need + 1 - len(hits)
+        if new_blocks > pool.capacity(hits):
+            return
+        if pool.num_free < new_blocks:
+            pool.reclaim(new_blocks - pool.num_free, protect=hits)
+        pool.claim(hits)
+        seq.block_ids = list(hits) + pool.allocate(need - len(hits))
+        seq.num_computed = seq.kv_settled = len(hits) * size
+        seq.first_planned = True
+        seq.reserve = need + 1
+        state.preempted.remove(seq)
+        _resume(state, seq)
+        ctx.unblocked = True
+        active += 1

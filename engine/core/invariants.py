@@ -1,0 +1,117 @@
+"""The invariants of DESIGN.md, checked against the whole state (on in tests, the simulator and debug runs).
+
+Each check raises ``InvariantViolation`` naming the invariant and the requests or blocks involved. The
+liveness and "every request ends exactly once" invariants span many ticks; the test harness checks those.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from engine.core.errors import InvariantViolation
+from engine.core.state import CoreState, Status
+
+_QUEUES = {
+    Status.WAITING: "waiting",
+    Status.RUNNING: "running",
+    Status.PREEMPTED: "preempted",
+    Status.SWAPPING: "swapped",
+    Status.SWAPPED: "swapped",
+}
+
+
+def check_invariants(state: CoreState) -> None:
+    """Raise ``InvariantViolation`` if any invariant fails."""
+    check_blocks(state)
+    check_fences(state)
+    check_queues(state)
+    check_bounds(state)
+
+
+def check_blocks(state: CoreState) -> None:
+    """Block conservation: free + cached + in use == total, and refcounts match the tables and fences."""
+    pool = state.pool
+    holders: Counter[int] = Counter()
+    for seq in state.seqs.values():
+        if len(set(seq.block_ids)) != len(seq.block_ids):
+            raise InvariantViolation("block conservation", f"{seq.request_id!r} holds a block twice: {seq.block_ids}")
+        holders.update(seq.block_ids)
+    for _, _, blocks in state.fences:
+        holders.update(blocks)
+    in_use = sum(1 for count in pool.ref if count > 0)
+    if pool.num_free + pool.num_cached + in_use != pool.num_blocks:
+        raise InvariantViolation(
+            "block conservation",
+            f"free {pool.num_free} + cached {pool.num_cached} + in use {in_use} != total {pool.num_blocks}",
+        )
+    for block in range(pool.num_blocks):
+        if pool.ref[block] != holders[block]:
+            owners = [s.request_id for s in state.seqs.values() if block in s.block_ids]
+            raise InvariantViolation(
+                "block conservation",
+                f"block {block} has refcount {pool.ref[block]} but {holders[block]} holders {owners}",
+            )
+        in_free, in_cached = block in pool.free, block in pool.cached
+        if pool.ref[block] > 0 and (in_free or in_cached):
+            raise InvariantViolation("block conservation", f"block {block} is in use and also free")
+        if pool.ref[block] == 0 and in_free == in_cached:
+            raise InvariantViolation("block conservation", f"unreferenced block {block} must be free or cached")
+        if in_free and pool.hash_of[block] is not None:
+            raise InvariantViolation("prefix cache", f"free block {block} still has a hash")
+        if in_cached and pool.hash_of[block] is None:
+            raise InvariantViolation("prefix cache", f"cached block {block} has no hash")
+    for h, block in pool.by_hash.items():
+        if pool.hash_of[block] != h:
+            raise InvariantViolation("prefix cache", f"hash index names block {block}, which has another hash")
+    if len(pool.by_hash) != sum(1 for h in pool.hash_of if h is not None):
+        raise InvariantViolation("prefix cache", "hash index and block hashes disagree")
+
+
+def check_fences(state: CoreState) -> None:
+    """No block is freed while an unsettled step references it; no row of an unsettled step was preempted."""
+    fenced = {(request_id, step) for step, request_id, _ in state.fences}
+    for step in state.steps:
+        for seq in step.seqs:
+            live = state.seqs.get(seq.request_id) is seq
+            if live and seq.status in (Status.PREEMPTED, Status.SWAPPING, Status.SWAPPED):
+                raise InvariantViolation(
+                    "fences", f"{seq.request_id!r} was preempted while step {step.step_id} references it"
+                )
+            if live and seq.status is Status.RUNNING:
+                continue
+            if (seq.request_id, seq.last_step) not in fenced or seq.last_step < step.step_id:
+                raise InvariantViolation(
+                    "fences", f"finished {seq.request_id!r} is referenced by step {step.step_id} but not fenced"
+                )
+    for step_id, _, _ in state.fences:
+        if step_id <= state.settled_step:
+            raise InvariantViolation("fences", f"a fence for settled step {step_id} still holds blocks")
+
+
+def check_queues(state: CoreState) -> None:
+    """Each live request is in exactly the queue its status names."""
+    for name in ("waiting", "preempted", "swapped"):
+        for seq in getattr(state, name):
+            if _QUEUES.get(seq.status) != name or state.seqs.get(seq.request_id) is not seq:
+                raise InvariantViolation("queues", f"{seq.request_id!r} ({seq.status.name}) is in {name}")
+    for seq in state.seqs.values():
+        queue = _QUEUES.get(seq.status)
+        if queue is None or sum(1 for s in getattr(state, queue) if s is seq) != 1:
+            raise InvariantViolation("queues", f"{seq.request_id!r} ({seq.status.name}) is not queued once")
+    if state.finishing:
+        raise InvariantViolation("endings", "finished requests were left unretired at the end of a tick")
+
+
+def check_bounds(state: CoreState) -> None:
+    """active <= max_batch_size; prompt + output <= max_seq_len; output <= max_tokens."""
+    config = state.config
+    active = sum(1 for seq in state.running if seq.status is Status.RUNNING)
+    if active > config.max_batch_size:
+        raise InvariantViolation("bounds", f"{active} active sequences > max_batch_size={config.max_batch_size}")
+    for seq in state.seqs.values():
+        if seq.num_tokens > config.max_seq_len:
+            raise InvariantViolation("bounds", f"{seq.request_id!r} holds {seq.num_tokens} > max_seq_len")
+        if len(seq.outputs) > seq.params.max_tokens:
+            raise InvariantViolation("bounds", f"{seq.request_id!r} has {len(seq.outputs)} > max_tokens outputs")
+        if seq.inflight < 0 or seq.inflight > config.pipeline_depth:
+            raise InvariantViolation("fences", f"{seq.request_id!r} has {seq.inflight} tokens in flight")

@@ -1,0 +1,141 @@
+"""Transitions shared by several phases: finishing, preempting, caching and freeing a sequence's blocks."""
+
+from __future__ import annotations
+
+from engine.core.blocks import ROOT_HASH, block_hash, blocks_for
+from engine.core.context import TickContext
+from engine.core.state import FINISH_RANK, CoreState, Seq, Status
+from events import FinishReason, Preempted, SpillOut
+
+_QUEUE_OF = {Status.WAITING: "waiting", Status.PREEMPTED: "preempted", Status.SWAPPING: "swapped",
+             Status.SWAPPED: "swapped"}
+
+
+def mark_finish(state: CoreState, seq: Seq, reason: FinishReason, index: int, error: str = "") -> bool:
+    """Finish ``seq`` at output ``index`` (-1: before any output); True if this reason is the one that stands.
+
+    Several reasons may arrive in one tick. The earliest token index wins, as the client's stream ends at the
+    first terminal condition; at the same index, precedence decides (timeout > cancelled > stop > length >
+    error). The sequence stops being scheduled at once and is retired at the end of the tick.
+    """
+    if seq.finish_reason is not None:
+        current = (seq.finish_index, -FINISH_RANK[seq.finish_reason])
+        if (index, -FINISH_RANK[reason]) >= current:
+            return False
+    else:
+        queue = _QUEUE_OF.get(seq.status)
+        if queue is not None:
+            getattr(state, queue).remove(seq)
+        seq.status = Status.FINISHED
+        state.finishing.append(seq)
+    seq.finish_reason = reason
+    seq.finish_index = index
+    seq.finish_error = error
+    return True
+
+
+def is_settled(state: CoreState, seq: Seq) -> bool:
+    """No unsettled step references the sequence's blocks."""
+    return seq.last_step <= state.settled_step
+
+
+def full_block_hashes(state: CoreState, seq: Seq, num_tokens: int) -> list[bytes]:
+    """Hashes of the full blocks among the first ``num_tokens`` tokens, extending ``seq.hashes`` as needed."""
+    size = state.config.block_size
+    hashes = seq.hashes
+    for j in range(len(hashes), num_tokens // size):
+        parent = hashes[j - 1] if j else ROOT_HASH
+        hashes.append(block_hash(parent, seq.tokens(j * size, (j + 1) * size), seq.salt))
+    return hashes[: num_tokens // size]
+
+
+def cache_full_blocks(state: CoreState, seq: Seq, num_tokens: int) -> list[int]:
+    """Offer the full blocks of the first ``num_tokens`` tokens to the prefix cache; returns those registered."""
+    if not state.config.prefix_caching:
+        return []
+    registered = []
+    blocks = seq.block_ids
+    for j, h in enumerate(full_block_hashes(state, seq, min(num_tokens, len(blocks) * state.config.block_size))):
+        if state.pool.register(blocks[j], h):
+            registered.append(blocks[j])
+    return registered
+
+
+def release_blocks(state: CoreState, ctx: TickContext, seq: Seq) -> None:
+    """Free a sequence's blocks now, or fence them until the newest step that references them settles."""
+    if seq.block_ids:
+        if is_settled(state, seq):
+            state.pool.release(seq.block_ids)
+            ctx.unblocked = True
+        else:
+            state.fences.append((seq.last_step, seq.request_id, seq.block_ids))
+    seq.block_ids = []
+    seq.sent_blocks = 0
+
+
+def release_fences(state: CoreState, ctx: TickContext) -> None:
+    """Release fenced blocks whose last referencing step has settled."""
+    settled = state.settled_step
+    if not any(fence[0] <= settled for fence in state.fences):
+        return
+    kept = [fence for fence in state.fences if fence[0] > settled]
+    for step, _, blocks in state.fences:
+        if step <= settled:
+            state.pool.release(blocks)
+    state.fences.clear()
+    state.fences.extend(kept)
+    ctx.unblocked = True
+
+
+def resume_blocks(state: CoreState, seq: Seq) -> int:
+    """Blocks a parked sequence needs to come back: its history plus room for the next token."""
+    return blocks_for(seq.prefill_target, state.config.block_size)
+
+
+def preempt(state: CoreState, ctx: TickContext, victim: Seq) -> None:
+    """Take a settled running sequence off the device: swap it out if a spill store exists, else requeue it.
+
+    Swapping keeps its KV: ``SpillOut`` copies the blocks out before any later command can reuse them, since
+    the executor runs commands in order. Requeueing drops the KV (after offering its full blocks to the prefix
+    cache) and re-prefills the history on resume. A sequence still prefilling is always requeued: there is
+    little KV to save.
+    """
+    assert victim.inflight == 0 and is_settled(state, victim), "victims are settled"
+    state.running.remove(victim)
+    decoding = victim.num_computed >= victim.prefill_target and victim.outputs
+    if state.config.spill_enabled and decoding:
+        ctx.commands.append(Preempted(victim.request_id, "swap"))
+        ctx.commands.append(SpillOut(victim.request_id, list(victim.block_ids), victim.kv_settled))
+        victim.spill_tokens = victim.kv_settled
+        victim.swap_ready = False
+        victim.status = Status.SWAPPING
+        state.swapped.append(victim)
+    else:
+        ctx.commands.append(Preempted(victim.request_id, "requeue"))
+        cache_full_blocks(state, victim, victim.kv_settled)
+        victim.status = Status.PREEMPTED
+        state.preempted.append(victim)
+    release_blocks(state, ctx, victim)
+    victim.num_computed = 0
+    victim.kv_settled = 0
+    victim.first_planned = False
+    victim.reserve = 0
+
+
+def choose_victim(state: CoreState, step_id: int) -> Seq | None:
+    """The running sequence to preempt on KV exhaustion, or None if none may be.
+
+    Candidates are settled (no unsettled step references them) and not yet given a row in the step being
+    planned. Non-immune ones go first; among them the least important (highest priority value), then the one
+    with the fewest generated tokens, then the latest admitted. If all are immune the same order applies.
+    """
+    best: Seq | None = None
+    best_key: tuple[int, int, int, int] | None = None
+    settled = state.settled_step
+    for seq in state.running:
+        if seq.status is not Status.RUNNING or seq.last_step > settled or seq.last_step == step_id:
+            continue
+        key = (0 if len(seq.outputs) < seq.immune_until else 1, seq.priority, -len(seq.outputs), seq.admitted)
+        if best_key is None or key > best_key:
+            best, best_key = seq, key
+    return best

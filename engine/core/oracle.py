@@ -1,0 +1,107 @@
+"""A torch-free token oracle: the model that the core's tests and ``tickloom bench core`` run against.
+
+A token is a stable function of (request seed, output index), exactly like the real sampler's counter-based
+noise, so a request's output is the same alone or batched, preempted, swapped or run ahead. Scripts add EOS at
+chosen indices and failing steps. ``OracleExecutor`` plays the device executor: it takes the core's commands and
+returns the inputs the device would send back (``StepDone`` / ``StepFailed``), checking on the way that every
+row is well formed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Iterable
+
+import attrs
+
+from events import (
+    NO_SAMPLE,
+    NOT_FED,
+    BindRequest,
+    Command,
+    Input,
+    ReleaseRequest,
+    RunStep,
+    StepDone,
+    StepFailed,
+    SwapIn,
+)
+
+
+def oracle_token(seed: int, index: int, vocab_size: int, avoid: Collection[int] = ()) -> int:
+    """The oracle's token for output ``index`` of a request with ``seed``; never one of ``avoid``."""
+    raw = hashlib.blake2b(seed.to_bytes(8, "little", signed=True) + index.to_bytes(8, "little"), digest_size=8)
+    token = int.from_bytes(raw.digest(), "little") % vocab_size
+    while token in avoid:
+        token = (token + 1) % vocab_size
+    return token
+
+
+@attrs.define(slots=True, eq=False)
+class OracleExecutor:
+    """Answers ``RunStep`` with oracle tokens, as the device executor would, and records the KV it writes."""
+
+    vocab_size: int
+    avoid: tuple[int, ...] = ()
+    """Tokens never produced unless scripted (EOS, think markers)."""
+    scripted: dict[str, dict[int, int]] = attrs.Factory(dict)
+    """request id -> {output index: token}, e.g. an EOS at index 4."""
+    fail_steps: frozenset[int] = frozenset()
+    step_time_ns: int = 1_000_000
+    seeds: dict[str, int] = attrs.Factory(dict)
+    tables: dict[str, list[int]] = attrs.Factory(dict)
+    written: dict[str, list[int]] = attrs.Factory(dict)
+    """request id -> every KV position written, in order (for the no-over-run checks)."""
+    sampled: dict[int, dict[str, int]] = attrs.Factory(dict)
+
+    def token(self, request_id: str, index: int) -> int:
+        script = self.scripted.get(request_id)
+        if script is not None and index in script:
+            return script[index]
+        return oracle_token(self.seeds[request_id], index, self.vocab_size, self.avoid)
+
+    def handle(self, commands: Iterable[Command]) -> list[Input]:
+        """Execute commands in order, like the device thread's FIFO; returns the resulting inputs."""
+        results: list[Input] = []
+        for command in commands:
+            if isinstance(command, BindRequest):
+                self.seeds[command.request_id] = command.seed
+                self.tables[command.request_id] = []
+            elif isinstance(command, RunStep):
+                results.append(self.run_step(command))
+            elif isinstance(command, SwapIn):
+                self.tables[command.request_id] = list(command.block_ids)
+            elif isinstance(command, ReleaseRequest):
+                self.seeds.pop(command.request_id, None)
+                self.tables.pop(command.request_id, None)
+        return results
+
+    def run_step(self, step: RunStep) -> StepDone | StepFailed:
+        offset = 0
+        new_offset = 0
+        ids: list[str] = []
+        tokens: list[int] = []
+        sampled: dict[str, int] = {}
+        for i, request_id in enumerate(step.request_ids):
+            table = self.tables[request_id]
+            del table[step.block_starts[i] :]
+            table.extend(step.new_block_ids[new_offset : new_offset + step.num_new_blocks[i]])
+            new_offset += step.num_new_blocks[i]
+            fed = step.fed_from[i]
+            if fed != NOT_FED and request_id not in self.sampled.get(fed, {}) and fed not in self.fail_steps:
+                raise AssertionError(f"step {step.step_id} row {i} is fed from step {fed}, which sampled nothing")
+            start, count = step.positions[i], step.num_tokens[i]
+            self.written.setdefault(request_id, []).extend(range(start, start + count))
+            offset += count
+            if step.sample_indices[i] != NO_SAMPLE:
+                token = self.token(request_id, step.sample_indices[i])
+                ids.append(request_id)
+                tokens.append(token)
+                sampled[request_id] = token
+        if offset != len(step.token_ids):
+            raise AssertionError(f"step {step.step_id}: rows cover {offset} tokens, not {len(step.token_ids)}")
+        self.sampled[step.step_id] = sampled
+        self.sampled.pop(step.step_id - 4, None)
+        if step.step_id in self.fail_steps:
+            return StepFailed(step.step_id, "scripted failure")
+        return StepDone(step.step_id, ids, tokens, self.step_time_ns)

@@ -1,0 +1,198 @@
+"""Phase 3 of a tick: plan the next step (decode rows, then prefill chunks) and handle KV exhaustion.
+
+Running ahead (``pipeline_depth`` 2): a decoding sequence whose token from the step in flight is not known yet
+still gets a row, fed from that step (``RunStep.fed_from``), on the assumption that the step yields exactly one
+token for it. The executor substitutes the sampled id. Such a row is planned only if the sequence could still
+need it: not when the in-flight token may be its last (``remaining <= 1``, the context ceiling), and not when
+the next token will be forced (the thinking budget). If that token ends the request anyway (EOS, a stop), the
+row is an over-run: ``settle_step`` discards it, and the blocks it references stay fenced until it settles.
+
+KV exhaustion: reclaim prefix-cache blocks first, then preempt a victim (``lifecycle.choose_victim``). Rows of
+unsettled steps are never victims; if only they could give blocks, the row waits for the next step instead.
+"""
+
+from __future__ import annotations
+
+from engine.core.context import TickContext
+from engine.core.lifecycle import cache_full_blocks, choose_victim, full_block_hashes, preempt
+from engine.core.state import CoreState, InflightStep, Seq, Status
+from events import NO_SAMPLE, NOT_FED, RunStep
+
+
+def _ensure_blocks(state: CoreState, ctx: TickContext, seq: Seq, blocks: int, step_id: int) -> bool:
+    """Grow ``seq``'s table to ``blocks`` blocks, reclaiming and preempting as needed; False if it cannot now.
+
+    If ``seq`` itself is chosen as the victim it is preempted and False is returned.
+    """
+    pool = state.pool
+    while len(seq.block_ids) < blocks:
+        short = blocks - len(seq.block_ids) - pool.num_free
+        if short > 0:
+            pool.reclaim(short)
+        if pool.num_free >= blocks - len(seq.block_ids):
+            seq.block_ids.extend(pool.allocate(blocks - len(seq.block_ids)))
+            return True
+        victim = choose_victim(state, step_id)
+        if victim is None:
+            return False
+        preempt(state, ctx, victim)
+        if victim is seq:
+            return False
+    return True
+
+
+def _can_run_ahead(state: CoreState, seq: Seq) -> bool:
+    """Whether a sequence with a token in flight may get a row fed from it."""
+    if seq.inflight >= state.config.pipeline_depth:
+        return False
+    params = seq.params
+    produced = len(seq.outputs) + seq.inflight
+    if produced + 1 > params.max_tokens or len(seq.prompt) + produced + 1 > state.config.max_seq_len:
+        return False
+    budget = params.thinking_budget
+    return not (seq.thinking and budget is not None and seq.thinking_tokens + seq.inflight >= budget)
+
+
+def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
+    """Plan one step if the pipeline has room; returns it (emitted at the end of the tick) or None."""
+    config = state.config
+    if state.shut_down or len(state.steps) >= config.pipeline_depth:
+        return None
+    state.running = [seq for seq in state.running if seq.status is Status.RUNNING]
+    if not state.running:
+        return None
+    step_id = state.next_step_id
+    block_size = config.block_size
+    token_budget = config.max_batch_tokens
+    rows: list[Seq] = []
+    positions: list[int] = []
+    counts: list[int] = []
+    token_ids: list[int] = []
+    fed_from: list[int] = []
+    sample_indices: list[int] = []
+    samplers: list[Seq] = []
+    sampled: list[int] = []
+    kv_ends: list[int] = []
+    registered: list[int] = []
+
+    for seq in list(state.running):
+        if token_budget <= 0:
+            break
+        if seq.status is not Status.RUNNING or seq.num_computed < seq.prefill_target:
+            continue
+        if seq.inflight and not _can_run_ahead(state, seq):
+            continue
+        position = seq.num_computed
+        if position // block_size >= len(seq.block_ids) and not _ensure_blocks(
+            state, ctx, seq, position // block_size + 1, step_id
+        ):
+            continue
+        rows.append(seq)
+        positions.append(position)
+        counts.append(1)
+        if seq.inflight:
+            token_ids.append(0)
+            fed_from.append(seq.last_step)
+        else:
+            token_ids.append(seq.outputs[-1])
+            fed_from.append(NOT_FED)
+        sample_indices.append(len(seq.outputs) + seq.inflight)
+        samplers.append(seq)
+        sampled.append(len(seq.outputs) + seq.inflight)
+        kv_ends.append(position + 1)
+        seq.num_computed = position + 1
+        seq.inflight += 1
+        seq.last_step = step_id
+        token_budget -= 1
+
+    prefill_budget = min(config.max_prefill_tokens, token_budget)
+    for seq in list(state.running):
+        if prefill_budget <= 0:
+            break
+        if seq.status is not Status.RUNNING or seq.num_computed >= seq.prefill_target:
+            continue
+        fresh = not seq.first_planned
+        if fresh:
+            _claim_prefix(state, seq)
+        start = seq.num_computed
+        count = min(seq.prefill_target - start, prefill_budget)
+        if not _ensure_blocks(state, ctx, seq, (start + count - 1) // block_size + 1, step_id):
+            if fresh and seq.status is Status.RUNNING:
+                _unclaim_prefix(state, seq)
+            continue
+        end = start + count
+        rows.append(seq)
+        positions.append(start)
+        counts.append(count)
+        token_ids.extend(seq.tokens(start, end))
+        fed_from.append(NOT_FED)
+        if end == len(seq.prompt) and not seq.outputs:
+            sample_indices.append(0)
+            samplers.append(seq)
+            sampled.append(0)
+            seq.inflight += 1
+        else:
+            sample_indices.append(NO_SAMPLE)
+        kv_ends.append(end)
+        seq.num_computed = end
+        seq.last_step = step_id
+        prefill_budget -= count
+        if config.prefix_caching:
+            registered += cache_full_blocks(state, seq, end)
+
+    if not rows:
+        return None
+    block_starts: list[int] = []
+    num_new: list[int] = []
+    new_ids: list[int] = []
+    for seq in rows:
+        sent = seq.sent_blocks
+        block_starts.append(sent)
+        table = seq.block_ids
+        num_new.append(len(table) - sent)
+        if len(table) > sent:
+            new_ids.extend(table[sent:])
+            seq.sent_blocks = len(table)
+    state.next_step_id += 1
+    state.steps.append(InflightStep(step_id, rows, samplers, sampled, kv_ends, registered))
+    ctx.planned_step = True
+    return RunStep(
+        step_id,
+        [seq.request_id for seq in rows],
+        positions,
+        counts,
+        token_ids,
+        fed_from,
+        sample_indices,
+        block_starts,
+        num_new,
+        new_ids,
+    )
+
+
+def _claim_prefix(state: CoreState, seq: Seq) -> None:
+    """On a fresh sequence's first chunk: reuse the cached blocks of its prompt's longest cached prefix.
+
+    Looked up now, not at admission, so that a request admitted in the same tick as an identical one hits the
+    blocks the other's chunk registers earlier in this very plan. (The executor writes every row's KV for a
+    layer before any row attends, so a hit on a block filled in the same step is safe.)
+    """
+    seq.first_planned = True
+    if not state.config.prefix_caching or seq.block_ids:
+        return
+    hits = state.pool.lookup(full_block_hashes(state, seq, len(seq.prompt) - 1))
+    if not hits:
+        return
+    state.pool.claim(hits)
+    seq.block_ids = list(hits)
+    seq.num_computed = seq.kv_settled = len(hits) * state.config.block_size
+    if not seq.outputs:
+        seq.cached_prompt_tokens = seq.num_computed
+
+
+def _unclaim_prefix(state: CoreState, seq: Seq) -> None:
+    """Undo ``_claim_prefix`` after a failed allocation: the hit blocks' refcounts return to what they were."""
+    state.pool.release(seq.block_ids)
+    seq.block_ids = []
+    seq.num_computed = seq.kv_settled = seq.cached_prompt_tokens = 0
+    seq.first_planned = False

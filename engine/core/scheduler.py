@@ -1,0 +1,97 @@
+"""``SchedulerCore``: the pure state machine at the heart of tickloom.
+
+``tick(TickInputs) -> TickOutputs`` is the only way in. It reads no clock (time arrives as ``now_ns``), does no
+I/O and draws no randomness, so the same inputs always give byte-identical outputs. One tick runs these phases,
+in the seed system's order; each is a function named after what it does:
+
+1. ``apply_inputs``: arrivals, cancellations, step results, spill and swap-in completions, stop matches,
+   deadline notices, shutdown;
+2. ``admit``: the KV gate, FCFS by (priority, arrival);
+3. ``plan_step``: decode rows, prefill chunks, KV exhaustion;
+4. ``sweep_deadlines``, ``fence_finished``, ``retire_finished``, ``swap_in``, ``resume_preempted``, then the
+   planned ``RunStep`` is emitted last.
+"""
+
+from __future__ import annotations
+
+from engine.core.admission import admit
+from engine.core.apply import apply_inputs
+from engine.core.config import CoreConfig
+from engine.core.context import TickContext
+from engine.core.endgame import fence_finished, resume_preempted, retire_finished, swap_in, sweep_deadlines
+from engine.core.errors import InvariantViolation
+from engine.core.invariants import check_invariants
+from engine.core.planner import plan_step
+from engine.core.state import CoreState, Status
+from events import CoreGauges, TickInputs, TickOutputs, chain_digest, encode_commands
+
+
+class SchedulerCore:
+    """Every scheduling decision of the engine. Sans-I/O: feed ``TickInputs`` in, act on the commands out."""
+
+    def __init__(self, config: CoreConfig) -> None:
+        self.state = CoreState.create(config)
+        self.last_encoded_commands = b""
+        """The msgpack of the last tick's commands, which the digest hashed; the log writer reuses it."""
+
+    @property
+    def config(self) -> CoreConfig:
+        return self.state.config
+
+    def tick(self, tick_inputs: TickInputs) -> TickOutputs:
+        """Run one tick. Raises ``InvariantViolation`` if an input contradicts the core's state."""
+        state = self.state
+        if tick_inputs.tick != state.tick + 1:
+            raise InvariantViolation("ticks are consecutive", f"tick {tick_inputs.tick} after tick {state.tick}")
+        if tick_inputs.now_ns < state.now_ns:
+            raise InvariantViolation("time never goes back", f"now_ns {tick_inputs.now_ns} < {state.now_ns}")
+        state.tick = tick_inputs.tick
+        state.now_ns = tick_inputs.now_ns
+        ctx = TickContext(tick_inputs.now_ns)
+
+        apply_inputs(state, ctx, tick_inputs.inputs)
+        admit(state, ctx)
+        step = plan_step(state, ctx)
+        sweep_deadlines(state)
+        retire_finished(state, ctx, fence_finished(state))
+        swap_in(state, ctx)
+        resume_preempted(state, ctx)
+        if state.finishing:  # resume_preempted may end a sequence that can never fit
+            retire_finished(state, ctx, fence_finished(state))
+        if step is not None:
+            ctx.commands.append(step)
+
+        gauges = self.gauges()
+        encoded = encode_commands(ctx.commands)
+        state.digest = chain_digest(state.digest, encoded, gauges)
+        self.last_encoded_commands = encoded
+        return TickOutputs(state.tick, ctx.commands, self._needs_tick(ctx), gauges, state.digest)
+
+    def _needs_tick(self, ctx: TickContext) -> bool:
+        """Whether another tick would make progress without any new input.
+
+        Two cases: the pipeline has room for a step fed from the one just planned (running ahead), or nothing
+        is in flight and this tick changed something parked work was waiting for. Never true when the next
+        tick could do nothing, so an idle engine never spins.
+        """
+        state = self.state
+        if state.shut_down:
+            return False
+        if ctx.planned_step and len(state.steps) < state.config.pipeline_depth:
+            return True
+        return not state.steps and ctx.unblocked and bool(state.running or state.waiting or state.preempted)
+
+    def gauges(self) -> CoreGauges:
+        state = self.state
+        return CoreGauges(
+            waiting=len(state.waiting),
+            running=sum(1 for seq in state.running if seq.status is Status.RUNNING),
+            preempted=len(state.preempted),
+            swapped=len(state.swapped),
+            free_blocks=state.pool.num_free,
+            cached_blocks=state.pool.num_cached,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantViolation`` naming the invariant and the objects involved, if any fails."""
+        check_invariants(self.state)

@@ -1,0 +1,162 @@
+"""The core's mutable state: sequences, queues, steps in flight and fences (attrs, slots)."""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import IntEnum
+
+import attrs
+
+from engine.core.blocks import BlockPool
+from engine.core.config import CoreConfig
+from events import GENESIS_DIGEST, FinishReason, SamplingSpec
+
+
+class Status(IntEnum):
+    """Where a sequence is. Every transition happens in one of the phase functions named in ``scheduler``."""
+
+    WAITING = 0
+    """Arrived, not admitted."""
+    RUNNING = 1
+    """Admitted: prefilling (``num_computed < prefill_target``) or decoding."""
+    PREEMPTED = 2
+    """Requeued for recompute; resumes through ``resume_preempted``."""
+    SWAPPING = 3
+    """Its KV is being spilled (``SpillOut`` sent, ``SpillDone`` not yet in)."""
+    SWAPPED = 4
+    """Its KV is in the spill store; comes back only through ``swap_in``."""
+    FINISHED = 5
+    """Marked finished this tick; retired at the end of the tick."""
+
+
+FINISH_RANK: dict[FinishReason, int] = {"timeout": 4, "cancelled": 3, "stop": 2, "length": 1, "error": 0}
+"""Precedence of reasons that apply at the same token: timeout > cancelled > stop > length > error."""
+
+
+def ends_in_thinking(tokens: list[int], start: int | None, end: int | None) -> bool:
+    """Whether ``tokens`` leave the model inside a thinking section (the last marker is think-start)."""
+    if start is None:
+        return False
+    for token in reversed(tokens):
+        if token in (start, end):
+            return token == start
+    return False
+
+
+@attrs.define(slots=True, eq=False)
+class Seq:
+    """One request's scheduling state. ``tokens`` = prompt + outputs; the last output is the pending input."""
+
+    request_id: str
+    arrival: int
+    priority: int
+    prompt: list[int]
+    params: SamplingSpec
+    seed: int
+    deadline_ns: int | None
+    salt: str
+    outputs: list[int] = attrs.Factory(list)
+    status: Status = Status.WAITING
+    admitted: int = -1
+    block_ids: list[int] = attrs.Factory(list)
+    sent_blocks: int = 0
+    """How many of ``block_ids`` the executor has been told about (``RunStep`` carries only the rest)."""
+    num_computed: int = 0
+    """KV positions written or planned to be written by steps already emitted."""
+    kv_settled: int = 0
+    """KV positions written by settled steps: only these may enter the prefix cache."""
+    inflight: int = 0
+    """Rows of unsettled steps that sample a token for this sequence (at most ``pipeline_depth``)."""
+    last_step: int = -1
+    """The newest step that references this sequence's blocks."""
+    hashes: list[bytes] = attrs.Factory(list)
+    """Prefix-cache hashes of its full blocks, computed as they fill."""
+    first_planned: bool = False
+    cached_prompt_tokens: int = 0
+    reserve: int = 0
+    """Blocks the admission gate reserved for it; the unallocated rest counts as in-flight demand."""
+    immune_until: int = -1
+    """Output count below which it is skipped as a victim (set on resume)."""
+    thinking: bool = False
+    thinking_tokens: int = 0
+    reasoning_tokens: int = 0
+    bound: bool = False
+    spill_tokens: int = 0
+    has_spill: bool = False
+    """A copy of its KV exists in the spill store (dropped once no longer needed)."""
+    swap_ready: bool = False
+    finish_reason: FinishReason | None = None
+    finish_index: int = -1
+    finish_error: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.outputs)
+
+    @property
+    def prefill_target(self) -> int:
+        """Positions to prefill: the prompt, or after a requeue the history minus the pending token."""
+        return len(self.prompt) + len(self.outputs) - 1 if self.outputs else len(self.prompt)
+
+    def token_at(self, position: int) -> int:
+        prompt_len = len(self.prompt)
+        return self.prompt[position] if position < prompt_len else self.outputs[position - prompt_len]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt)
+        if end <= prompt_len:
+            return self.prompt[start:end]
+        if start >= prompt_len:
+            return self.outputs[start - prompt_len : end - prompt_len]
+        return self.prompt[start:] + self.outputs[: end - prompt_len]
+
+
+@attrs.define(slots=True, eq=False)
+class InflightStep:
+    """A ``RunStep`` the executor has not reported on yet."""
+
+    step_id: int
+    seqs: list[Seq]
+    """Every row's sequence, in row order."""
+    samplers: list[Seq]
+    """The sequences of sampling rows, in row order: ``StepDone`` lists exactly these."""
+    sample_indices: list[int]
+    kv_ends: list[int]
+    """Per row, the KV position its last token writes, plus one."""
+    registered: list[int]
+    """Blocks whose hashes this step's plan registered: untrusted if the step fails."""
+
+
+@attrs.define(slots=True, eq=False)
+class CoreState:
+    """Everything the core knows. ``scheduler.SchedulerCore`` owns one; the phase functions mutate it."""
+
+    config: CoreConfig
+    pool: BlockPool
+    seqs: dict[str, Seq] = attrs.Factory(dict)
+    waiting: list[Seq] = attrs.Factory(list)
+    """By (priority, arrival); only the head may be admitted (no overtaking)."""
+    running: list[Seq] = attrs.Factory(list)
+    """Admitted sequences in admission order."""
+    preempted: list[Seq] = attrs.Factory(list)
+    swapped: list[Seq] = attrs.Factory(list)
+    """Swapping and swapped sequences in swap-out order."""
+    finishing: list[Seq] = attrs.Factory(list)
+    """Marked finished during this tick, retired at its end."""
+    fences: deque[tuple[int, str, list[int]]] = attrs.Factory(deque)
+    """(step id, request id, blocks): blocks of retired sequences, released when that step settles."""
+    steps: deque[InflightStep] = attrs.Factory(deque)
+    deadlines: list[tuple[int, int, str]] = attrs.Factory(list)
+    """Heap of (deadline_ns, arrival, request id); stale entries are skipped."""
+    tick: int = -1
+    now_ns: int = 0
+    next_step_id: int = 0
+    settled_step: int = -1
+    next_arrival: int = 0
+    next_admission: int = 0
+    digest: bytes = GENESIS_DIGEST
+    shut_down: bool = False
+
+    @classmethod
+    def create(cls, config: CoreConfig) -> CoreState:
+        return cls(config=config, pool=BlockPool.create(config.num_blocks, config.block_size))

@@ -1,0 +1,152 @@
+"""The device executor: model, paged KV cache and per-request state behind a columnar step API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model.batch import RowSpec, build_step_batch
+from engine.model.host_pool import CopyEngine
+from engine.model.kv_cache import HostKV, PagedKVCache
+from engine.model.llama import LlamaModel
+from engine.model.sampling import Sampler, SampleRow
+from engine.model.types import SamplingSpecLike, StepResult
+
+
+@dataclass(slots=True)
+class _RequestState:
+    spec: SamplingSpecLike
+    seed: int
+    prompt_len: int
+    masked_token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # token at each position seen or sampled so far
+
+
+class ModelExecutor:
+    """Owns the model, its KV blocks and every bound request's state. Not thread-safe: one thread
+    (the step actor's executor thread) calls it, in command order."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv: PagedKVCache = model.new_kv_cache(num_blocks, block_size)
+        self.sampler = Sampler(model.cfg.vocab_size, model.device)
+        self.copier = CopyEngine(model.device)
+        self._requests: dict[str, _RequestState] = {}
+        self._gqa = model.cfg.num_heads // model.cfg.num_kv_heads
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    def bind(
+        self,
+        request_id: str,
+        params: SamplingSpecLike,
+        seed: int,
+        prompt_len: int,
+        masked_token_ids: list[int],
+    ) -> None:
+        self._requests[request_id] = _RequestState(params, seed, prompt_len, list(masked_token_ids))
+
+    def release(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def is_bound(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._requests[request_id].block_table)
+
+    def run_step(
+        self,
+        request_ids: list[str],
+        positions: list[int],
+        num_tokens: list[int],
+        token_ids: list[int],
+        sample_indices: list[int],
+        block_starts: list[int],
+        num_new_blocks: list[int],
+        new_block_ids: list[int],
+    ) -> StepResult:
+        """Run one mixed step. A token id below 0 means "the token this request sampled for that
+        position" (rows fed from a step still in flight when the command was made)."""
+        n_rows = len(request_ids)
+        cols = (positions, num_tokens, sample_indices, block_starts, num_new_blocks)
+        if any(len(c) != n_rows for c in cols):
+            raise ValueError("run_step columns have different lengths")
+        if sum(num_new_blocks) != len(new_block_ids):
+            raise ValueError(f"{len(new_block_ids)} new block ids, rows claim {sum(num_new_blocks)}")
+        states = [self._requests[r] for r in request_ids]
+        tokens = list(token_ids)
+        rows: list[RowSpec] = []
+        off = 0
+        b_off = 0
+        for i, st in enumerate(states):
+            p, n = positions[i], num_tokens[i]
+            del st.block_table[block_starts[i] :]
+            st.block_table.extend(new_block_ids[b_off : b_off + num_new_blocks[i]])
+            b_off += num_new_blocks[i]
+            if len(st.tokens) < p:
+                raise ValueError(f"{request_ids[i]}: step starts at {p}, only {len(st.tokens)} tokens known")
+            for j in range(off, off + n):
+                if tokens[j] < 0:
+                    pos = p + j - off
+                    if pos >= len(st.tokens):
+                        raise ValueError(f"{request_ids[i]}: no sampled token for position {pos}")
+                    tokens[j] = st.tokens[pos]
+            del st.tokens[p:]
+            st.tokens.extend(tokens[off : off + n])
+            rows.append(RowSpec(p, n, st.block_table, sample_indices[i] >= 0))
+            off += n
+        batch = build_step_batch(rows, tokens, self.block_size, self._gqa, self.model.device)
+        self.copier.before_compute()
+        logits = self.model.forward(batch, self.kv)
+        sample_rows: list[SampleRow] = []
+        for i, st in enumerate(states):
+            k = sample_indices[i]
+            if k < 0:
+                continue
+            end = positions[i] + num_tokens[i]
+            sample_rows.append(
+                SampleRow(
+                    spec=st.spec,
+                    seed=st.seed,
+                    output_index=k,
+                    prompt_tokens=st.tokens[: st.prompt_len] if _penalised(st.spec) else [],
+                    output_tokens=st.tokens[st.prompt_len : end] if _penalised(st.spec) else [],
+                    masked_token_ids=st.masked_token_ids,
+                )
+            )
+        out = self.sampler.sample(logits, sample_rows)
+        t_i = 0
+        for i, st in enumerate(states):
+            if sample_indices[i] < 0:
+                continue
+            st.tokens.append(out.token_ids[t_i])
+            t_i += 1
+        return StepResult(out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
+
+    def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV:
+        """A host copy of these blocks' K/V for all layers. On CUDA the copy is asynchronous into
+        pinned memory; call ``HostKV.wait()`` (or ``ready()``) before reading it."""
+        if request_id not in self._requests:
+            raise KeyError(request_id)
+        return self.copier.copy_out(self.kv, block_ids, num_tokens)
+
+    def copy_in(self, request_id: str, block_ids: list[int], host_kv: HostKV) -> None:
+        """Write a host copy back into (possibly different) device blocks; the request's block
+        table becomes ``block_ids``."""
+        st = self._requests[request_id]
+        if host_kv.k is None or host_kv.v is None:
+            raise ValueError("host KV holds no tensors")
+        self.copier.copy_in(self.kv, block_ids, host_kv)
+        st.block_table[:] = list(block_ids)
+
+
+def _penalised(spec: SamplingSpecLike) -> bool:
+    return (
+        spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
+    )

@@ -1,0 +1,147 @@
+"""Loading a Hugging Face-format model directory: config, safetensors (sharded or not), tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model.config import ModelConfig
+from engine.model.errors import ModelLoadError
+from engine.model.llama import LlamaModel, expected_shapes
+from engine.model.tokenizer import TokenizerWrapper
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: TokenizerWrapper
+    config: ModelConfig
+    fingerprint: str
+    path: Path
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(index, f"bad safetensors index: {exc!r}") from exc
+        files = sorted({model_dir / str(f) for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f, "shard named in model.safetensors.index.json is missing")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(model_dir, "no *.safetensors weights found")
+    return files
+
+
+def read_safetensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors of a checkpoint directory and, per tensor, the file it came from."""
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    for f in _shard_files(model_dir):
+        size = f.stat().st_size
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensors[name] = sf.get_tensor(name)
+                    origin[name] = f
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f, f"truncated or corrupt safetensors file ({size} bytes): {exc}") from exc
+    return tensors, origin
+
+
+def check_tensors(
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path], where: Path
+) -> dict[str, torch.Tensor]:
+    """The tensors the architecture needs, checked for presence and shape."""
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(cfg).items():
+        t = tensors.get(name)
+        if t is None:
+            raise ModelLoadError(where, f"missing tensor {name!r}")
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(
+                origin.get(name, where), f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}"
+            )
+        if not t.is_floating_point():
+            raise ModelLoadError(origin.get(name, where), f"tensor {name!r} has non-float dtype {t.dtype}")
+        out[name] = t
+    return out
+
+
+def fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> str:
+    """blake2b over the canonical config and every weight's name, dtype, shape and bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).reshape(-1).numpy().data if t.numel() else b"")
+    return h.hexdigest()
+
+
+def load_hf_dir(
+    model_dir: Path, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
+) -> LoadedModel:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(model_dir, "not a directory")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dt = parse_dtype(dtype, dev)
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    tensors, origin = read_safetensors(model_dir)
+    needed = check_tensors(cfg, tensors, origin, model_dir)
+    tok = TokenizerWrapper.from_dir(model_dir)
+    fp = fingerprint(cfg, needed)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(
+            model_dir / "tokenizer.json",
+            f"tokenizer has {tok.vocab_size} tokens, model vocab_size is {cfg.vocab_size}",
+        )
+    if not tok.eos_token_ids and cfg.eos_token_ids:
+        tok.eos_token_ids = cfg.eos_token_ids
+    model = LlamaModel(cfg, needed, dt, dev)
+    return LoadedModel(model=model, tokenizer=tok, config=cfg, fingerprint=fp, path=model_dir)
+
+
+def load_model(
+    path_or_name: str | os.PathLike[str],
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    num_threads: int | None = None,
+) -> LoadedModel:
+    """Load ``smollm2-135m``, a Hugging Face model directory, or a ``.gguf`` file."""
+    from engine.model.registry import resolve_model
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    return load_hf_dir(resolve_model(path_or_name), dtype, device)

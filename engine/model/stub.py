@@ -1,0 +1,86 @@
+"""A model-free executor with ModelExecutor's interface; tokens come from a pure oracle."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from engine.model.types import HostKV, SamplingSpecLike, StepResult
+
+
+def token_for(seed: int, output_index: int, vocab_size: int = 32000) -> int:
+    """The stub's token for output ``output_index`` of a request with ``seed``: a pure function.
+
+    (Stand-in until ``engine/core/oracle.py`` provides the canonical oracle.)"""
+    h = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % vocab_size
+
+
+@dataclass(slots=True)
+class _StubRequest:
+    seed: int
+    prompt_len: int
+    block_table: list[int] = field(default_factory=list)
+
+
+class StubExecutor:
+    """Same methods as ``ModelExecutor``; no tensors. ``copy_out``/``copy_in`` move no data."""
+
+    def __init__(self, vocab_size: int = 32000, num_blocks: int = 1024, block_size: int = 16) -> None:
+        self.vocab_size = vocab_size
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._requests: dict[str, _StubRequest] = {}
+        self.steps_run = 0
+
+    def bind(
+        self,
+        request_id: str,
+        params: SamplingSpecLike,
+        seed: int,
+        prompt_len: int,
+        masked_token_ids: list[int],
+    ) -> None:
+        self._requests[request_id] = _StubRequest(seed, prompt_len)
+
+    def release(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def is_bound(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._requests[request_id].block_table)
+
+    def run_step(
+        self,
+        request_ids: list[str],
+        positions: list[int],
+        num_tokens: list[int],
+        token_ids: list[int],
+        sample_indices: list[int],
+        block_starts: list[int],
+        num_new_blocks: list[int],
+        new_block_ids: list[int],
+    ) -> StepResult:
+        if sum(num_tokens) != len(token_ids) or sum(num_new_blocks) != len(new_block_ids):
+            raise ValueError("run_step columns are inconsistent")
+        out: list[int] = []
+        b_off = 0
+        for i, rid in enumerate(request_ids):
+            st = self._requests[rid]
+            del st.block_table[block_starts[i] :]
+            st.block_table.extend(new_block_ids[b_off : b_off + num_new_blocks[i]])
+            b_off += num_new_blocks[i]
+            if sample_indices[i] >= 0:
+                out.append(token_for(st.seed, sample_indices[i], self.vocab_size))
+        self.steps_run += 1
+        return StepResult(out)
+
+    def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV:
+        if request_id not in self._requests:
+            raise KeyError(request_id)
+        return HostKV(None, None, num_tokens)
+
+    def copy_in(self, request_id: str, block_ids: list[int], host_kv: HostKV) -> None:
+        self._requests[request_id].block_table[:] = list(block_ids)

@@ -1,0 +1,63 @@
+"""Torch-free types shared by the executors (importing this never imports torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SamplingSpecLike(Protocol):
+    """Any object with these attributes can describe how a request samples."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_tokens: int
+    logprobs: bool
+    top_logprobs: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One sampled token per sampling row, in row order, plus optional logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+@dataclass(slots=True)
+class HostKV:
+    """A host copy of some blocks' K/V for every layer.
+
+    ``k`` and ``v`` are shaped ``layers x blocks x block_size x kv_heads x head_dim`` (None from the
+    stub executor, which holds no tensors).
+    """
+
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    num_tokens: int
+    event: Any = None  # a torch.cuda.Event while an asynchronous device-to-host copy is in flight
+
+    def ready(self) -> bool:
+        """True once the copy has landed (always on CPU)."""
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> None:
+        """Block until the copy has landed."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    def nbytes(self) -> int:
+        if self.k is None or self.v is None:
+            return 0
+        return int(self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size())

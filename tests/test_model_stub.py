@@ -1,0 +1,37 @@
+"""The stub executor: same interface as ModelExecutor, tokens from a pure oracle, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from model_fixtures import Spec
+
+from engine.model.stub import StubExecutor, token_for
+
+
+def test_stub_tokens_follow_oracle() -> None:
+    ex = StubExecutor(vocab_size=100)
+    ex.bind("a", Spec(), 5, 3, [])
+    ex.bind("b", Spec(), 6, 2, [])
+    res = ex.run_step(["a", "b"], [0, 0], [3, 2], [1, 2, 3, 4, 5], [0, -1], [0, 0], [1, 1], [7, 9])
+    assert res.token_ids == [token_for(5, 0, 100)]
+    assert ex.block_table("a") == [7] and ex.block_table("b") == [9]
+    res = ex.run_step(["b", "a"], [2, 3], [1, 1], [9, -1], [0, 1], [1, 1], [0, 0], [])
+    assert res.token_ids == [token_for(6, 0, 100), token_for(5, 1, 100)]
+    host = ex.copy_out("a", [7], 4)
+    assert host.num_tokens == 4 and host.nbytes() == 0
+    ex.copy_in("a", [3], host)
+    assert ex.block_table("a") == [3]
+    ex.release("a")
+    assert not ex.is_bound("a")
+
+
+def test_oracle_is_pure() -> None:
+    assert token_for(1, 2) == token_for(1, 2)
+    assert len({token_for(1, i) for i in range(50)}) > 40
+
+
+def test_stub_does_not_import_torch() -> None:
+    code = "import sys, engine.model.stub; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

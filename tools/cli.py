@@ -1,0 +1,87 @@
+"""The ``tickloom`` command line.
+
+One module per subcommand. Each is listed in ``SUBCOMMANDS`` and provides::
+
+    NAME: str                                   # the subcommand's name
+    HELP: str                                   # one line for ``tickloom --help``
+    def add_arguments(parser: argparse.ArgumentParser) -> None: ...
+    def run(args: argparse.Namespace) -> int: ...   # the exit status
+
+Keep heavy imports (torch, the engine) inside ``run``, so ``tickloom --help`` stays fast. A subcommand reports a
+user error (a bad path, a bad option combination) by raising ``CliError``; usage errors exit with ``EX_USAGE``.
+Anything else propagates with its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NoReturn, Protocol, cast
+
+EX_USAGE = 64
+"""Exit status of a usage error (sysexits.h)."""
+
+EX_DATAERR = 65
+"""Exit status of bad input data, e.g. a corrupt log (sysexits.h)."""
+
+SUBCOMMANDS: tuple[str, ...] = (
+    "tools.cmd_bench",
+    "tools.cmd_log",
+)
+"""Modules that each add one subcommand, in ``--help`` order. Add yours here."""
+
+
+class CliError(Exception):
+    """A user-facing error: printed as ``tickloom: error: ...`` without a traceback; exits with ``status``."""
+
+    def __init__(self, message: str, status: int = EX_USAGE) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Subcommand(Protocol):
+    NAME: str
+    HELP: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but usage errors exit with ``EX_USAGE`` (64) instead of 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EX_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="tickloom",
+        description="tickloom: an LLM inference engine core whose every tick is logged and replayable.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in SUBCOMMANDS:
+        module = cast(Subcommand, importlib.import_module(module_name))
+        sp = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(sp)
+        sp.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status = args._run(args)
+    except CliError as exc:
+        print(f"tickloom: error: {exc}", file=sys.stderr)
+        return exc.status
+    return int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
