@@ -44,19 +44,13 @@ def admit(state: CoreState, ctx: TickContext) -> None:
     if not state.waiting:
         return
     config = state.config
-    pool = state.pool
     active = sum(1 for seq in state.running if seq.status is Status.RUNNING)
     demand = in_flight_demand(state)
     while state.waiting and active < config.max_batch_size:
         head = state.waiting[0]
         need = admission_need(state, head)
         hits = prefix_hits(state, head)
-        new_blocks = need - len(hits)
-        if new_blocks > pool.num_free - demand:
-            pool.reclaim(new_blocks - (pool.num_free - demand), protect=hits)
-        if new_blocks > pool.num_free - demand and config.spill_enabled:
-            swap_out_for(state, ctx, new_blocks - (pool.num_free - demand))
-        if new_blocks > pool.num_free - demand:
+        if not make_room(state, ctx, need - len(hits), demand, hits):
             return
         state.waiting.pop(0)
         head.status = Status.RUNNING
@@ -72,12 +66,23 @@ def admit(state: CoreState, ctx: TickContext) -> None:
         head.bound = True
 
 
-def swap_out_for(state: CoreState, ctx: TickContext, shortfall: int) -> None:
-    """Swap out settled, non-immune decoding sequences, most blocks first, to free ``shortfall`` blocks.
+def make_room(state: CoreState, ctx: TickContext, blocks: int, demand: int, hits: list[int]) -> bool:
+    """Get ``blocks`` free beyond ``demand``: reclaim cached blocks, then (with a spill store) swap out.
 
-    Nothing is swapped unless swapping every candidate would cover the shortfall: a swap that cannot make the
-    head fit would only cost I/O.
+    Swapping picks the settled, non-immune decoding sequence holding the most blocks, then checks again; its
+    freed blocks may land in the prefix cache, so each swap is followed by another reclaim. Nothing is swapped
+    unless swapping every candidate would cover the shortfall: a swap that cannot make the head fit only costs
+    I/O.
     """
+    pool = state.pool
+    short = blocks - (pool.num_free - demand)
+    if short > 0:
+        pool.reclaim(short, protect=hits)
+        short = blocks - (pool.num_free - demand)
+    if short <= 0:
+        return True
+    if not state.config.spill_enabled:
+        return False
     candidates = [
         seq
         for seq in state.running
@@ -87,11 +92,15 @@ def swap_out_for(state: CoreState, ctx: TickContext, shortfall: int) -> None:
         and seq.num_computed >= seq.prefill_target
         and len(seq.outputs) >= seq.immune_until
     ]
-    if sum(len(seq.block_ids) for seq in candidates) < shortfall:
-        return
+    if sum(len(seq.block_ids) for seq in candidates) + pool.capacity(hits) - pool.num_free < short:
+        return False
     candidates.sort(key=lambda seq: (len(seq.block_ids), seq.admitted), reverse=True)
     for victim in candidates:
-        if shortfall <= 0:
-            return
-        shortfall -= len(victim.block_ids)
         preempt(state, ctx, victim)
+        short = blocks - (pool.num_free - demand)
+        if short > 0:
+            pool.reclaim(short, protect=hits)
+            short = blocks - (pool.num_free - demand)
+        if short <= 0:
+            return True
+    return False

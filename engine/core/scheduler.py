@@ -22,6 +22,7 @@ from engine.core.endgame import fence_finished, resume_preempted, retire_finishe
 from engine.core.errors import InvariantViolation
 from engine.core.invariants import check_invariants
 from engine.core.planner import plan_step
+from engine.core.snapshot import CoreSnapshot, restore_state, take_snapshot
 from engine.core.state import CoreState, Status
 from events import CoreGauges, TickInputs, TickOutputs, chain_digest, encode_commands
 
@@ -95,3 +96,14 @@ class SchedulerCore:
     def check_invariants(self) -> None:
         """Raise ``InvariantViolation`` naming the invariant and the objects involved, if any fails."""
         check_invariants(self.state)
+
+    def snapshot(self) -> CoreSnapshot:
+        """The whole state as a msgspec Struct (a copy: later ticks do not change it)."""
+        return take_snapshot(self.state)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: CoreSnapshot) -> SchedulerCore:
+        """A core that continues exactly where the snapshotted one was."""
+        core = cls(snapshot.config)
+        core.state = restore_state(snapshot)
+        return core

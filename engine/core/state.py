@@ -79,7 +79,6 @@ class Seq:
     """Output count below which it is skipped as a victim (set on resume)."""
     thinking: bool = False
     thinking_tokens: int = 0
-    reasoning_tokens: int = 0
     bound: bool = False
     spill_tokens: int = 0
     has_spill: bool = False

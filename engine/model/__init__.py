@@ -30,7 +30,25 @@ _EXPORTS: dict[str, str] = {
     "PagedKVCache": "engine.model.kv_cache",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "HostKV",
+    "LlamaModel",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelExecutor",
+    "ModelLoadError",
+    "PagedKVCache",
+    "SamplingSpecLike",
+    "StepResult",
+    "StubExecutor",
+    "TokenizerWrapper",
+    "available_models",
+    "cache_dir",
+    "load_model",
+    "resolve_model",
+    "token_for",
+    "write_tiny_model",
+]
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig

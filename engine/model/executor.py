@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.model.batch import RowSpec, build_step_batch
 from engine.model.host_pool import CopyEngine
 from engine.model.kv_cache import HostKV, PagedKVCache

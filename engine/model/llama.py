@@ -44,7 +44,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 class LayerWeights:
     """One decoder layer's weights, with q/k/v and gate/up fused."""
 
-    __slots__ = ("attn_norm", "bqkv", "mlp_norm", "w13", "w2", "wo", "wqkv")
+    __slots__ = ("attn_norm", "bqkv", "mlp_norm", "w2", "w13", "wo", "wqkv")
 
     def __init__(self, t: dict[str, torch.Tensor], prefix: str, bias: bool) -> None:
         a = prefix + "self_attn."
@@ -120,10 +120,7 @@ class LlamaModel:
             x = x + self._attention(n, layer, rms_norm(x, layer.attn_norm, self.cfg.rms_norm_eps),
                                     cos, sin, batch, kv)
             x = x + self._mlp(layer, rms_norm(x, layer.mlp_norm, self.cfg.rms_norm_eps))
-        if batch.logit_index is None:
-            h = x
-        else:
-            h = x.index_select(0, batch.logit_index)
+        h = x if batch.logit_index is None else x.index_select(0, batch.logit_index)
         h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 

@@ -11,6 +11,7 @@ min-p and Gumbel-max over the hash noise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 
 from engine.model.types import SamplingSpecLike
@@ -133,7 +134,7 @@ def apply_min_tokens_mask(logits: torch.Tensor, rows: list[SampleRow]) -> torch.
 def filter_logits(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """Set logits outside each row's top-k / top-p nucleus / min-p floor to -inf (keeps >= 1)."""
     dev = scaled.device
-    n, v = scaled.shape
+    v = scaled.shape[1]
     ninf = float("-inf")
     if any(0 < k < v for k in top_k):
         ks = torch.tensor([k if 0 < k < v else v for k in top_k], device=dev)

@@ -1,0 +1,156 @@
+"""Snapshots of the whole core state, for seek, bisect and checking that a restored core continues identically.
+
+A snapshot is a msgspec Struct holding copies (never references) of every sequence the state can reach,
+including finished ones that an unsettled step still references, with queues and steps naming them by index.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import msgspec
+
+from engine.core.blocks import BlockPool
+from engine.core.config import CoreConfig
+from engine.core.state import CoreState, InflightStep, Seq
+
+
+class StepSnapshot(msgspec.Struct, frozen=True, array_like=True):
+    """An unsettled step; rows name sequences by their index in ``CoreSnapshot.seqs``."""
+
+    step_id: int
+    rows: list[int]
+    samplers: list[int]
+    sample_indices: list[int]
+    kv_ends: list[int]
+    registered: list[int]
+
+
+class PoolSnapshot(msgspec.Struct, frozen=True, array_like=True):
+    """The block pool: refcounts, hashes, and the free and cached queues in their reuse order."""
+
+    ref: list[int]
+    hash_of: list[bytes | None]
+    free: list[int]
+    cached: list[int]
+
+
+class CoreSnapshot(msgspec.Struct, frozen=True):
+    """The whole core state after ``tick``. ``SchedulerCore.from_snapshot`` continues from it identically."""
+
+    config: CoreConfig
+    tick: int
+    now_ns: int
+    digest: bytes
+    seqs: list[Seq]
+    live: int
+    """``seqs[:live]`` are the live requests, in arrival order."""
+    waiting: list[int]
+    running: list[int]
+    preempted: list[int]
+    swapped: list[int]
+    steps: list[StepSnapshot]
+    fences: list[tuple[int, str, list[int]]]
+    deadlines: list[tuple[int, int, str]]
+    pool: PoolSnapshot
+    next_step_id: int
+    settled_step: int
+    next_arrival: int
+    next_admission: int
+    shut_down: bool
+
+
+_encoder = msgspec.msgpack.Encoder(order="deterministic")
+_decoder = msgspec.msgpack.Decoder(CoreSnapshot)
+
+
+def encode_snapshot(snapshot: CoreSnapshot) -> bytes:
+    return _encoder.encode(snapshot)
+
+
+def decode_snapshot(data: bytes | memoryview) -> CoreSnapshot:
+    return _decoder.decode(data)
+
+
+def take_snapshot(state: CoreState) -> CoreSnapshot:
+    """A deep copy of ``state`` as a ``CoreSnapshot``."""
+    seqs: list[Seq] = list(state.seqs.values())
+    index = {id(seq): i for i, seq in enumerate(seqs)}
+
+    def ref(seq: Seq) -> int:
+        i = index.get(id(seq))
+        if i is None:
+            i = index[id(seq)] = len(seqs)
+            seqs.append(seq)
+        return i
+
+    waiting = [ref(s) for s in state.waiting]
+    running = [ref(s) for s in state.running]
+    preempted = [ref(s) for s in state.preempted]
+    swapped = [ref(s) for s in state.swapped]
+    steps = [
+        StepSnapshot(step.step_id, [ref(s) for s in step.seqs], [ref(s) for s in step.samplers],
+                     list(step.sample_indices), list(step.kv_ends), list(step.registered))
+        for step in state.steps
+    ]
+    pool = state.pool
+    shallow = CoreSnapshot(
+        config=state.config,
+        tick=state.tick,
+        now_ns=state.now_ns,
+        digest=state.digest,
+        seqs=seqs,
+        live=len(state.seqs),
+        waiting=waiting,
+        running=running,
+        preempted=preempted,
+        swapped=swapped,
+        steps=steps,
+        fences=[(step, rid, list(blocks)) for step, rid, blocks in state.fences],
+        deadlines=list(state.deadlines),
+        pool=PoolSnapshot(list(pool.ref), list(pool.hash_of), list(pool.free), list(pool.cached)),
+        next_step_id=state.next_step_id,
+        settled_step=state.settled_step,
+        next_arrival=state.next_arrival,
+        next_admission=state.next_admission,
+        shut_down=state.shut_down,
+    )
+    return decode_snapshot(encode_snapshot(shallow))
+
+
+def restore_state(snapshot: CoreSnapshot) -> CoreState:
+    """A fresh ``CoreState`` equal to the one ``snapshot`` was taken of; the snapshot is left untouched."""
+    snap = decode_snapshot(encode_snapshot(snapshot))
+    seqs = snap.seqs
+    config = snap.config
+    pool = BlockPool(
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        ref=list(snap.pool.ref),
+        hash_of=list(snap.pool.hash_of),
+        by_hash={h: block for block, h in enumerate(snap.pool.hash_of) if h is not None},
+        free=OrderedDict.fromkeys(snap.pool.free),
+        cached=OrderedDict.fromkeys(snap.pool.cached),
+    )
+    state = CoreState(config=config, pool=pool)
+    state.seqs = {seq.request_id: seq for seq in seqs[: snap.live]}
+    state.waiting = [seqs[i] for i in snap.waiting]
+    state.running = [seqs[i] for i in snap.running]
+    state.preempted = [seqs[i] for i in snap.preempted]
+    state.swapped = [seqs[i] for i in snap.swapped]
+    state.steps = deque(
+        InflightStep(s.step_id, [seqs[i] for i in s.rows], [seqs[i] for i in s.samplers], list(s.sample_indices),
+                     list(s.kv_ends), list(s.registered))
+        for s in snap.steps
+    )
+    state.fences = deque((step, rid, list(blocks)) for step, rid, blocks in snap.fences)
+    state.deadlines = list(snap.deadlines)
+    state.tick = snap.tick
+    state.now_ns = snap.now_ns
+    state.digest = snap.digest
+    state.next_step_id = snap.next_step_id
+    state.settled_step = snap.settled_step
+    state.next_arrival = snap.next_arrival
+    state.next_admission = snap.next_admission
+    state.shut_down = snap.shut_down
+    return state
