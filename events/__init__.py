@@ -1,6 +1,6 @@
 """The vocabulary of tickloom: every input, command and log record as msgspec Structs, and the log itself.
 
-This package imports only msgspec, attrs and the standard library, so replay tools and other languages' readers
+This package imports only msgspec and the standard library, so replay tools and other languages' readers
 can depend on it alone.
 """
 

@@ -23,7 +23,7 @@ import struct
 import zlib
 from typing import Literal
 
-import attrs
+import dataclasses
 
 from events.codec import FORMAT_VERSION
 from events.errors import LogCorrupt, LogFrameTooLarge
@@ -75,7 +75,7 @@ def end_frame(buf: bytearray, start: int, kind: FrameKind, tick: int) -> int:
     return HEADER_SIZE + length
 
 
-@attrs.frozen(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class FrameInfo:
     """Where one verified frame lies in the file."""
 

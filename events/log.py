@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from importlib import resources
 from types import TracebackType
 
-import attrs
+import dataclasses
 import msgspec
 
 from events.codec import FORMAT_VERSION, SCHEMA_HASH, decode_frame, encode_into, encode_tick_into
@@ -37,25 +37,20 @@ def known_schema_hashes() -> tuple[str, ...]:
     return tuple(parts[0] for parts in lines if parts)
 
 
-_KEEP_BUFFER_BYTES = 1 << 20
-
-
 class LogWriter:
     """Appends frames to a new log file (mode 0600). Not thread-safe; one writer per file."""
 
     def __init__(self, path: str | os.PathLike[str], header: LogHeader, *, overwrite: bool = False) -> None:
         self.path = os.fspath(path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if overwrite else os.O_EXCL)
-        self._fd: int | None = os.open(self.path, flags, 0o600)
-        os.fchmod(self._fd, 0o600)
         self._buffer = bytearray()
-        self._flushed = 0
-        """Bytes at the start of ``_buffer`` already written."""
         self.bytes_written = 0
         self.header = header
         start = begin_frame(self._buffer)
         encode_into(self._buffer, header)
         end_frame(self._buffer, start, "header", 0)
+        self._fd: int | None = os.open(self.path, flags, 0o600)
+        os.fchmod(self._fd, 0o600)
 
     # Frames are encoded straight into the write buffer behind a reserved header (no payload copies); if encoding
     # raises, the partial frame is cut off again so the buffer only ever holds whole frames.
@@ -86,19 +81,15 @@ class LogWriter:
         if self._fd is None:
             raise LogError(f"{self.path}: write to a closed log")
         buf = self._buffer
-        start = self._flushed
-        if start == len(buf):
+        if not buf:
             return
-        with memoryview(buf) as view:
-            pos = start
-            while pos < len(view):  # more than one pass only after a short write
-                pos += os.write(self._fd, view[pos:])
-        self.bytes_written += pos - start
-        # Keep the buffer's memory while it is small: clearing frees it, and the next frame would allocate again.
-        if pos > _KEEP_BUFFER_BYTES:
-            buf.clear()
-            pos = 0
-        self._flushed = pos
+        written = os.write(self._fd, buf)
+        if written < len(buf):  # a short write (rare on a regular file): finish it
+            with memoryview(buf) as view:
+                while written < len(view):
+                    written += os.write(self._fd, view[written:])
+        self.bytes_written += written
+        buf.clear()
 
     def sync(self) -> None:
         """Flush, then fsync: everything appended so far survives a crash of the machine."""
@@ -123,7 +114,7 @@ class LogWriter:
         self.close()
 
 
-@attrs.define(slots=True)
+@dataclasses.dataclass(slots=True)
 class TailInfo:
     """What the last completed scan found at the end of the file."""
 
@@ -243,7 +234,7 @@ class LogReader:
         self.close()
 
 
-@attrs.frozen(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Recovery:
     """What ``recover_log`` found: whole frames kept, the last whole tick, and the torn bytes it dropped."""
 

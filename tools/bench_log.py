@@ -48,7 +48,7 @@ def _best(repeat: int, *fns: Callable[[], None]) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from events import FORMAT_VERSION, SCHEMA_HASH, LogHeader, LogReader, LogWriter, TickRecord
+    from events import FORMAT_VERSION, SCHEMA_HASH, LogHeader, LogReader, LogWriter, RunStep, TickRecord
     from events.digest import DIGEST_VERSION
     from events.frames import HEADER_SIZE
     from tools.cli import CliError
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--ticks, --sync-ticks, --batch and --repeat must be at least 1")
     ticks = make_ticks(args.ticks, batch=args.batch)
     records = [TickRecord(i, o) for i, o, _ in ticks]
-    rows = sum(len(o.commands[-1].request_ids) for _, o, _ in ticks)  # type: ignore[union-attr]
+    rows = sum(len(c.request_ids) for _, o, _ in ticks for c in o.commands if isinstance(c, RunStep))
     header = LogHeader(FORMAT_VERSION, SCHEMA_HASH, DIGEST_VERSION, "bench", "{}")
     encoder = msgspec.msgpack.Encoder(order="deterministic")
     decoder = msgspec.msgpack.Decoder(TickRecord)
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         b = results[0]
         print(f"  bytes/tick        log {b['log']:9.0f}   plain msgpack {b['plain']:9.0f}   ratio {b['ratio']:.3f}")
         for r in results[1:]:
-            label = r["figure"] + (f" (sync {r['sync']})" if r.get("sync") else "")
+            label = f"{r['figure']}" + (f" (sync {r['sync']})" if r.get("sync") else "")
             print(
                 f"  {label:<26} {r['ticks_per_s']:10.0f} ticks/s {r['rows_per_s']:12.0f} rows/s "
                 f"{r['mb_per_s']:8.1f} MB/s   plain {r['plain_rows_per_s']:12.0f} rows/s   "

@@ -1,0 +1,78 @@
+"""Builders for hand-made core states, for scenarios that start from a precise pool layout."""
+
+from __future__ import annotations
+
+from engine.core import CoreConfig, SchedulerCore
+from engine.core.context import TickContext
+from engine.core.lifecycle import full_block_hashes
+from engine.core.state import CoreState, Seq, Status
+from events import SamplingSpec
+
+
+def make_core(**config: object) -> SchedulerCore:
+    core = SchedulerCore(CoreConfig(**config))  # type: ignore[arg-type]
+    core.state.tick = 0
+    return core
+
+
+def add_seq(
+    state: CoreState,
+    request_id: str,
+    prompt: int,
+    outputs: int = 0,
+    status: Status = Status.RUNNING,
+    *,
+    priority: int = 0,
+    max_tokens: int = 100,
+) -> Seq:
+    """A sequence in ``status``, with made-up tokens, holding no blocks yet."""
+    arrival = state.next_arrival
+    state.next_arrival += 1
+    seq = Seq(
+        request_id, arrival, priority, [100 + (arrival * 31 + i) % 500 for i in range(prompt)],
+        SamplingSpec(max_tokens=max_tokens), arrival, None, "",
+    )
+    seq.outputs = [600 + (arrival * 17 + i) % 300 for i in range(outputs)]
+    seq.status = status
+    seq.bound = True
+    state.seqs[request_id] = seq
+    if status is Status.RUNNING:
+        seq.admitted = state.next_admission
+        state.next_admission += 1
+        state.running.append(seq)
+    elif status is Status.PREEMPTED:
+        state.preempted.append(seq)
+    elif status in (Status.SWAPPED, Status.SWAPPING):
+        state.swapped.append(seq)
+    return seq
+
+
+def hold_blocks(state: CoreState, seq: Seq, n: int) -> None:
+    """Give a running sequence ``n`` blocks, its KV computed and settled up to its pending token."""
+    seq.block_ids = state.pool.allocate(n)
+    seq.sent_blocks = n
+    seq.num_computed = seq.kv_settled = seq.num_tokens - 1 if seq.outputs else 0
+    seq.first_planned = True
+    seq.reserve = n
+
+
+def cache_unrelated(state: CoreState, n: int, salt: str = "other") -> None:
+    """Put ``n`` blocks of unrelated content in the prefix cache (hashed, unreferenced)."""
+    for i in range(n):
+        [block] = state.pool.allocate(1)
+        state.pool.register(block, f"{salt}-{i}".encode().ljust(16, b"."))
+        state.pool.release([block])
+
+
+def cache_prefix_of(state: CoreState, seq: Seq, tokens: int) -> list[int]:
+    """Put the full blocks of ``seq``'s first ``tokens`` tokens in the prefix cache; returns their blocks."""
+    hashes = full_block_hashes(state, seq, tokens)
+    blocks = state.pool.allocate(len(hashes))
+    for block, h in zip(blocks, hashes, strict=True):
+        state.pool.register(block, h)
+    state.pool.release(blocks)
+    return blocks
+
+
+def context() -> TickContext:
+    return TickContext(now_ns=0)
