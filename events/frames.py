@@ -19,11 +19,10 @@ its byte offset, never skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 from typing import Literal
-
-import dataclasses
 
 from events.codec import FORMAT_VERSION
 from events.errors import LogCorrupt, LogFrameTooLarge

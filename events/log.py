@@ -8,13 +8,13 @@ the byte layout and the torn-versus-corrupt rule.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 from collections.abc import Iterator
 from importlib import resources
 from types import TracebackType
 
-import dataclasses
 import msgspec
 
 from events.codec import FORMAT_VERSION, SCHEMA_HASH, decode_frame, encode_into, encode_tick_into

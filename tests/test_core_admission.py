@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from core_harness import Harness, arrival
+
 from engine.core import ConfigError, CoreConfig
 from events import BindRequest, Finish, RunStep, SamplingSpec, SpillOut
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from core_harness import Harness, arrival
+
 from engine.core import CoreConfig
 from events import Finish, Preempted, RunStep, SpillOut, SwapIn
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from core_harness import Harness, arrival
 from core_state import add_seq, cache_prefix_of, cache_unrelated, context, hold_blocks, make_core
+from test_core_golden import unpressured_output
+
 from engine.core import CoreConfig
 from engine.core.apply import apply_inputs
 from engine.core.endgame import resume_preempted, retire_finished, swap_in
 from engine.core.lifecycle import choose_victim
 from engine.core.state import Status
 from events import DropSpill, EmitTokens, Finish, Preempted, RunStep, SpillOut, SwapIn, SwapInFailed
-from test_core_golden import unpressured_output
 
 
 def test_c05_victim_least_important_then_fewest_generated_then_latest() -> None:
