@@ -56,6 +56,7 @@ class Harness:
         oracle: OracleExecutor | None = None,
         spill_fails: Iterable[str] = (),
         auto_swap_ready: bool = True,
+        device_lag: int = 0,
     ) -> None:
         self.core = SchedulerCore(config)
         avoid = tuple(config.eos_token_ids) + tuple(
@@ -66,9 +67,11 @@ class Harness:
         self.check = check
         self.spill_fails = set(spill_fails)
         self.auto_swap_ready = auto_swap_ready
+        self.device_lag = device_lag
+        """Ticks a command waits in the device before it runs: 1 keeps two steps in flight at depth 2."""
         self.tick = 0
         self.now_ns = 0
-        self.device: deque[Command] = deque()
+        self.device: deque[tuple[int, Command]] = deque()
         self.pending: list[Input] = []
         self.outputs: list[TickOutputs] = []
         self.inputs: list[TickInputs] = []
@@ -105,19 +108,20 @@ class Harness:
     def _play_actors(self, commands: list[Command]) -> None:
         for command in commands:
             if isinstance(command, BindRequest | RunStep | SwapIn | ReleaseRequest):
-                self.device.append(command)
+                self.device.append((self.tick, command))
             elif isinstance(command, SpillOut):
                 ok = command.request_id not in self.spill_fails
                 self.pending.append(SpillDone(command.request_id, ok, "" if ok else "disk full", 0))
             elif isinstance(command, PrefetchSpill) and self.auto_swap_ready:
                 self.pending.append(SwapInReady(command.request_id))
         done = 0
-        while self.device and done < self.steps_per_tick:
-            command = self.device.popleft()
+        due = self.tick - self.device_lag
+        while self.device and self.device[0][0] <= due and done < self.steps_per_tick:
+            _, command = self.device.popleft()
             self.pending += self.oracle.handle([command])
             done += isinstance(command, RunStep)
-        while self.device and not isinstance(self.device[0], RunStep):
-            self.pending += self.oracle.handle([self.device.popleft()])
+        while self.device and self.device[0][0] <= due and not isinstance(self.device[0][1], RunStep):
+            self.pending += self.oracle.handle([self.device.popleft()[1]])
 
     # -- what the clients saw --------------------------------------------------------------------------------
     def _observe(self, out: TickOutputs) -> None:

@@ -13,6 +13,9 @@ class TickContext:
 
     now_ns: int
     commands: list[Command] = attrs.Factory(list)
+    releases: list[Command] = attrs.Factory(list)
+    """``ReleaseRequest``s, emitted after the tick's ``RunStep``: a request that ends in the end-of-tick phases
+    may still have a row in the step planned earlier in the same tick, and the executor runs commands in order."""
     emit_ids: list[str] = attrs.Factory(list)
     emit_tokens: list[int] = attrs.Factory(list)
     emit_indices: list[int] = attrs.Factory(list)

@@ -56,7 +56,7 @@ def retire_finished(state: CoreState, ctx: TickContext, finished: list[Seq]) -> 
             ctx.commands.append(DropSpill(seq.request_id))
             seq.has_spill = False
         if seq.bound:
-            ctx.commands.append(ReleaseRequest(seq.request_id))
+            ctx.releases.append(ReleaseRequest(seq.request_id))
         if reason != "error" and seq.block_ids:
             cache_full_blocks(state, seq, min(seq.kv_settled, seq.num_tokens))
         release_blocks(state, ctx, seq)

@@ -61,6 +61,7 @@ class SchedulerCore:
             retire_finished(state, ctx, fence_finished(state))
         if step is not None:
             ctx.commands.append(step)
+        ctx.commands += ctx.releases
 
         gauges = self.gauges()
         encoded = encode_commands(ctx.commands)
