@@ -15,6 +15,7 @@ from events import (
     DropSpill,
     EmitTokens,
     Finish,
+    Preempted,
     RequestCancelled,
     RunStep,
     SamplingSpec,
@@ -161,8 +162,7 @@ def test_c20_thinking_budget_forces_think_end() -> None:
 
 def test_c20_thinking_state_survives_requeue() -> None:
     calm, pressed = _thinking_run(32, 3), _thinking_run(6, 3)
-    assert pressed.core.state.next_admission >= 3
-    assert any(c.request_ids for _, c in pressed.commands(RunStep))
+    assert pressed.commands(Preempted), "the small pool forced requeues"
     for rid in "abc":
         assert pressed.output(rid) == calm.output(rid) and pressed.reasoning[rid] == calm.reasoning[rid]
 

@@ -75,12 +75,12 @@ def decode_snapshot(data: bytes | memoryview) -> CoreSnapshot:
 def take_snapshot(state: CoreState) -> CoreSnapshot:
     """A deep copy of ``state`` as a ``CoreSnapshot``."""
     seqs: list[Seq] = list(state.seqs.values())
-    index = {id(seq): i for i, seq in enumerate(seqs)}
+    index: dict[Seq, int] = {seq: i for i, seq in enumerate(seqs)}  # by identity: Seq has eq=False
 
     def ref(seq: Seq) -> int:
-        i = index.get(id(seq))
+        i = index.get(seq)
         if i is None:
-            i = index[id(seq)] = len(seqs)
+            i = index[seq] = len(seqs)
             seqs.append(seq)
         return i
 
