@@ -1,0 +1,35 @@
+"""What a client's stream yields. Defined below the public API so the retire actor can build it;
+``engine`` re-exports ``RequestOutput`` and ``RequestUsage``."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RequestUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """Token counts and latencies of a finished request (on its last ``RequestOutput``)."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    time_to_first_token_s: float | None = None
+    mean_inter_token_latency_s: float | None = None
+
+
+class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """One stream frame: the tokens and text produced since the previous frame.
+
+    The last frame of a stream has ``finished=True``, a ``finish_reason`` (``"stop"``, ``"length"``,
+    ``"timeout"``, ``"cancelled"`` or ``"error"``) and ``usage``. ``error`` explains an ``"error"`` finish.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text_delta: str = ""
+    reasoning_delta: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: RequestUsage | None = None
+    error: str | None = None
+    logprobs: list[float] | None = None
