@@ -125,3 +125,24 @@ def test_placeholder_input_uses_sampled_token(tiny64: Path) -> None:
     r.out.append(res.token_ids[0])
     r.pos += 1
     assert drv.generate(["x"], N_NEW)["x"] == expect
+
+
+def test_penalties_and_logprobs_through_executor(tiny64: Path) -> None:
+    spec = Spec(temperature=0.8, repetition_penalty=1.5, presence_penalty=50.0, logprobs=True, top_logprobs=3)
+    ps = prompts(4, 6, vocab=300, seed=15)
+    ex = make_executor(tiny64, dtype="float64", num_blocks=128)
+    drv = Driver(ex, seed=8)
+    for i, p in enumerate(ps):
+        drv.add(f"r{i}", p, spec if i != 1 else SPEC, seed=40 + i)
+    res = drv.step([f"r{i}" for i in range(4)], chunk=3)
+    assert res.token_ids == [] and res.logprobs is None  # no row finished its prompt yet
+    res = drv.step([f"r{i}" for i in range(4)])
+    assert len(res.token_ids) == 4
+    assert res.logprobs is not None and all(lp <= 0.0 for lp in res.logprobs)
+    assert res.top_token_ids is not None and [len(t) for t in res.top_token_ids] == [3, 0, 3, 3]
+    batch = drv.generate([f"r{i}" for i in range(4)], N_NEW)
+    solo = Driver(make_executor(tiny64, dtype="float64", num_blocks=64), seed=1)
+    solo.add("x", ps[2], spec, 42)
+    assert solo.generate(["x"], N_NEW)["x"] == batch["r2"]
+    for rid in ("r0", "r2", "r3"):  # a presence penalty of 50 forbids repeats
+        assert len(set(batch[rid])) == len(batch[rid])

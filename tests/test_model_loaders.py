@@ -98,7 +98,7 @@ def test_unknown_architecture(tiny_dir: Path) -> None:
 def test_not_a_model(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not a model directory"):
         resolve_model(tmp_path / "nope")
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         resolve_model(tmp_path)
 
 
@@ -143,13 +143,22 @@ def write_gguf(tiny_dir: Path, out: Path, weight_type: gguf.GGMLQuantizationType
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
     w.add_chat_template("{{ messages[0]['content'] }}")
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     for name, arr in tensors.items():
         if name in top:
             gname = top[name]
@@ -189,7 +198,8 @@ def test_gguf_roundtrip_unpermutes(tiny_dir: Path, tmp_path: Path, monkeypatch: 
 def test_gguf_unsupported_quantization(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TICKLOOM_CACHE", str(tmp_path / "cache"))
     g = write_gguf(tiny_dir, tmp_path / "q.gguf", weight_type=gguf.GGMLQuantizationType.Q8_1)
-    with pytest.raises(ModelLoadError, match=r"q\.gguf: tensor 'blk\.0\.ffn_up\.weight' uses unsupported GGUF type Q8_1"):
+    expect = r"q\.gguf: tensor 'blk\.0\.ffn_up\.weight' uses unsupported GGUF type Q8_1"
+    with pytest.raises(ModelLoadError, match=expect):
         load_model(g)
 
 

@@ -29,7 +29,10 @@ LLAMA3_ROPE = {
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama-gqa": {"architecture": "llama"},
     "llama-mha-tied-llama3rope": {
-        "architecture": "llama", "num_kv_heads": 4, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE,
+        "architecture": "llama",
+        "num_kv_heads": 4,
+        "tie_word_embeddings": True,
+        "rope_scaling": LLAMA3_ROPE,
     },
     "qwen2": {"architecture": "qwen2", "num_layers": 3, "num_heads": 6, "num_kv_heads": 2, "hidden_size": 96},
 }
@@ -93,11 +96,19 @@ def test_e09_reference_model_mixed_batch(tiny: tuple[Path, Any]) -> None:
     expects = [ref_logits(ref, s) for s in seqs]
     # step 1: everything but the tail of each sequence
     cut = [15, 10, 20, 4]
-    run_rows(model, kv, [RowSpec(0, c, t, True) for c, t in zip(cut, tables, strict=True)],
-             [tok for s, c in zip(seqs, cut, strict=True) for tok in s[:c]])
+    run_rows(
+        model,
+        kv,
+        [RowSpec(0, c, t, True) for c, t in zip(cut, tables, strict=True)],
+        [tok for s, c in zip(seqs, cut, strict=True) for tok in s[:c]],
+    )
     # step 2: decode rows (seq 1, 0) around a chunk (seq 3) and a chunk (seq 2), interleaved
-    rows = [RowSpec(10, 1, tables[1], True), RowSpec(4, 5, tables[3], True),
-            RowSpec(15, 1, tables[0], True), RowSpec(20, 6, tables[2], True)]
+    rows = [
+        RowSpec(10, 1, tables[1], True),
+        RowSpec(4, 5, tables[3], True),
+        RowSpec(15, 1, tables[0], True),
+        RowSpec(20, 6, tables[2], True),
+    ]
     toks = seqs[1][10:11] + seqs[3][4:9] + seqs[0][15:16] + seqs[2][20:26]
     got = run_rows(model, kv, rows, toks)
     torch.testing.assert_close(got[0:1], expects[1][10:11], atol=1e-4, rtol=0)
@@ -116,6 +127,5 @@ def test_e09_reference_model_greedy_generations(tiny: tuple[Path, Any]) -> None:
     got = drv.generate([f"r{i}" for i in range(3)], max_new=12, chunk=5)
     for i, p in enumerate(ps):
         with torch.no_grad():
-            out = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)
-        assert got[f"r{i}"] == out[0, len(p):].tolist()
+            out = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert got[f"r{i}"] == out[0, len(p) :].tolist()

@@ -69,10 +69,10 @@ def test_greedy_matches_transformers(smol: LoadedModel, reference: tuple[Any, An
     drv = Driver(ex, seed=1)
     prompts = [smol.tokenizer.encode_chat(m) for m in CHATS]
     for i, p in enumerate(prompts):
-        drv.add(f"r{i}", p, Spec(), seed=i)
+        # mask <|im_end|> for all 32 tokens, as min_new_tokens does in transformers
+        drv.add(f"r{i}", p, Spec(min_tokens=32), seed=i, masked=[2])
     got = drv.generate([f"r{i}" for i in range(len(prompts))], max_new=32, chunk=24)
     for i, p in enumerate(prompts):
         with torch.no_grad():
-            out = ref.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                               pad_token_id=2)
-        assert got[f"r{i}"] == out[0, len(p):].tolist(), smol.tokenizer.decode(got[f"r{i}"])
+            out = ref.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32, pad_token_id=2)
+        assert got[f"r{i}"] == out[0, len(p) :].tolist(), smol.tokenizer.decode(got[f"r{i}"])

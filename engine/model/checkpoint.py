@@ -29,8 +29,9 @@ def write_checkpoint_files(
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = torch_dtype
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True), encoding="utf-8")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"}
+    )
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config, indent=2, sort_keys=True), encoding="utf-8"

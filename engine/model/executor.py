@@ -8,7 +8,7 @@ from engine.model.batch import RowSpec, build_step_batch
 from engine.model.host_pool import CopyEngine
 from engine.model.kv_cache import HostKV, PagedKVCache
 from engine.model.llama import LlamaModel
-from engine.model.sampling import Sampler, SampleRow
+from engine.model.sampling import Sampler, SampleRow, has_penalties
 from engine.model.types import SamplingSpecLike, StepResult
 
 
@@ -113,8 +113,8 @@ class ModelExecutor:
                     spec=st.spec,
                     seed=st.seed,
                     output_index=k,
-                    prompt_tokens=st.tokens[: st.prompt_len] if _penalised(st.spec) else [],
-                    output_tokens=st.tokens[st.prompt_len : end] if _penalised(st.spec) else [],
+                    prompt_tokens=st.tokens[: st.prompt_len] if has_penalties(st.spec) else [],
+                    output_tokens=st.tokens[st.prompt_len : end] if has_penalties(st.spec) else [],
                     masked_token_ids=st.masked_token_ids,
                 )
             )
@@ -143,8 +143,3 @@ class ModelExecutor:
         self.copier.copy_in(self.kv, block_ids, host_kv)
         st.block_table[:] = list(block_ids)
 
-
-def _penalised(spec: SamplingSpecLike) -> bool:
-    return (
-        spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
-    )

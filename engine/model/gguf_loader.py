@@ -22,8 +22,7 @@ from engine.model.errors import ModelLoadError
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.F64, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    {Q.F32, Q.F16, Q.BF16, Q.F64, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
 
 _LAYER_NAMES = {
@@ -186,16 +185,16 @@ def gguf_tokenizer(path: Path, reader: GGUFReader) -> tuple[Tokenizer, dict[str,
         tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     elif pre in ("smollm", "starcoder", "refact", "codeshell"):
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False)
-                if ty == 3]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=False)
-            if ty == 4]
+    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == 3]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == 4]
     tok.add_special_tokens(specials)
     if user:
         tok.add_tokens(user)

@@ -61,7 +61,7 @@ class CopyEngine:
         self.device = device
         self.cuda = device.type == "cuda"
         self._pool = PinnedPool() if self.cuda else None
-        self._stream: Any = torch.cuda.Stream(device=device) if self.cuda else None
+        self._stream: Any = torch.cuda.Stream(device=device) if self.cuda else None  # type: ignore[no-untyped-call]
         self._pending_in: list[Any] = []
 
     def before_compute(self) -> None:
@@ -87,7 +87,7 @@ class CopyEngine:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             kv.copy_blocks_out(block_ids, k_host, v_host)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self._stream)
         return HostKV(k_host, v_host, num_tokens, event=ev)
 
@@ -110,7 +110,7 @@ class CopyEngine:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             kv.copy_blocks_in(block_ids, k, v)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self._stream)
         if self._pool is not None:
             self._pool.mark_busy(idx, ev)

@@ -77,15 +77,13 @@ class SampleOutput:
     top_logprobs: list[list[float]] | None
 
 
-def _has_penalties(spec: SamplingSpecLike) -> bool:
-    return (
-        spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
-    )
+def has_penalties(spec: SamplingSpecLike) -> bool:
+    return spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties."""
-    idx = [i for i, r in enumerate(rows) if _has_penalties(r.spec)]
+    idx = [i for i, r in enumerate(rows) if has_penalties(r.spec)]
     if not idx:
         return logits
     dev = logits.device

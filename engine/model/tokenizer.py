@@ -22,8 +22,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -90,9 +91,7 @@ class TokenizerWrapper:
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
-    def render_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
-    ) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         """Render messages with the model's chat template, as transformers' tokenizer does."""
         if self._template is None:
             raise ValueError("this model has no chat template")
