@@ -94,8 +94,18 @@ class LogWriter:
     def sync(self) -> None:
         """Flush, then fsync: everything appended so far survives a crash of the machine."""
         self.flush()
-        assert self._fd is not None
+        self.fsync()
+
+    def fsync(self) -> None:
+        """fsync what has been flushed. Touches no buffer, so it may run on another thread during appends."""
+        if self._fd is None:
+            raise LogError(f"{self.path}: fsync of a closed log")
         os.fsync(self._fd)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes appended but not yet flushed."""
+        return len(self._buffer)
 
     def close(self) -> None:
         """Flush and close. Idempotent."""

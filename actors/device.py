@@ -1,0 +1,235 @@
+"""The device side of the step actor: executes commands strictly in order and reports results.
+
+``ThreadDevice`` runs a real executor on **one dedicated thread fed by a FIFO queue**, so run step, spill out
+(device to host) and swap in (host to device) execute in command order, and with ``pipeline_depth = 2`` the
+next step is already queued when the current one ends. ``StubDevice`` is its trio-native twin for tests under
+``MockClock``: a step takes ``await trio.sleep(step_time)``, so virtual time never jumps while a thread
+computes, and tokens come from the core's oracle.
+
+A ``RunStep`` row fed from step t takes the token that t sampled for its request. If t failed there is no such
+token: the row runs with a placeholder, and the core discards it (``StepFailed(t)`` already ended that request).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from typing import Protocol, cast
+
+import trio
+
+from actors.mailbox import ChannelOverflow, Outbox
+from actors.spill import SpillActor, SpillStore
+from engine.core.oracle import oracle_token
+from engine.model.types import HostKV, SamplingSpecLike, StepResult
+from events import (
+    NO_SAMPLE,
+    NOT_FED,
+    BindRequest,
+    Command,
+    Input,
+    ReleaseRequest,
+    RunStep,
+    SpillOut,
+    StepDone,
+    StepFailed,
+    SwapIn,
+    SwapInFailed,
+)
+
+
+class Executor(Protocol):
+    """What ``engine.model.ModelExecutor`` offers (and ``StubExecutor``)."""
+
+    def bind(self, request_id: str, params: SamplingSpecLike, seed: int, prompt_len: int,
+             masked_token_ids: list[int]) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def run_step(self, request_ids: list[str], positions: list[int], num_tokens: list[int], token_ids: list[int],
+                 sample_indices: list[int], block_starts: list[int], num_new_blocks: list[int],
+                 new_block_ids: list[int]) -> StepResult: ...
+
+    def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV: ...
+
+    def copy_in(self, request_id: str, block_ids: list[int], host_kv: HostKV) -> None: ...
+
+
+def executor_inputs(step: RunStep, failed_steps: set[int]) -> list[int]:
+    """The step's token column as the executor takes it: -1 for "the token sampled for this position"."""
+    tokens = list(step.token_ids)
+    offset = 0
+    for i, fed in enumerate(step.fed_from):
+        if fed != NOT_FED and fed not in failed_steps:
+            tokens[offset] = -1
+        offset += step.num_tokens[i]
+    return tokens
+
+
+def sampled_ids(step: RunStep) -> list[str]:
+    return [rid for rid, s in zip(step.request_ids, step.sample_indices, strict=True) if s != NO_SAMPLE]
+
+
+class ThreadDevice:
+    """Runs an ``Executor`` on one dedicated thread; commands queue in order (``submit_nowait``)."""
+
+    def __init__(self, executor: Executor, outbox: Outbox, spill: SpillActor | None, limit: int) -> None:
+        self.executor = executor
+        self._outbox = outbox
+        self._spill = spill
+        self._queue: queue.Queue[Command | None] = queue.Queue(maxsize=limit)
+        self._limit = limit
+        self._failed: set[int] = set()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self.busy_ns = 0
+
+    def submit_nowait(self, command: Command) -> None:
+        try:
+            self._queue.put_nowait(command)
+        except queue.Full:
+            raise ChannelOverflow(f"device queue overflowed its bound of {self._limit} commands") from None
+
+    def stop_nowait(self) -> None:
+        """Let the thread exit after the command it is running (idempotent)."""
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            raise ChannelOverflow("device queue is full; cannot stop it") from None
+
+    async def run(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._stop_on_cancel)
+                await trio.to_thread.run_sync(self._thread_main)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._token = None
+
+    async def _stop_on_cancel(self) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            self.stop_nowait()
+
+    def _report(self, msg: Input) -> None:
+        assert self._token is not None
+        trio.from_thread.run(self._outbox.send, msg, trio_token=self._token)
+
+    def _thread_main(self) -> None:
+        while True:
+            command = self._queue.get()
+            if command is None:
+                return
+            self._execute(command)
+
+    def _execute(self, command: Command) -> None:
+        ex = self.executor
+        if isinstance(command, RunStep):
+            start = time.perf_counter_ns()
+            try:
+                result = ex.run_step(list(command.request_ids), list(command.positions), list(command.num_tokens),
+                                     executor_inputs(command, self._failed), list(command.sample_indices),
+                                     list(command.block_starts), list(command.num_new_blocks),
+                                     list(command.new_block_ids))
+            except Exception as exc:  # a fault reported as an input: only this step's requests fail
+                self._failed.add(command.step_id)
+                self._report(StepFailed(command.step_id, f"{type(exc).__name__}: {exc}"))
+                return
+            elapsed = time.perf_counter_ns() - start
+            self.busy_ns += elapsed
+            self._report(StepDone(command.step_id, sampled_ids(command), result.token_ids, elapsed,
+                                  result.logprobs, result.top_token_ids, result.top_logprobs))
+        elif isinstance(command, BindRequest):
+            # SamplingSpec is frozen; the protocol declares plain attributes, which mypy reads as settable.
+            ex.bind(command.request_id, cast(SamplingSpecLike, command.params), command.seed, command.prompt_len,
+                    list(command.masked_token_ids))
+        elif isinstance(command, ReleaseRequest):
+            ex.release(command.request_id)
+        elif isinstance(command, SpillOut):
+            assert self._spill is not None, "SpillOut without a spill store"
+            try:
+                kv = ex.copy_out(command.request_id, list(command.block_ids), command.num_tokens)
+            except Exception as exc:  # reported as SpillDone(error): the core falls back to requeue
+                self._to_spill(command.request_id, None, f"copy out failed: {type(exc).__name__}: {exc}")
+                return
+            self._to_spill(command.request_id, kv, "")
+        elif isinstance(command, SwapIn):
+            assert self._spill is not None, "SwapIn without a spill store"
+            try:
+                ex.copy_in(command.request_id, list(command.block_ids), self._spill.store.take(command.request_id))
+            except Exception as exc:  # reported as SwapInFailed: that request alone ends with an error
+                self._report(SwapInFailed(command.request_id, f"{type(exc).__name__}: {exc}"))
+
+    def _to_spill(self, request_id: str, kv: HostKV | None, error: str) -> None:
+        assert self._token is not None and self._spill is not None
+        trio.from_thread.run_sync(self._spill.accept_nowait, request_id, kv, error, trio_token=self._token)
+
+
+class StubDevice:
+    """A trio-native device for tests: oracle tokens, ``trio.sleep(step_time)`` per step, scripted faults."""
+
+    def __init__(self, outbox: Outbox, spill: SpillActor | None, limit: int, *, vocab_size: int,
+                 step_time: Callable[[RunStep], float], avoid: tuple[int, ...] = (),
+                 fail_steps: frozenset[int] = frozenset(),
+                 script: dict[str, dict[int, int]] | None = None) -> None:
+        self._outbox = outbox
+        self._spill = spill
+        self._send, self._receive = trio.open_memory_channel[Command](limit)
+        self._limit = limit
+        self.vocab_size = vocab_size
+        self.step_time = step_time
+        self.avoid = avoid
+        self.fail_steps = fail_steps
+        self.script = script or {}
+        self.seeds: dict[str, int] = {}
+        self.released: list[str] = []
+        self.busy_ns = 0
+
+    def submit_nowait(self, command: Command) -> None:
+        try:
+            self._send.send_nowait(command)
+        except trio.WouldBlock:
+            raise ChannelOverflow(f"device queue overflowed its bound of {self._limit} commands") from None
+
+    def stop_nowait(self) -> None:
+        self._send.close()
+
+    async def run(self) -> None:
+        async for command in self._receive:
+            if isinstance(command, RunStep):
+                seconds = self.step_time(command)
+                await trio.sleep(seconds)
+                self.busy_ns += int(seconds * 1e9)
+                if command.step_id in self.fail_steps:
+                    await self._outbox.send(StepFailed(command.step_id, "scripted device fault"))
+                    continue
+                ids, tokens = [], []
+                for rid, index in zip(command.request_ids, command.sample_indices, strict=True):
+                    if index != NO_SAMPLE:
+                        ids.append(rid)
+                        tokens.append(self.token(rid, index))
+                await self._outbox.send(StepDone(command.step_id, ids, tokens, int(seconds * 1e9)))
+            elif isinstance(command, BindRequest):
+                self.seeds[command.request_id] = command.seed
+            elif isinstance(command, ReleaseRequest):
+                self.released.append(command.request_id)
+            elif isinstance(command, SpillOut):
+                assert self._spill is not None
+                self._spill.accept_nowait(command.request_id, HostKV(None, None, command.num_tokens), "")
+            elif isinstance(command, SwapIn):
+                assert self._spill is not None
+                try:
+                    self._spill.store.take(command.request_id)
+                except KeyError as exc:
+                    await self._outbox.send(SwapInFailed(command.request_id, f"no host copy: {exc}"))
+
+    def token(self, request_id: str, index: int) -> int:
+        scripted = self.script.get(request_id, {})
+        if index in scripted:
+            return scripted[index]
+        return oracle_token(self.seeds[request_id], index, self.vocab_size, self.avoid)
+
+
+__all__ = ["Executor", "SpillStore", "StubDevice", "ThreadDevice"]

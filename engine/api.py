@@ -1,0 +1,224 @@
+"""``Engine``: the embedded engine. One trio nursery of actors around one ``SchedulerCore``.
+
+    async with Engine.open(EngineConfig(log_path="run.tlog")) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=32), deadline=5.0):
+            print(out.text_delta, end="")
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from actors.outputs import RequestOutput, RequestUsage
+from engine.config import EngineConfig
+from engine.errors import EngineError, EngineOverloaded, RequestRejected
+from engine.params import SamplingParams
+from engine.runtime import Runtime, build_runtime
+from events import RequestArrived, RequestCancelled
+
+Prompt = str | list[int] | Sequence[dict[str, Any]]
+"""Text, token ids (used as given: no BOS is added) or chat messages (rendered with the model's template)."""
+
+
+class Engine:
+    """Use ``Engine.open(config)``; the constructor only stores the configuration."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._rt: Runtime | None = None
+        self._next_id = 0
+        self._draining = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+        """Start the engine's actors; leaving the block shuts down with an explicit error for what is left.
+
+        If an actor crashes, every open stream raises ``EngineError`` naming it, and so does leaving this block.
+        """
+        engine = cls(config or EngineConfig())
+        rt = await build_runtime(engine.config)
+        engine._rt = rt
+        try:
+            async with rt.supervise() as nursery:
+                try:
+                    yield engine
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await rt.shutdown()
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            if rt.fatal is not None:
+                raise rt.fatal from group
+            raise
+        finally:
+            rt.close()
+        if rt.fatal is not None:
+            raise rt.fatal
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._rt is None:
+            raise EngineError("engine", "the engine is not open: use `async with Engine.open(config)`")
+        return self._rt
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        deadline: float | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> RequestStream:
+        """Stream a completion. Bad input raises ``RequestRejected`` here, before any stream opens.
+
+        ``deadline`` is seconds from submit. Leaving the ``async for`` early cancels the request; use
+        ``async with engine.stream(...)`` for cleanup at a known point.
+        """
+        arrival = self._arrival(prompt, params or SamplingParams(), deadline, request_id, priority, cache_salt)
+        return RequestStream(self, arrival, deadline)
+
+    @asynccontextmanager
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
+                     request_id: str | None = None, priority: int = 0,
+                     cache_salt: str = "") -> AsyncIterator[RequestStream]:
+        """Like ``generate``, but the request is cancelled (if unfinished) when the block exits."""
+        stream = self.generate(prompt, params, deadline=deadline, request_id=request_id, priority=priority,
+                               cache_salt=cache_salt)
+        await stream.start()
+        try:
+            yield stream
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
+        """Run a request to the end; one ``RequestOutput`` with every token id and the whole text."""
+        tokens: list[int] = []
+        text, reasoning = [], []
+        last: RequestOutput | None = None
+        async with self.stream(prompt, params, **kw) as stream:
+            async for out in stream:
+                tokens += out.token_ids
+                text.append(out.text_delta)
+                reasoning.append(out.reasoning_delta)
+                last = out
+        assert last is not None and last.finished
+        return RequestOutput(request_id=last.request_id, token_ids=tokens, text_delta="".join(text),
+                             reasoning_delta="".join(reasoning), finished=True, finish_reason=last.finish_reason,
+                             usage=last.usage, error=last.error)
+
+    async def cancel(self, request_id: str) -> None:
+        """Cancel a request: it finishes ``cancelled`` with the tokens delivered so far."""
+        await self.runtime.client.send(RequestCancelled(request_id))
+
+    async def drain(self, timeout: float = math.inf) -> bool:
+        """Stop admitting and let running requests finish; True if all finished within ``timeout`` seconds."""
+        self._draining = True
+        rt = self.runtime
+        with trio.move_on_after(timeout):
+            while rt.live:
+                await rt.live_changed.wait()
+            return True
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        """Queues, KV blocks (free, cached, total), ticks, tokens and tokens/s, preemptions, spill bytes."""
+        return self.runtime.stats()
+
+    # -- submission ------------------------------------------------------------------------------------------
+    def _arrival(self, prompt: Prompt, params: SamplingParams, deadline: float | None, request_id: str | None,
+                 priority: int, cache_salt: str) -> RequestArrived:
+        rt = self.runtime
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"params must be SamplingParams, not {type(params).__name__}")
+        ids = rt.tokenize(prompt)
+        limits = rt.core_config
+        if not ids:
+            raise RequestRejected("the prompt is empty")
+        if len(ids) >= limits.max_seq_len:
+            raise RequestRejected(f"the prompt has {len(ids)} tokens; max_seq_len={limits.max_seq_len}")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {ids[bad]} at position {bad} is outside "
+                                  f"vocab_size={limits.vocab_size}")
+        if deadline is not None and not deadline > 0:
+            raise RequestRejected(f"deadline={deadline!r} must be a positive number of seconds")
+        if not isinstance(priority, int):
+            raise RequestRejected(f"priority={priority!r} must be an int")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in rt.live:
+            raise RequestRejected(f"request_id={request_id!r} is already in use")
+        return RequestArrived(request_id, ids, params.to_spec(), params.seed, priority, None, cache_salt)
+
+    async def _submit(self, arrival: RequestArrived, deadline: float | None) -> Any:
+        rt = self.runtime
+        if rt.fatal is not None:
+            raise rt.fatal
+        if self._draining or rt.closing:
+            raise EngineOverloaded("the engine is draining or shutting down: no new requests")
+        await rt.acquire_slot()
+        if arrival.request_id in rt.live:
+            rt.release_slot()
+            raise RequestRejected(f"request_id={arrival.request_id!r} is already in use")
+        now_ns = rt.now_ns()
+        if deadline is not None:
+            arrival = RequestArrived(arrival.request_id, arrival.prompt_token_ids, arrival.params, arrival.seed,
+                                     arrival.priority, now_ns + int(deadline * 1e9), arrival.cache_salt)
+        stream = rt.open_stream(arrival)
+        await rt.client.send(arrival)
+        return stream
+
+
+class RequestStream:
+    """An async iterator of ``RequestOutput`` frames for one request."""
+
+    def __init__(self, engine: Engine, arrival: RequestArrived, deadline: float | None) -> None:
+        self.request_id = arrival.request_id
+        self._engine = engine
+        self._arrival = arrival
+        self._deadline = deadline
+        self._inner: Any = None
+        self._done = False
+
+    async def start(self) -> None:
+        if self._inner is None:
+            self._inner = await self._engine._submit(self._arrival, self._deadline)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        await self.start()
+        try:
+            out: RequestOutput = await self._inner.__anext__()
+        except StopAsyncIteration:
+            self._done = True
+            raise
+        if out.finished:
+            self._done = True
+        return out
+
+    async def aclose(self) -> None:
+        """Cancel the request if it has not finished (idempotent)."""
+        if self._inner is not None:
+            await self._inner.aclose()
+
+    def __del__(self) -> None:
+        # A plain `async for` left early drops the stream without closing it: report the client gone.
+        inner = self._inner
+        if inner is not None and not self._done:
+            inner.close_nowait()
+
+
+__all__ = ["Engine", "Prompt", "RequestOutput", "RequestStream", "RequestUsage"]

@@ -1,0 +1,273 @@
+"""Wiring: builds the core, the device, the actors and the log from an ``EngineConfig``, and supervises them.
+
+Supervision: every actor runs in one nursery. A fault reported as an input affects only its requests; an
+actor that raises is fatal: every open stream gets ``EngineError`` naming the actor and the cause at once, the
+nursery cancels the rest, the log is closed at its last whole frame, and ``Engine.open`` raises that error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import trio
+
+from actors.deadlines import DeadlineActor
+from actors.device import StubDevice, ThreadDevice
+from actors.log import LogActor, LogWriteFailed
+from actors.mailbox import Envelope, Outbox, Reporter, Source
+from actors.retire import RetireActor
+from actors.spill import SpillActor, SpillStore, SwapInActor
+from actors.step import StepActor
+from engine.config import EngineConfig
+from engine.core import CoreConfig, SchedulerCore
+from engine.errors import EngineError, EngineOverloaded, RequestRejected
+from engine.stub import StubTokenizer
+from events import (
+    DIGEST_VERSION,
+    FORMAT_VERSION,
+    SCHEMA_HASH,
+    Command,
+    Finish,
+    LogHeader,
+    LogWriter,
+    RequestArrived,
+    Shutdown,
+)
+
+INBOX_SIZE = 4096
+ENGINE_VERSION = "0.1.0"
+
+
+class _RetireTap:
+    """Sees each tick's finishes before the retire actor does, to free submit slots."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+
+    def deliver_nowait(self, commands: list[Command]) -> None:
+        for command in commands:
+            if isinstance(command, Finish):
+                self._rt.finished(command.request_id)
+        self._rt.retire.deliver_nowait(commands)
+
+
+class Runtime:
+    """Everything an open engine holds. Built by ``build_runtime``; used by ``Engine``."""
+
+    def __init__(self, config: EngineConfig, core_config: CoreConfig, tokenizer: Any, fingerprint: str,
+                 executor: Any, torch_info: tuple[str, str, str, int]) -> None:
+        self.config = config
+        self.core_config = core_config
+        self.tokenizer = tokenizer
+        self.fatal: EngineError | None = None
+        self.closing = False
+        self.live: set[str] = set()
+        self.live_changed = trio.Event()
+        self.started_at = time.monotonic()
+        send, self._inbox = trio.open_memory_channel[Envelope](INBOX_SIZE)
+        self.client = Outbox(Source.CLIENT, send)
+        limit = core_config.max_waiting + core_config.max_batch_size + 64
+        self._slots = trio.Semaphore(core_config.max_waiting + core_config.max_batch_size)
+        self.store: SpillStore | None = None
+        self.spill: SpillActor | None = None
+        self.swap_in: SwapInActor | None = None
+        faults = config.faults
+        if config.spill_enabled:
+            self.store = SpillStore(config.spill_dir, config.host_spill_bytes)
+            self.spill = _FaultySpill(self.store, Outbox(Source.SPILL, send.clone()), limit,
+                                      set(faults.fail_spill) if faults else set())
+            fail_swap = set(faults.fail_swap_in) if faults else set()
+            self.swap_in = SwapInActor(self.store, Outbox(Source.SWAP_IN, send.clone()), limit,
+                                       fault=lambda rid: "injected swap-in read error" if rid in fail_swap else None)
+        device_outbox = Outbox(Source.DEVICE, send.clone())
+        self.device: ThreadDevice | StubDevice
+        if executor is None:
+            step_time = config.stub_step_time
+            self.device = StubDevice(device_outbox, self.spill, limit * 4, vocab_size=core_config.vocab_size,
+                                     step_time=lambda _step: step_time, avoid=core_config.eos_token_ids,
+                                     fail_steps=frozenset(faults.fail_steps) if faults else frozenset())
+        else:
+            self.device = ThreadDevice(executor, device_outbox, self.spill, limit * 4)
+        self.reporter = Reporter(Outbox(Source.RETIRE, send.clone()), limit, "retire")
+        self.retire = RetireActor(tokenizer, self.reporter.report_nowait)
+        self.deadlines = DeadlineActor(Outbox(Source.DEADLINE, send.clone()), limit)
+        self.log: LogActor | None = None
+        if config.log_path is not None:
+            header = LogHeader(
+                format_version=FORMAT_VERSION, schema_hash=SCHEMA_HASH, digest_version=DIGEST_VERSION,
+                engine_version=ENGINE_VERSION,
+                config_json=json.dumps({"core": json.loads(core_config.to_json()),
+                                        "engine": json.loads(msgspec.json.encode(config))}, sort_keys=True),
+                model_fingerprint=fingerprint, tokenizer_fingerprint=fingerprint, torch_version=torch_info[0],
+                device=torch_info[1], dtype=torch_info[2], threads=torch_info[3],
+                snapshot_every=config.snapshot_every,
+            )
+            self.log = LogActor(LogWriter(config.log_path, header, overwrite=True), config.fsync)
+        self.core = SchedulerCore(core_config)
+        self.step = StepActor(self.core, self._inbox, device=self.device, deadlines=self.deadlines,
+                              retire=_RetireTap(self), spill=self.spill, swap_in=self.swap_in, log=self.log,
+                              fsync=config.fsync, snapshot_every=config.snapshot_every)
+
+    # -- supervision -----------------------------------------------------------------------------------------
+    def actors(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        tasks: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("step", self.step.run), ("device", self.device.run), ("deadlines", self.deadlines.run),
+            ("retire", self.retire.run), ("retire", self.reporter.run),
+        ]
+        if self.spill is not None and self.swap_in is not None:
+            tasks += [("spill", self.spill.run), ("swap-in", self.swap_in.run)]
+        if self.log is not None:
+            tasks.append(("log", self.log.run))
+        faults = self.config.faults
+        if faults is not None and faults.crash_actor is not None:
+            tasks.append((faults.crash_actor, self._injected_crash))
+        return tasks
+
+    async def _injected_crash(self) -> None:
+        assert self.config.faults is not None
+        await trio.sleep(self.config.faults.crash_after)
+        raise RuntimeError("injected crash")
+
+    async def _guard(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await run()
+        except Exception as exc:
+            actor = "log" if isinstance(exc, LogWriteFailed) else name
+            error = EngineError(actor, exc)
+            if self.fatal is None:
+                self.fatal = error
+                self.retire.fail_all(error)
+                self.live_changed.set()
+            raise error from exc
+
+    @asynccontextmanager
+    async def supervise(self) -> AsyncIterator[trio.Nursery]:
+        async with trio.open_nursery() as nursery:
+            for name, run in self.actors():
+                nursery.start_soon(self._guard, name, run, name=f"tickloom-{name}")
+            yield nursery
+
+    async def shutdown(self) -> None:
+        """End what is left with explicit errors (the core's shutdown input), then stop the device."""
+        self.closing = True
+        if self.fatal is None:
+            with trio.move_on_after(10):
+                await self.client.send(Shutdown())
+                await self.step.shut_down.wait()
+        self.device.stop_nowait()
+
+    def close(self) -> None:
+        """Release what outlives the nursery: the log (closed at its last whole frame) and spill files."""
+        if self.log is not None:
+            self.log.writer.close()
+        if self.store is not None:
+            self.store.close()
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def now_ns(self) -> int:
+        return int(trio.current_time() * 1e9)
+
+    def tokenize(self, prompt: str | list[int] | Sequence[dict[str, Any]]) -> list[int]:
+        if isinstance(prompt, str):
+            try:
+                return list(self.tokenizer.encode(prompt))
+            except ValueError as exc:
+                raise RequestRejected(f"the prompt cannot be tokenized: {exc}") from None
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, Sequence) and all(isinstance(m, dict) and "role" in m for m in prompt):
+            text = self.tokenizer.render_chat(list(prompt), add_generation_prompt=True)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        raise RequestRejected("prompt must be a str, a list of token ids, or a list of chat messages")
+
+    async def acquire_slot(self) -> None:
+        if self.config.overload == "reject":
+            try:
+                self._slots.acquire_nowait()
+            except trio.WouldBlock:
+                raise EngineOverloaded(f"{len(self.live)} requests are open; the waiting queue is full") from None
+        else:
+            await self._slots.acquire()
+
+    def release_slot(self) -> None:
+        self._slots.release()
+
+    def open_stream(self, arrival: RequestArrived) -> Any:
+        self.live.add(arrival.request_id)
+        return self.retire.open_stream(arrival.request_id, arrival.params, len(arrival.prompt_token_ids),
+                                       trio.current_time())
+
+    def finished(self, request_id: str) -> None:
+        if request_id in self.live:
+            self.live.discard(request_id)
+            self.release_slot()
+            self.live_changed.set()
+            self.live_changed = trio.Event()
+
+    def stats(self) -> dict[str, Any]:
+        gauges = self.core.gauges()
+        s = self.step.stats
+        elapsed = max(time.monotonic() - self.started_at, 1e-9)
+        return {
+            "waiting": gauges.waiting, "running": gauges.running, "preempted": gauges.preempted,
+            "swapped": gauges.swapped, "blocks_free": gauges.free_blocks, "blocks_cached": gauges.cached_blocks,
+            "blocks_total": self.core_config.num_blocks, "ticks": s.ticks, "steps": s.steps, "tokens": s.tokens,
+            "tokens_per_s": s.tokens / elapsed, "preemptions": s.preemptions, "swaps": s.swaps,
+            "spill_bytes": self.store.spilled_bytes if self.store is not None else 0, "log_bytes": s.log_bytes,
+        }
+
+
+class _FaultySpill(SpillActor):
+    """A spill actor that fails the writes of chosen requests (``FaultPlan.fail_spill``)."""
+
+    def __init__(self, store: SpillStore, outbox: Outbox, limit: int, fail: set[str]) -> None:
+        super().__init__(store, outbox, limit)
+        self._fail = fail
+
+    def accept_nowait(self, request_id: str, kv: Any, error: str = "") -> None:
+        if kv is not None and request_id in self._fail:
+            kv, error = None, "injected spill write error"
+        super().accept_nowait(request_id, kv, error)
+
+
+async def build_runtime(config: EngineConfig) -> Runtime:
+    """Load the model (in a worker thread) and wire everything; nothing runs until ``supervise``."""
+    common = dict(
+        block_size=config.block_size, max_batch_size=config.max_batch_size,
+        max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens,
+        admit_watermark=config.admit_watermark, pipeline_depth=config.pipeline_depth,
+        spill_enabled=config.spill_enabled, preempt_immunity_tokens=config.preempt_immunity_tokens,
+        think_start_token=config.think_start_token, think_end_token=config.think_end_token,
+        prefix_caching=config.prefix_caching, max_waiting=config.max_waiting,
+    )
+    if config.model == "stub":
+        tokenizer = StubTokenizer(config.stub_vocab_size)
+        num_blocks = config.num_blocks or 1024
+        core_config = CoreConfig(num_blocks=num_blocks, max_seq_len=config.max_seq_len,
+                                 vocab_size=config.stub_vocab_size, eos_token_ids=(tokenizer.eos_token_id,),
+                                 **common)  # type: ignore[arg-type]
+        return Runtime(config, core_config, tokenizer, "stub", None, ("", "stub", "", 0))
+    from engine.model import ModelExecutor, load_model
+
+    loaded = await trio.to_thread.run_sync(load_model, config.model, config.dtype, config.device, config.threads)
+    import torch
+
+    mcfg = loaded.config
+    max_seq_len = min(config.max_seq_len, mcfg.max_position_embeddings)
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    else:
+        dtype_bytes = torch.tensor([], dtype=loaded.model.dtype).element_size()
+        per_block = 2 * mcfg.num_layers * config.block_size * mcfg.num_kv_heads * mcfg.head_dim * dtype_bytes
+        num_blocks = max(config.kv_memory_bytes // per_block, max_seq_len // config.block_size + 1)
+    core_config = CoreConfig(num_blocks=num_blocks, max_seq_len=max_seq_len, vocab_size=mcfg.vocab_size,
+                             eos_token_ids=tuple(mcfg.eos_token_ids), **common)  # type: ignore[arg-type]
+    executor = ModelExecutor(loaded.model, num_blocks, config.block_size)
+    info = (torch.__version__, str(loaded.model.device), str(loaded.model.dtype).removeprefix("torch."),
+            torch.get_num_threads())
+    return Runtime(config, core_config, loaded.tokenizer, loaded.fingerprint, executor, info)
