@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 import trio
@@ -43,7 +43,7 @@ class Executor(Protocol):
     """What ``engine.model.ModelExecutor`` offers (and ``StubExecutor``)."""
 
     def bind(self, request_id: str, params: SamplingSpecLike, seed: int, prompt_len: int,
-             masked_token_ids: list[int]) -> None: ...
+             masked_token_ids: list[int], prompt_token_ids: Sequence[int] = ()) -> None: ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -144,7 +144,7 @@ class ThreadDevice:
         elif isinstance(command, BindRequest):
             # SamplingSpec is frozen; the protocol declares plain attributes, which mypy reads as settable.
             ex.bind(command.request_id, cast(SamplingSpecLike, command.params), command.seed, command.prompt_len,
-                    list(command.masked_token_ids))
+                    list(command.masked_token_ids), command.prompt_token_ids)
         elif isinstance(command, ReleaseRequest):
             ex.release(command.request_id)
         elif isinstance(command, SpillOut):

@@ -268,6 +268,6 @@ async def build_runtime(config: EngineConfig) -> Runtime:
     core_config = CoreConfig(num_blocks=num_blocks, max_seq_len=max_seq_len, vocab_size=mcfg.vocab_size,
                              eos_token_ids=tuple(mcfg.eos_token_ids), **common)  # type: ignore[arg-type]
     executor = ModelExecutor(loaded.model, num_blocks, config.block_size)
-    info = (torch.__version__, str(loaded.model.device), str(loaded.model.dtype).removeprefix("torch."),
+    info = (str(torch.__version__), str(loaded.model.device), str(loaded.model.dtype).removeprefix("torch."),
             torch.get_num_threads())
     return Runtime(config, core_config, loaded.tokenizer, loaded.fingerprint, executor, info)

@@ -27,6 +27,8 @@ class BindRequest(Record, frozen=True, tag="bind"):
     prompt_len: int
     masked_token_ids: list[int]
     """Token ids masked at sampling while the output index is below ``params.min_tokens``."""
+    prompt_token_ids: list[int] = []
+    """The prompt, so that the executor knows the tokens a prefix-cache hit skips (penalties need them)."""
 
 
 class RunStep(Record, frozen=True, tag="step"):

@@ -16,7 +16,9 @@ NAME = "bench"
 HELP = "run a benchmark and print its figures"
 
 BENCHES: dict[str, str] = {
+    "core": "tools.bench_core",
     "log": "tools.bench_log",
+    "replay": "tools.bench_replay",
 }
 """Benchmark name -> module. Add ``core``, ``model``, ``engine`` and ``replay`` here as they land."""
 

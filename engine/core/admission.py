@@ -62,7 +62,9 @@ def admit(state: CoreState, ctx: TickContext) -> None:
         demand += need
         masked = [] if head.params.ignore_eos else list(config.eos_token_ids)
         masked += [t for t in head.params.stop_token_ids if t not in masked]
-        ctx.commands.append(BindRequest(head.request_id, head.params, head.seed, len(head.prompt), masked))
+        ctx.commands.append(
+            BindRequest(head.request_id, head.params, head.seed, len(head.prompt), masked, list(head.prompt))
+        )
         head.bound = True
 
 

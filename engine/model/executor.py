@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.model.batch import RowSpec, build_step_batch
@@ -46,8 +47,12 @@ class ModelExecutor:
         seed: int,
         prompt_len: int,
         masked_token_ids: list[int],
+        prompt_token_ids: Sequence[int] = (),
     ) -> None:
-        self._requests[request_id] = _RequestState(params, seed, prompt_len, list(masked_token_ids))
+        """``prompt_token_ids`` lets rows start past a prefix-cache hit: the skipped tokens are known."""
+        state = _RequestState(params, seed, prompt_len, list(masked_token_ids))
+        state.tokens.extend(prompt_token_ids)
+        self._requests[request_id] = state
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.model.types import HostKV, SamplingSpecLike, StepResult
@@ -40,6 +41,7 @@ class StubExecutor:
         seed: int,
         prompt_len: int,
         masked_token_ids: list[int],
+        prompt_token_ids: Sequence[int] = (),
     ) -> None:
         self._requests[request_id] = _StubRequest(seed, prompt_len)
 

@@ -1,0 +1,26 @@
+"""``tickloom bench core`` runs at tiny sizes and prints the documented JSON keys (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools.cli import main
+
+
+def test_bench_core_json_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "core", "--json", "--batches", "4", "8", "--ticks", "3", "--warmup", "5"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["batch"] for line in lines] == [4, 8]
+    for line in lines:
+        assert line["bench"] == "core" and line["depth"] == 1 and line["ticks"] == 3
+        for key in ("us_per_request_step", "us_per_request_step_depth2", "ratio_to_vllm", "us_per_tick"):
+            assert isinstance(line[key], float) and line[key] > 0
+        assert line["vllm_us_per_request_step"] == 11.5 and line["goal_ratio"] == 0.13
+
+
+def test_bench_core_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "core", "--batches", "4", "--ticks", "2", "--warmup", "2", "--depths", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM" in out and "not installable" in out and "N=4" in out and "depth 2" in out

@@ -1,0 +1,204 @@
+"""``tickloom bench core``: what one scheduler tick costs per request, the core alone, with the oracle as model.
+
+For each batch size N: N decode sequences with 128-token prompts and mixed lengths, so that a few finish every
+tick and are replaced by new arrivals (whose prefill joins the step: a mixed step, as in serving). After a
+warm-up that reaches that steady state, ``--ticks`` steady ticks are timed, each one:
+
+- building the tick's ``TickInputs`` (the ``StepDone`` of the previous step, which the oracle computed outside the
+  timer as the device would, plus the replacement arrivals),
+- ``core.tick`` (the digest is inside it),
+- encoding the tick's log frame (``events.encode_tick`` with ``core.last_encoded_commands``), with no file I/O.
+
+The figure is the median over the steady ticks of (tick time / N), in microseconds per request per tick.
+
+Reference: vLLM 0.33's V1 scheduler measured about 11.5 µs per request per step on this machine (a recorded
+figure: vLLM is not installable here, so it is not re-measured). The goal is a ratio of at most 0.13 to it at
+N = 256, about 1.5 µs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+HELP = "scheduler core cost per request per tick, oracle as model, against vLLM's recorded figure"
+
+VLLM_US_PER_REQUEST_STEP = 11.5
+"""vLLM 0.33 V1 scheduler, per request per step, measured on this machine (recorded; vLLM is not installable)."""
+GOAL_RATIO = 0.13
+GOAL_BATCH = 256
+PROMPT_LEN = 128
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024],
+                        help="decode batch sizes N (default 64 256 1024)")
+    parser.add_argument("--ticks", type=int, default=200, help="steady-state ticks timed per N (default 200)")
+    parser.add_argument("--warmup", type=int, default=150, help="ticks run before timing (default 150)")
+    parser.add_argument("--depths", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+                        help="pipeline depths to measure (default 1 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and prompts")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the timed part of the steady ticks (cProfile; the first batch and depth)")
+
+
+class _Workload:
+    """N sequences kept running: each ``Finish`` is answered by a fresh arrival in the next tick."""
+
+    def __init__(self, batch: int, depth: int, seed: int) -> None:
+        from engine.core import CoreConfig, SchedulerCore
+        from engine.core.oracle import OracleExecutor
+
+        self.rng = random.Random(seed)
+        self.batch = batch
+        self.max_len = 160
+        blocks_per_seq = (PROMPT_LEN + self.max_len) // 16 + 2
+        config = CoreConfig(
+            num_blocks=batch * blocks_per_seq + 64,
+            block_size=16,
+            max_batch_size=batch,
+            max_seq_len=PROMPT_LEN + self.max_len + 16,
+            max_prefill_tokens=max(1024, batch * 4),
+            max_batch_tokens=batch + max(1024, batch * 4),
+            pipeline_depth=depth,
+            vocab_size=32000,
+            max_waiting=batch * 2,
+        )
+        self.core = SchedulerCore(config)
+        self.oracle = OracleExecutor(config.vocab_size)
+        self.next_id = 0
+        self.tick = 0
+        self.now_ns = 0
+        self.device: list[Any] = []
+        self.results: list[Any] = []
+        # The first population starts "mid-flight": lengths spread over [1, max], so finishes are even at once.
+        self.arrivals: list[Any] = [self._arrival(self.rng.randint(1, self.max_len)) for _ in range(batch)]
+
+    def _arrival(self, max_tokens: int) -> Any:
+        from events import RequestArrived, SamplingSpec
+
+        rid = f"b{self.next_id}"
+        self.next_id += 1
+        prompt = [self.rng.randrange(32000) for _ in range(PROMPT_LEN)]
+        return RequestArrived(rid, prompt, SamplingSpec(max_tokens=max_tokens), seed=self.next_id)
+
+    def step(self, timed: list[int] | None, profiler: Any = None) -> int:
+        """One tick; appends its time (ns) to ``timed`` if given. Returns the rows of the step it planned."""
+        from events import Finish, RunStep, TickInputs, encode_tick
+
+        core = self.core
+        inputs = self.results + self.arrivals
+        if profiler is not None:
+            profiler.enable()
+        t0 = time.perf_counter_ns()
+        tick_inputs = TickInputs(self.tick, self.now_ns, inputs)
+        outputs = core.tick(tick_inputs)
+        encode_tick(tick_inputs, outputs, core.last_encoded_commands)
+        t1 = time.perf_counter_ns()
+        if profiler is not None:
+            profiler.disable()
+        if timed is not None:
+            timed.append(t1 - t0)
+        # The actors, outside the timer: the device runs one step per tick, clients replace finished requests.
+        self.tick += 1
+        self.now_ns += 20_000_000
+        rows = 0
+        self.arrivals = []
+        for command in outputs.commands:
+            if isinstance(command, Finish):
+                self.arrivals.append(self._arrival(self.rng.randint(self.max_len // 4, self.max_len)))
+            elif isinstance(command, RunStep):
+                rows = len(command.request_ids)
+        self.device += outputs.commands
+        self.results = []
+        while self.device:
+            command = self.device.pop(0)
+            self.results += self.oracle.handle([command])
+            if isinstance(command, RunStep):
+                break
+        while self.device and not isinstance(self.device[0], RunStep):
+            self.results += self.oracle.handle([self.device.pop(0)])
+        return rows
+
+
+def measure(batch: int, depth: int, ticks: int, warmup: int, seed: int, profile: bool = False) -> dict[str, Any]:
+    work = _Workload(batch, depth, seed)
+    for _ in range(warmup):
+        work.step(None)
+    timed: list[int] = []
+    rows: list[int] = []
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    for _ in range(ticks):
+        rows.append(work.step(timed, profiler))
+    if profiler is not None:
+        import io
+        import pstats
+
+        out = io.StringIO()
+        stats = pstats.Stats(profiler, stream=out)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(30)
+        print(out.getvalue())
+    gauges = work.core.gauges()
+    per_request = [t / 1000 / batch for t in timed]
+    return {
+        "batch": batch,
+        "depth": depth,
+        "us_per_request_step": statistics.median(per_request),
+        "us_per_request_step_p90": sorted(per_request)[int(0.9 * (len(per_request) - 1))],
+        "us_per_tick": statistics.median(timed) / 1000,
+        "rows_per_tick": statistics.median(rows),
+        "running": gauges.running,
+        "ticks": ticks,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from tools.cli import CliError
+
+    if min(args.batches) < 1 or args.ticks < 1 or args.warmup < 0:
+        raise CliError("--batches and --ticks must be at least 1, --warmup at least 0")
+    if not args.json:
+        print(f"tickloom bench core: 128-token prompts, mixed lengths, {args.warmup} warm-up ticks, "
+              f"median of {args.ticks} steady ticks; tick = TickInputs + core.tick (digest) + frame encode")
+        print(f"  reference: vLLM 0.33 V1 scheduler {VLLM_US_PER_REQUEST_STEP} µs/request/step on this machine "
+              "(recorded figure; vLLM is not installable here, so it is not re-measured)")
+        print(f"  goal: ratio <= {GOAL_RATIO}x at N={GOAL_BATCH} "
+              f"(about {GOAL_RATIO * VLLM_US_PER_REQUEST_STEP:.1f} µs/request/tick)")
+    for batch in args.batches:
+        results = {
+            depth: measure(batch, depth, args.ticks, args.warmup, args.seed,
+                           profile=args.profile and batch == args.batches[0] and depth == args.depths[0])
+            for depth in args.depths
+        }
+        first = results[args.depths[0]]
+        line: dict[str, Any] = {"bench": "core", **first}
+        line["ratio_to_vllm"] = first["us_per_request_step"] / VLLM_US_PER_REQUEST_STEP
+        line["vllm_us_per_request_step"] = VLLM_US_PER_REQUEST_STEP
+        line["goal_ratio"] = GOAL_RATIO
+        for depth, result in results.items():
+            if depth != first["depth"]:
+                line[f"us_per_request_step_depth{depth}"] = result["us_per_request_step"]
+                line[f"ratio_to_vllm_depth{depth}"] = result["us_per_request_step"] / VLLM_US_PER_REQUEST_STEP
+        if args.json:
+            print(json.dumps(line))
+            continue
+        for depth, result in results.items():
+            ratio = result["us_per_request_step"] / VLLM_US_PER_REQUEST_STEP
+            goal = ""
+            if batch == GOAL_BATCH:
+                goal = "  (goal met)" if ratio <= GOAL_RATIO else f"  (goal {GOAL_RATIO}x not met)"
+            print(
+                f"  N={batch:<5} depth {depth}: {result['us_per_request_step']:7.3f} µs/request/tick "
+                f"(p90 {result['us_per_request_step_p90']:.3f}), {result['us_per_tick']:9.1f} µs/tick, "
+                f"{result['rows_per_tick']:.0f} rows/step; ratio to vLLM {ratio:.3f}x{goal}"
+            )
+    return 0
