@@ -76,7 +76,9 @@ def test_fixtures_read_back_equal() -> None:
         ticks = [r for r in records if isinstance(r, TickRecord)]
         snapshots = [r for r in records if isinstance(r, SnapshotRecord)]
         assert _undigested_ticks(ticks) == _undigested_ticks(fixture_ticks())
-        assert snapshots == [fixture_snapshot()]
+        assert [msgspec.structs.replace(s, digest=b"") for s in snapshots] == [
+            msgspec.structs.replace(fixture_snapshot(), digest=b"")
+        ]
         assert records.index(snapshots[0]) == SNAPSHOT_AFTER + 1
 
 

@@ -29,6 +29,8 @@ EX_DATAERR = 65
 SUBCOMMANDS: tuple[str, ...] = (
     "tools.cmd_bench",
     "tools.cmd_log",
+    "tools.cmd_replay",
+    "tools.cmd_inspect",
 )
 """Modules that each add one subcommand, in ``--help`` order. Add yours here."""
 

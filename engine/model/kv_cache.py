@@ -80,10 +80,13 @@ class PagedKVCache:
         return out_k, out_v
 
     def copy_blocks_in(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write host tensors (``layers x blocks x ...``) into the given device blocks."""
-        if k.shape[1] != len(block_ids):
-            raise ValueError(f"host KV holds {k.shape[1]} blocks, {len(block_ids)} block ids given")
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        """Write host tensors (``layers x blocks x ...``) into the first of the given device blocks.
+
+        The core may hand over more blocks than were spilled (room for the next token); the rest stay as they are.
+        """
+        if k.shape[1] > len(block_ids):
+            raise ValueError(f"host KV holds {k.shape[1]} blocks, only {len(block_ids)} block ids given")
+        idx = torch.tensor(block_ids[: k.shape[1]], dtype=torch.long, device=self.device)
         non_blocking = self.device.type == "cuda" and k.is_pinned()
         for layer in range(self.num_layers):
             self.k[layer].index_copy_(0, idx, k[layer].to(self.device, non_blocking=non_blocking))

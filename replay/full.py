@@ -1,0 +1,215 @@
+"""Full replay: re-run a model on the logged steps and compare its sampled tokens with the logged ``StepDone``s.
+
+The executor is anything with ``handle(commands) -> inputs`` that runs device commands in order (``OracleExecutor``
+or ``ModelDevice`` around ``engine.model.executor.ModelExecutor``). Sampling is counter-based, so the same weights
+give the same tokens whatever the batch; the first differing (step, row) names a model or numerics difference.
+Only ``ModelDevice`` and ``load_device`` import torch, and only when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal
+
+from events import (
+    NOT_FED,
+    BindRequest,
+    Command,
+    DropSpill,
+    Input,
+    LogError,
+    LogReader,
+    ReleaseRequest,
+    RunStep,
+    SpillOut,
+    StepDone,
+    StepFailed,
+    SwapIn,
+)
+from replay.record import DEVICE_COMMANDS, Device
+
+if TYPE_CHECKING:
+    from engine.model.executor import ModelExecutor
+
+
+@dataclasses.dataclass(slots=True)
+class FullReport:
+    """What a full replay found."""
+
+    status: Literal["identical", "divergent", "unreadable"]
+    path: str
+    steps: int = 0
+    """Steps whose tokens were compared."""
+    rows: int = 0
+    """Sampled rows compared."""
+    failed_steps: int = 0
+    """Steps that failed in the log (not compared)."""
+    seconds: float = 0.0
+    tick: int | None = None
+    """The tick whose inputs hold the first differing ``StepDone``."""
+    step_id: int | None = None
+    row: int | None = None
+    request_id: str | None = None
+    expected_token: int | None = None
+    got_token: int | None = None
+    error: str | None = None
+    note: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return {"identical": 0, "divergent": 1, "unreadable": 2}[self.status]
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def format_text(self) -> str:
+        note = f"\n  note: {self.note}" if self.note else ""
+        if self.status == "identical":
+            return (f"identical (full): {self.steps} steps, {self.rows} sampled rows, "
+                    f"{self.failed_steps} failed steps skipped, {self.seconds:.2f} s{note}")
+        if self.status == "unreadable":
+            return f"unreadable: {self.error}"
+        if self.expected_token is not None:
+            return (f"divergent (full): step {self.step_id} (settled at tick {self.tick}) row {self.row} "
+                    f"request {self.request_id!r}: expected token {self.expected_token}, got {self.got_token}"
+                    f" (after {self.rows} identical rows){note}")
+        return f"divergent (full): step {self.step_id} (tick {self.tick}): {self.error}{note}"
+
+
+def verify_full(path: str | os.PathLike[str], executor: Device, *, note: str | None = None) -> FullReport:
+    """Feed every logged device command to ``executor`` in order; compare each step's tokens with the log's."""
+    report = FullReport("identical", os.fspath(path), note=note)
+    produced: dict[int, Input] = {}
+    start = time.perf_counter()
+    try:
+        with LogReader(path) as reader:
+            for record in reader.ticks():
+                tick = record.inputs.tick
+                for item in record.inputs.inputs:
+                    if isinstance(item, StepFailed):
+                        produced.pop(item.step_id, None)
+                        report.failed_steps += 1
+                    elif isinstance(item, StepDone) and not _compare(report, tick, item, produced.pop(item.step_id,
+                                                                                                    None)):
+                        return report
+                for command in record.outputs.commands:
+                    if isinstance(command, DEVICE_COMMANDS):
+                        try:
+                            results = executor.handle([command])
+                        except Exception as exc:
+                            report.status = "divergent"
+                            report.tick = tick
+                            report.step_id = getattr(command, "step_id", None)
+                            report.error = f"the executor raised on {type(command).__name__}: {exc!r}"
+                            return report
+                        for result in results:
+                            if isinstance(result, StepDone | StepFailed):
+                                produced[result.step_id] = result
+    except LogError as exc:
+        report.status = "unreadable"
+        report.error = str(exc)
+    finally:
+        report.seconds = time.perf_counter() - start
+    return report
+
+
+def _compare(report: FullReport, tick: int, logged: StepDone, ours: Input | None) -> bool:
+    report.tick = tick
+    report.step_id = logged.step_id
+    if not isinstance(ours, StepDone):
+        report.status = "divergent"
+        report.error = "the re-run step failed" if isinstance(ours, StepFailed) else "the step was never run"
+        return False
+    if ours.request_ids != logged.request_ids:
+        report.status = "divergent"
+        report.error = f"rows differ: logged {logged.request_ids}, re-run {ours.request_ids}"
+        return False
+    for row, (rid, expected, got) in enumerate(zip(logged.request_ids, logged.token_ids, ours.token_ids,
+                                                   strict=True)):
+        if expected != got:
+            report.status = "divergent"
+            report.row, report.request_id = row, rid
+            report.expected_token, report.got_token = expected, got
+            return False
+    report.steps += 1
+    report.rows += len(logged.token_ids)
+    return True
+
+
+class ModelDevice:
+    """Plays the device thread around a ``ModelExecutor``: runs device commands in order, answers ``RunStep``."""
+
+    def __init__(self, executor: ModelExecutor) -> None:
+        self.executor = executor
+        self.spilled: dict[str, Any] = {}
+
+    def handle(self, commands: Iterable[Command]) -> list[Input]:
+        results: list[Input] = []
+        ex = self.executor
+        for command in commands:
+            if isinstance(command, BindRequest):
+                # SamplingSpec is frozen; SamplingSpecLike declares settable fields, but the executor only reads them
+                params: Any = command.params
+                ex.bind(command.request_id, params, command.seed, command.prompt_len, list(command.masked_token_ids),
+                        list(command.prompt_token_ids))
+            elif isinstance(command, RunStep):
+                results.append(self.run_step(command))
+            elif isinstance(command, SpillOut):
+                host = ex.copy_out(command.request_id, list(command.block_ids), command.num_tokens)
+                host.wait()
+                self.spilled[command.request_id] = host
+            elif isinstance(command, SwapIn):
+                host = _pad_blocks(self.spilled.pop(command.request_id), len(command.block_ids))
+                ex.copy_in(command.request_id, list(command.block_ids), host)
+            elif isinstance(command, DropSpill):
+                self.spilled.pop(command.request_id, None)
+            elif isinstance(command, ReleaseRequest):
+                ex.release(command.request_id)
+                self.spilled.pop(command.request_id, None)
+        return results
+
+    def run_step(self, step: RunStep) -> StepDone | StepFailed:
+        tokens = list(step.token_ids)
+        offset = 0
+        for i, fed in enumerate(step.fed_from):
+            if fed != NOT_FED:
+                tokens[offset] = -1
+            offset += step.num_tokens[i]
+        try:
+            result = self.executor.run_step(
+                list(step.request_ids), list(step.positions), list(step.num_tokens), tokens,
+                list(step.sample_indices), list(step.block_starts), list(step.num_new_blocks),
+                list(step.new_block_ids),
+            )
+        except Exception as exc:
+            return StepFailed(step.step_id, f"{type(exc).__name__}: {exc}")
+        ids = [rid for rid, k in zip(step.request_ids, step.sample_indices, strict=True) if k >= 0]
+        return StepDone(step.step_id, ids, list(result.token_ids))
+
+
+def _pad_blocks(host: Any, blocks: int) -> Any:
+    """``SwapIn`` may bring more blocks (room to grow) than were spilled; ``ModelExecutor.copy_in`` wants exactly as
+    many host blocks as block ids, so pad the host copy with zero blocks (never read: beyond ``num_tokens``)."""
+    import torch
+
+    k, v = host.k, host.v
+    if k is None or v is None or k.shape[1] >= blocks:
+        return host
+    pad = list(k.shape)
+    pad[1] = blocks - k.shape[1]
+    return type(host)(torch.cat([k, k.new_zeros(pad)], dim=1), torch.cat([v, v.new_zeros(pad)], dim=1),
+                      host.num_tokens)
+
+
+def load_device(model: str, num_blocks: int, block_size: int, *, dtype: str | None = None,
+                device: str | None = None) -> tuple[ModelDevice, str]:
+    """Load ``model`` (a name or path ``engine.model.loaders.load_model`` knows) as a ``ModelDevice``; returns it
+    and the model's fingerprint."""
+    from engine.model.executor import ModelExecutor
+    from engine.model.loaders import load_model
+
+    loaded = load_model(model, dtype=dtype or None, device=device or None)
+    return ModelDevice(ModelExecutor(loaded.model, num_blocks=num_blocks, block_size=block_size)), loaded.fingerprint

@@ -1,0 +1,272 @@
+"""Record a log by driving a ``SchedulerCore`` with a scripted workload: the engine's stand-in for tests and benches.
+
+``record_core_run`` plays every actor around the core, as the step actor will: the device (any object with
+``handle(commands) -> inputs``, e.g. ``OracleExecutor``, run in command order like the device thread's FIFO), the
+spill store (``SpillDone`` when the device has run the ``SpillOut``), the swap-in prefetcher (``SwapInReady``), the
+deadline actor (``DeadlineReached`` once ``now_ns`` reaches a watched deadline) and the retire actor (a
+``StopMatched`` when a scripted stop index is streamed). It writes the log exactly as the engine will: a header whose
+``config_json`` holds the core configuration under ``"core"``, one frame per tick with the core's encoded commands,
+and a snapshot after every ``snapshot_every`` ticks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import os
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+from engine.core import CoreConfig, SchedulerCore
+from engine.core.oracle import OracleExecutor
+from engine.core.snapshot import encode_snapshot
+from events import (
+    DIGEST_VERSION,
+    FORMAT_VERSION,
+    SCHEMA_HASH,
+    BindRequest,
+    Command,
+    DeadlineReached,
+    DropSpill,
+    EmitTokens,
+    Input,
+    LogHeader,
+    LogWriter,
+    PrefetchSpill,
+    ReleaseRequest,
+    RequestArrived,
+    RunStep,
+    SamplingSpec,
+    SnapshotRecord,
+    SpillDone,
+    SpillOut,
+    SwapIn,
+    SwapInReady,
+    TickInputs,
+    TickOutputs,
+    UnwatchDeadline,
+    WatchDeadline,
+)
+
+ENGINE_VERSION = "tickloom-record/0.1"
+"""``engine_version`` of logs written by ``record_core_run``."""
+
+TICK_NS = 1_000_000
+
+DEVICE_COMMANDS = (BindRequest, RunStep, SwapIn, ReleaseRequest, SpillOut, DropSpill)
+"""Commands the device thread executes, in order."""
+
+
+class Device(Protocol):
+    """Plays the device executor: runs commands in order and returns the inputs they produce."""
+
+    def handle(self, commands: Iterable[Command]) -> list[Input]: ...
+
+
+@dataclasses.dataclass(slots=True)
+class RecordResult:
+    """What a recorded run did."""
+
+    path: str
+    ticks: int
+    rows: int
+    core: SchedulerCore
+    inputs: list[TickInputs]
+    outputs: list[TickOutputs]
+
+
+def header_for(config: CoreConfig, *, snapshot_every: int = 0, engine_version: str = ENGINE_VERSION,
+               model_fingerprint: str = "", **extra: str | int) -> LogHeader:
+    """The header the engine writes for ``config``: the core configuration sits under ``"core"``."""
+    config_json = json.dumps({"core": json.loads(config.to_json()), "engine": {"recorder": True}}, sort_keys=True)
+    return LogHeader(
+        FORMAT_VERSION,
+        SCHEMA_HASH,
+        DIGEST_VERSION,
+        engine_version,
+        config_json,
+        model_fingerprint=model_fingerprint,
+        snapshot_every=snapshot_every,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def record_core_run(
+    path: str | os.PathLike[str],
+    config: CoreConfig,
+    script: Mapping[int, Sequence[Input]],
+    *,
+    device: Device | None = None,
+    snapshot_every: int = 0,
+    spill_fails: Iterable[str] = (),
+    stop_at: Mapping[str, int] | None = None,
+    device_lag: int = 0,
+    steps_per_tick: int = 1,
+    tick_ns: int = TICK_NS,
+    max_ticks: int = 100_000,
+    model_fingerprint: str = "",
+    keep: bool = True,
+    overwrite: bool = False,
+) -> RecordResult:
+    """Run ``config``'s core on ``script`` (tick -> inputs the clients send at that tick) and log every tick.
+
+    Stops once the script is done and nothing is pending, in flight, watched or asked for. ``keep`` keeps every
+    tick's inputs and outputs in the result.
+    """
+    core = SchedulerCore(config)
+    if device is None:
+        avoid = tuple(config.eos_token_ids) + tuple(
+            t for t in (config.think_start_token, config.think_end_token) if t is not None
+        )
+        device = OracleExecutor(config.vocab_size, avoid=avoid)
+    fails = set(spill_fails)
+    stops = dict(stop_at or {})
+    last_scripted = max(script, default=-1)
+    queue: deque[tuple[int, Command]] = deque()
+    pending: list[Input] = []
+    deadlines: list[tuple[int, str]] = []
+    watched: dict[str, int] = {}
+    result = RecordResult(os.fspath(path), 0, 0, core, [], [])
+    header = header_for(config, snapshot_every=snapshot_every, model_fingerprint=model_fingerprint)
+    with LogWriter(path, header, overwrite=overwrite) as writer:
+        needs_tick = False
+        for tick in range(max_ticks):
+            if tick > last_scripted and not (pending or queue or needs_tick or watched):
+                break
+            now = tick * tick_ns
+            while deadlines and deadlines[0][0] <= now:
+                deadline, rid = heapq.heappop(deadlines)
+                if watched.get(rid) == deadline:
+                    del watched[rid]
+                    pending.append(DeadlineReached(rid, deadline))
+            tick_inputs = TickInputs(tick, now, [*pending, *script.get(tick, ())])
+            pending = []
+            out = core.tick(tick_inputs)
+            writer.append_tick(tick_inputs, out, core.last_encoded_commands)
+            if snapshot_every > 0 and (tick + 1) % snapshot_every == 0:
+                writer.append_snapshot(SnapshotRecord(tick, out.digest, encode_snapshot(core.snapshot())))
+            if tick % 64 == 63:
+                writer.flush()
+            if keep:
+                result.inputs.append(tick_inputs)
+                result.outputs.append(out)
+            result.ticks += 1
+            needs_tick = out.needs_tick
+            for command in out.commands:
+                if isinstance(command, DEVICE_COMMANDS):
+                    queue.append((tick, command))
+                    result.rows += len(command.request_ids) if isinstance(command, RunStep) else 0
+                elif isinstance(command, PrefetchSpill):
+                    pending.append(SwapInReady(command.request_id))
+                elif isinstance(command, WatchDeadline):
+                    watched[command.request_id] = command.deadline_ns
+                    heapq.heappush(deadlines, (command.deadline_ns, command.request_id))
+                elif isinstance(command, UnwatchDeadline):
+                    watched.pop(command.request_id, None)
+                elif isinstance(command, EmitTokens):
+                    for rid, index in zip(command.request_ids, command.token_indices, strict=True):
+                        if stops.get(rid) == index:
+                            del stops[rid]
+                            pending.append(_stop_matched(rid, index))
+            steps = 0
+            due = tick - device_lag
+            while queue and queue[0][0] <= due:
+                command = queue[0][1]
+                if isinstance(command, RunStep):
+                    if steps >= steps_per_tick:
+                        break
+                    steps += 1
+                queue.popleft()
+                pending += device.handle([command])
+                if isinstance(command, SpillOut):
+                    ok = command.request_id not in fails
+                    pending.append(SpillDone(command.request_id, ok, "" if ok else "disk full", 0))
+        else:
+            raise RuntimeError(f"record_core_run: still busy after {max_ticks} ticks")
+    return result
+
+
+def _stop_matched(request_id: str, index: int) -> Input:
+    from events import StopMatched
+
+    return StopMatched(request_id, index)
+
+
+def arrival(request_id: str, prompt_len: int, max_tokens: int, **kw: object) -> RequestArrived:
+    """An arrival with a prompt of ``prompt_len`` tokens derived from the request id."""
+    base = 1000 + 97 * sum(map(ord, request_id))
+    prompt = [(base + 7 * i) % 400 + 100 for i in range(prompt_len)]
+    seed = kw.pop("seed", sum(map(ord, request_id)))
+    return RequestArrived(request_id, prompt, SamplingSpec(max_tokens=max_tokens), seed=seed, **kw)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Scenario:
+    """A workload for ``record_core_run``."""
+
+    config: CoreConfig
+    script: dict[int, list[Input]]
+    spill_fails: tuple[str, ...] = ()
+    stop_at: dict[str, int] = dataclasses.field(default_factory=dict)
+    fail_steps: frozenset[int] = frozenset()
+    scripted: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
+    device_lag: int = 0
+
+    def device(self) -> OracleExecutor:
+        avoid = tuple(self.config.eos_token_ids)
+        return OracleExecutor(self.config.vocab_size, avoid=avoid, scripted=dict(self.scripted),
+                              fail_steps=self.fail_steps)
+
+    def record(self, path: str | os.PathLike[str], *, snapshot_every: int = 0, device: Device | None = None,
+               overwrite: bool = False, keep: bool = True) -> RecordResult:
+        return record_core_run(path, self.config, self.script, device=device or self.device(),
+                               snapshot_every=snapshot_every, spill_fails=self.spill_fails, stop_at=self.stop_at,
+                               device_lag=self.device_lag, overwrite=overwrite, keep=keep)
+
+
+def everything_scenario() -> Scenario:
+    """A small run with swap, requeue, running ahead, deadlines, cancellations, stop matches, EOS and step failures."""
+    config = CoreConfig(
+        num_blocks=40, block_size=4, max_batch_size=8, max_seq_len=96, max_prefill_tokens=32,
+        max_batch_tokens=64, pipeline_depth=2, spill_enabled=True, preempt_immunity_tokens=4,
+        eos_token_ids=(2,), vocab_size=512,
+    )
+    script: dict[int, list[Input]] = {}
+    for i in range(14):
+        rid = f"r{i:02d}"
+        kw: dict[str, object] = {}
+        if i == 5:
+            kw["deadline_ns"] = 9 * TICK_NS
+        if i == 11:
+            kw["priority"] = -1
+        script.setdefault(i // 2, []).append(arrival(rid, 8 + (i * 5) % 13, 24 + (i * 7) % 17, **kw))
+    script.setdefault(9, []).append(_cancel("r12"))
+    return Scenario(
+        config=config,
+        script=script,
+        spill_fails=("r01",),
+        stop_at={"r07": 3},
+        fail_steps=frozenset({40}),
+        scripted={"r09": {5: 2}},
+        device_lag=1,
+    )
+
+
+def _cancel(request_id: str) -> Input:
+    from events import RequestCancelled
+
+    return RequestCancelled(request_id)
+
+
+def steady_scenario(batch: int, decode_tokens: int, prompt_len: int = 32) -> Scenario:
+    """``batch`` requests arriving at once and decoding ``decode_tokens`` tokens each: a steady decode batch."""
+    per_seq = -(-(prompt_len + decode_tokens + 2) // 16)
+    config = CoreConfig(
+        num_blocks=batch * per_seq + 64, block_size=16, max_batch_size=batch, max_seq_len=16 * per_seq,
+        max_prefill_tokens=max(512, prompt_len * batch), max_batch_tokens=max(4096, prompt_len * batch + batch),
+        vocab_size=32000,
+    )
+    script: dict[int, list[Input]] = {0: [arrival(f"s{i:04d}", prompt_len, decode_tokens) for i in range(batch)]}
+    return Scenario(config=config, script=script)

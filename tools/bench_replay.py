@@ -1,0 +1,98 @@
+"""``tickloom bench replay``: exact-replay throughput next to the core's own, on the same ticks.
+
+A log of ``--batch`` requests decoding ``--tokens`` tokens each is recorded with the oracle as the device. Then,
+best of ``--repeat`` interleaved rounds:
+
+- replay: ``replay.verify`` of the whole file (read, CRC checks, decode, ``core.tick``, digest compare);
+- core: ``core.tick`` alone on the same, already decoded ``TickInputs`` with a fresh core.
+
+The ratio is core time / replay time (goal >= 0.7x). The second figure, replay time / live wall time for a log of
+the tiny-bench model at batch 32, needs the live engine; it prints "n/a (engine not available)" until it lands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+HELP = "exact replay throughput against the core's own tick rate on the same inputs"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, default=64, help="requests decoding together (default 64)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens each request decodes (default 512)")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds; the best is kept (default 5)")
+    parser.add_argument("--snapshot-every", type=int, default=0, help="snapshot frames every N ticks (default 0)")
+    parser.add_argument("--dir", default=None, help="directory for the log file (default: a temporary one)")
+
+
+def _live_engine_available() -> bool:
+    try:
+        from engine import Engine  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.core import SchedulerCore
+    from events import LogReader
+    from replay import verify
+    from replay.record import steady_scenario
+    from tools.cli import CliError
+
+    if min(args.batch, args.tokens, args.repeat) < 1 or args.snapshot_every < 0:
+        raise CliError("--batch, --tokens and --repeat must be at least 1; --snapshot-every at least 0")
+    scenario = steady_scenario(args.batch, args.tokens)
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="tickloom-bench-") as tmp:
+        path = os.path.join(tmp, "replay.tlog")
+        recorded = scenario.record(path, snapshot_every=args.snapshot_every, keep=False)
+        with LogReader(path) as reader:
+            inputs = [r.inputs for r in reader.ticks()]
+        size = os.path.getsize(path)
+        best_replay = best_core = float("inf")
+        report = None
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            report = verify(path)
+            best_replay = min(best_replay, time.perf_counter() - t0)
+            core = SchedulerCore(scenario.config)
+            tick = core.tick
+            t0 = time.perf_counter()
+            for item in inputs:
+                tick(item)
+            best_core = min(best_core, time.perf_counter() - t0)
+        assert report is not None
+        if report.status != "identical":
+            raise CliError(f"the recorded log did not replay identically: {report.format_text()}", status=1)
+    ticks, rows = recorded.ticks, recorded.rows
+    assert rows == report.rows and ticks == report.ticks, (rows, report.rows)
+    results: list[dict[str, object]] = [
+        {"bench": "replay", "figure": "exact_replay", "batch": args.batch, "ticks": ticks, "rows": rows,
+         "log_bytes": size, "ticks_per_s": ticks / best_replay, "rows_per_s": rows / best_replay,
+         "core_ticks_per_s": ticks / best_core, "core_rows_per_s": rows / best_core,
+         "ratio": best_core / best_replay, "goal": 0.7, "repeat": args.repeat},
+    ]
+    live: dict[str, object] = {"bench": "replay", "figure": "replay_vs_live", "model": "tiny-bench", "batch": 32}
+    if _live_engine_available():
+        live["ratio"] = None
+        live["note"] = "n/a (live engine found but not wired into this bench yet)"
+    else:
+        live["ratio"] = None
+        live["note"] = "n/a (engine not available)"
+    results.append(live)
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+        return 0
+    r = results[0]
+    print(f"tickloom bench replay: {ticks} ticks at batch {args.batch} ({rows} rows, {size} bytes), "
+          f"best of {args.repeat}")
+    print(f"  exact replay   {r['ticks_per_s']:10.0f} ticks/s {r['rows_per_s']:12.0f} rows/s")
+    print(f"  core.tick only {r['core_ticks_per_s']:10.0f} ticks/s {r['core_rows_per_s']:12.0f} rows/s")
+    print(f"  ratio (replay rows/s / core rows/s) {r['ratio']:.2f}x (goal >= 0.7x)")
+    print(f"  replay time / live wall time, tiny-bench at batch 32: {live['note']}")
+    return 0

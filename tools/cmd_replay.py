@@ -1,0 +1,134 @@
+"""``tickloom replay LOG``: replay a log on the real core and prove every decision reproduces, or name the first
+tick that diverges.
+
+Exit status: 0 identical (or nothing found by ``--bisect``); 1 divergent, the core raised while replaying, or
+``--bisect`` found a violation; 2 the log cannot be read; 64 usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+NAME = "replay"
+HELP = "replay a log on the core: identical, or the first divergent tick with a diff"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("log", help="the log file")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--full", action="store_true", help="also re-run the model and compare sampled tokens")
+    mode.add_argument("--bisect", action="store_true", help="find the first tick where check_invariants() fails")
+    mode.add_argument("--until", type=int, metavar="TICK", help="replay up to TICK (seeking from a snapshot)")
+    parser.add_argument("--dump", action="store_true", help="with --until: print the core state at TICK")
+    parser.add_argument("--model", help="with --full: the model (name, directory or .gguf) to re-run")
+    parser.add_argument("--device", default=None, help="with --full: torch device (default cpu)")
+    parser.add_argument("--dtype", default=None, help="with --full: dtype (default: the log header's, else float32)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tools.cli import CliError
+
+    if args.dump and args.until is None:
+        raise CliError("--dump needs --until TICK")
+    if args.model and not args.full:
+        raise CliError("--model needs --full")
+    if args.full and not args.model:
+        raise CliError("--full needs --model M (the model the log was written with)")
+    if args.until is not None and args.until < 0:
+        raise CliError("--until must be a tick number (0 or more)")
+    if not os.path.isfile(args.log):
+        return _emit(args, {"status": "unreadable", "error": f"{args.log}: no such file"},
+                     f"unreadable: {args.log}: no such file", 2)
+    if args.until is not None:
+        return _until(args)
+    if args.bisect:
+        from replay import bisect
+
+        report = bisect(args.log)
+        return _emit(args, report.to_json(), report.format_text(), report.exit_code)
+    from replay import verify
+
+    report = verify(args.log)
+    if not args.full or report.exit_code != 0:
+        return _emit(args, report.to_json(), report.format_text(), report.exit_code)
+    if not args.json:
+        print(report.format_text())
+    return _full(args, report.to_json())
+
+
+def _emit(args: argparse.Namespace, obj: dict[str, object], text: str, code: int) -> int:
+    if args.json:
+        print(json.dumps(obj, default=_json_default))
+    else:
+        print(text)
+    return code
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError(type(value).__name__)
+
+
+def _full(args: argparse.Namespace, exact: dict[str, object]) -> int:
+    from events import LogError, LogReader
+    from replay import core_config_from_header
+    from replay.full import load_device, verify_full
+
+    try:
+        with LogReader(args.log) as reader:
+            header = reader.header
+    except LogError as exc:
+        print(f"unreadable: {exc}")
+        return 2
+    config = core_config_from_header(header)
+    device, fingerprint = load_device(args.model, config.num_blocks, config.block_size,
+                                      dtype=args.dtype or header.dtype or None, device=args.device)
+    note = None
+    if header.model_fingerprint and header.model_fingerprint != fingerprint:
+        note = f"model fingerprint {fingerprint} differs from the log's {header.model_fingerprint}"
+    report = verify_full(args.log, device, note=note)
+    if args.json:
+        print(json.dumps({**exact, "full": report.to_json(), "status": report.status}, default=_json_default))
+    else:
+        print(report.format_text())
+    return report.exit_code
+
+
+def _until(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from events import LogError
+    from replay import ReplayConfigError, core_at
+
+    try:
+        core = core_at(args.log, args.until)
+    except (LogError, ReplayConfigError) as exc:
+        return _emit(args, {"status": "unreadable", "error": str(exc)}, f"unreadable: {exc}", 2)
+    except ValueError as exc:
+        from tools.cli import CliError
+
+        raise CliError(str(exc)) from exc
+    except Exception as exc:
+        return _emit(args, {"status": "divergent", "error": str(exc)},
+                     f"divergent: the core raised while replaying to tick {args.until}: {exc}", 1)
+    snapshot = core.snapshot()
+    if args.json:
+        print(msgspec.json.encode({"status": "ok", "tick": core.state.tick, "state": snapshot}).decode())
+        return 0
+    state = core.state
+    g = core.gauges()
+    print(f"state after tick {state.tick} (now_ns {state.now_ns}, digest {state.digest.hex()})")
+    print(f"  waiting {g.waiting}, running {g.running}, preempted {g.preempted}, swapped {g.swapped}, "
+          f"free blocks {g.free_blocks}, cached blocks {g.cached_blocks}, steps in flight "
+          f"{[s.step_id for s in state.steps]}")
+    if args.dump:
+        for seq in state.seqs.values():
+            print(f"  {seq.request_id}: {seq.status.name.lower()}, prompt {len(seq.prompt)}, outputs "
+                  f"{len(seq.outputs)}, computed {seq.num_computed}, blocks {seq.block_ids}")
+        print(f"  free blocks: {list(state.pool.free)}")
+        print(f"  cached blocks: {list(state.pool.cached)}")
+    return 0
