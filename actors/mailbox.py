@@ -63,8 +63,9 @@ class Outbox:
 class Reporter:
     """A non-blocking way into the inbox for code that must not wait: bounded, forwarded by ``run``."""
 
-    def __init__(self, outbox: Outbox, limit: int, name: str) -> None:
+    def __init__(self, outbox: Outbox, limit: int, name: str, delay: float = 0.0) -> None:
         self._outbox = outbox
+        self._delay = delay
         self._pending: deque[Input] = deque()
         self._limit = limit
         self._name = name
@@ -79,6 +80,8 @@ class Reporter:
     async def run(self) -> None:
         while True:
             while self._pending:
+                if self._delay:
+                    await trio.sleep(self._delay)
                 await self._outbox.send(self._pending.popleft())
             await self._wakeup.wait()
             self._wakeup = trio.Event()

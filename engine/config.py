@@ -21,6 +21,8 @@ class FaultPlan(msgspec.Struct, frozen=True, kw_only=True):
     crash_actor: str | None = None
     """An actor name ("deadlines", "retire", "spill", "swap-in", "log") that raises after ``crash_after`` s."""
     crash_after: float = 0.0
+    report_delay: float = 0.0
+    """Seconds the retire actor's reports (stop matches, clients gone) are held back: a late-noticed match."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

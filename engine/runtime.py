@@ -93,7 +93,8 @@ class Runtime:
                                      fail_steps=frozenset(faults.fail_steps) if faults else frozenset())
         else:
             self.device = ThreadDevice(executor, device_outbox, self.spill, limit * 4)
-        self.reporter = Reporter(Outbox(Source.RETIRE, send.clone()), limit, "retire")
+        self.reporter = Reporter(Outbox(Source.RETIRE, send.clone()), limit, "retire",
+                                 delay=faults.report_delay if faults else 0.0)
         self.retire = RetireActor(tokenizer, self.reporter.report_nowait)
         self.deadlines = DeadlineActor(Outbox(Source.DEADLINE, send.clone()), limit)
         self.log: LogActor | None = None
@@ -164,7 +165,10 @@ class Runtime:
     def close(self) -> None:
         """Release what outlives the nursery: the log (closed at its last whole frame) and spill files."""
         if self.log is not None:
-            self.log.writer.close()
+            if self.fatal is not None and self.fatal.actor == "log":
+                self.log.writer.abandon()
+            else:
+                self.log.writer.close()
         if self.store is not None:
             self.store.close()
 

@@ -51,6 +51,7 @@ class LogWriter:
         end_frame(self._buffer, start, "header", 0)
         self._fd: int | None = os.open(self.path, flags, 0o600)
         os.fchmod(self._fd, 0o600)
+        self.flush()  # a log always starts with a readable header, even if nothing else is ever written
 
     # Frames are encoded straight into the write buffer behind a reserved header (no payload copies); if encoding
     # raises, the partial frame is cut off again so the buffer only ever holds whole frames.
@@ -114,6 +115,13 @@ class LogWriter:
         try:
             self.flush()
         finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def abandon(self) -> None:
+        """Close without writing what is buffered: after a write error the file ends at its last whole frame."""
+        self._buffer.clear()
+        if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
