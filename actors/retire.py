@@ -1,0 +1,251 @@
+"""The retire actor: owns the client streams.
+
+The step actor hands it each tick's ``EmitTokens`` and ``Finish`` with ``deliver_nowait``, which never blocks or
+awaits: each request's ``StreamAssembler`` turns them into frames (detokenized, reasoning split, stop strings
+matched), and the frames wait in that request's bounded buffer until its client reads them. A client that falls
+behind gets its pending frames coalesced (deltas merged into the last pending frame) rather than a longer buffer,
+so a slow client never blocks the engine and never loses anything; the final frame is always kept.
+
+Stop matches are reported as ``StopMatched`` and clients that leave early as ``ClientGone``, both through the
+non-blocking ``report_nowait`` the engine supplies. ``fail_all`` makes every open stream raise a fatal error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import trio
+
+from actors.outputs import RequestOutput
+from actors.streams import Detokenizer, StreamAssembler
+from events.commands import Command, EmitTokens, Finish
+from events.inputs import ClientGone, Input, StopMatched
+from events.types import SamplingSpec
+
+__all__ = ["RequestStream", "RetireActor", "merge_frames"]
+
+
+def merge_frames(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One frame carrying ``a`` then ``b``: tokens and deltas concatenated, ``b``'s finish fields."""
+    if a.finished:
+        raise ValueError(f"{a.request_id!r}: cannot merge a frame after the final frame")
+    if a.logprobs is None and b.logprobs is None:
+        logprobs = None
+    else:
+        nan = float("nan")
+        logprobs = (a.logprobs or [nan] * len(a.token_ids)) + (b.logprobs or [nan] * len(b.token_ids))
+    return RequestOutput(
+        request_id=a.request_id,
+        token_ids=a.token_ids + b.token_ids,
+        text_delta=a.text_delta + b.text_delta,
+        reasoning_delta=a.reasoning_delta + b.reasoning_delta,
+        finished=b.finished,
+        finish_reason=b.finish_reason,
+        usage=b.usage,
+        error=b.error,
+        logprobs=logprobs,
+    )
+
+
+class _Stream:
+    """The actor's side of one stream: its assembler, pending frames, and the client's wake-up."""
+
+    __slots__ = ("assembler", "closed", "error", "finished", "frames", "lot", "max_frames", "request_id")
+
+    def __init__(self, request_id: str, assembler: StreamAssembler | None, max_frames: int) -> None:
+        self.request_id = request_id
+        self.assembler = assembler
+        self.max_frames = max_frames
+        self.frames: deque[RequestOutput] = deque()
+        self.lot = trio.lowlevel.ParkingLot()
+        self.finished = False
+        """The final frame has been produced (it may still be pending)."""
+        self.closed = False
+        """The client closed the stream."""
+        self.error: BaseException | None = None
+
+    def push(self, frame: RequestOutput) -> None:
+        frames = self.frames
+        if len(frames) >= self.max_frames:
+            frames[-1] = merge_frames(frames[-1], frame)
+        else:
+            frames.append(frame)
+        if frame.finished:
+            self.finished = True
+        if self.lot:
+            self.lot.unpark_all()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.frames.clear()
+        self.lot.unpark_all()
+
+
+class RequestStream:
+    """A client's stream of ``RequestOutput`` frames; an async iterator and an async context manager.
+
+    Iteration ends after the frame with ``finished=True``. Leaving early (``aclose``, the ``async with`` exit,
+    ``close_nowait``, or the stream being garbage-collected unfinished) reports ``ClientGone`` once, which the
+    core treats as a cancel. After ``RetireActor.fail_all`` every unfinished stream raises the fatal error.
+    """
+
+    def __init__(self, actor: RetireActor, stream: _Stream) -> None:
+        self.request_id = stream.request_id
+        self._actor = actor
+        self._stream = stream
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        stream = self._stream
+        while True:
+            if stream.error is not None:
+                raise stream.error
+            if stream.frames:
+                return stream.frames.popleft()
+            if stream.finished or stream.closed:
+                raise StopAsyncIteration
+            await stream.lot.park()
+
+    async def aclose(self) -> None:
+        """Leave the stream; reports ``ClientGone`` if the request has not finished (once)."""
+        self.close_nowait()
+        await trio.lowlevel.checkpoint()
+
+    def close_nowait(self) -> None:
+        """Synchronous ``aclose``: safe from ``__del__`` and from code that cannot await."""
+        self._actor._close(self._stream)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        stream = self.__dict__.get("_stream")
+        if stream is not None and not stream.closed and not stream.finished and stream.error is None:
+            self.close_nowait()
+
+
+class RetireActor:
+    """Owns the client streams; see the module docstring."""
+
+    def __init__(
+        self,
+        detokenizer: Detokenizer,
+        report_nowait: Callable[[Input], None],
+        max_buffered_frames: int = 1024,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        if max_buffered_frames < 1:
+            raise ValueError(f"max_buffered_frames must be at least 1, got {max_buffered_frames}")
+        self._detok = detokenizer
+        self._report = report_nowait
+        self._max_frames = max_buffered_frames
+        self._clock = clock
+        self._streams: dict[str, _Stream] = {}
+        self._fatal: BaseException | None = None
+
+    @property
+    def open_streams(self) -> int:
+        """Streams still waiting for their request's finish."""
+        return len(self._streams)
+
+    def open_stream(self, request_id: str, spec: SamplingSpec, prompt_len: int, submitted_at: float) -> RequestStream:
+        """Start assembling a request's stream; call before its arrival reaches the core."""
+        if request_id in self._streams:
+            raise ValueError(f"a stream for request {request_id!r} is already open")
+        if self._fatal is not None:
+            stream = _Stream(request_id, None, self._max_frames)
+            stream.error = self._fatal
+            return RequestStream(self, stream)
+        assembler = StreamAssembler(request_id, spec, prompt_len, self._detok, submitted_at)
+        stream = _Stream(request_id, assembler, self._max_frames)
+        self._streams[request_id] = stream
+        return RequestStream(self, stream)
+
+    def deliver_nowait(self, commands: Sequence[Command]) -> None:
+        """Take one tick's ``EmitTokens`` and ``Finish`` commands (others are ignored); never blocks."""
+        now = self._clock()
+        for command in commands:
+            if isinstance(command, EmitTokens):
+                self._emit(command, now)
+            elif isinstance(command, Finish):
+                stream = self._streams.pop(command.request_id, None)
+                if stream is not None:
+                    assert stream.assembler is not None
+                    stream.push(stream.assembler.on_finish(command, now))
+
+    def _emit(self, command: EmitTokens, now: float) -> None:
+        rids = command.request_ids
+        n = len(rids)
+        if n == 0:
+            return
+        # Group the columns by request, keeping each request's entries in order.
+        groups: dict[str, list[int]] = {}
+        for i, rid in enumerate(rids):
+            rows = groups.get(rid)
+            if rows is None:
+                groups[rid] = [i]
+            else:
+                rows.append(i)
+        tokens, indices, flags, logprobs = command.token_ids, command.token_indices, command.reasoning, command.logprobs
+        streams = self._streams
+        for rid, rows in groups.items():
+            stream = streams.get(rid)
+            if stream is None:
+                continue
+            assembler = stream.assembler
+            assert assembler is not None
+            if len(rows) == n:
+                frames, match = assembler.on_tokens(tokens, indices, flags, logprobs, now)
+            elif len(rows) == 1:
+                i = rows[0]
+                lp = None if logprobs is None else [logprobs[i]]
+                frames, match = assembler.on_tokens([tokens[i]], [indices[i]], [flags[i]], lp, now)
+            else:
+                frames, match = assembler.on_tokens(
+                    [tokens[i] for i in rows],
+                    [indices[i] for i in rows],
+                    [flags[i] for i in rows],
+                    None if logprobs is None else [logprobs[i] for i in rows],
+                    now,
+                )
+            for frame in frames:
+                stream.push(frame)
+            if match is not None:
+                self._report(StopMatched(rid, match))
+
+    def fail_all(self, error: BaseException) -> None:
+        """A fatal engine error: every open stream (and every stream opened later) raises ``error``."""
+        self._fatal = error
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            stream.fail(error)
+
+    def _close(self, stream: _Stream) -> None:
+        if stream.closed:
+            return
+        stream.closed = True
+        stream.frames.clear()
+        stream.lot.unpark_all()
+        if stream.finished or stream.error is not None:
+            return
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        self._report(ClientGone(stream.request_id))
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The actor's task. Delivery is synchronous and reports go through ``report_nowait``, so it only waits."""
+        task_status.started()
+        await trio.sleep_forever()
