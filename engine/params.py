@@ -54,11 +54,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 raise RequestRejected(f"SamplingParams.{field}={getattr(self, field)!r} {why}")
 
     def to_spec(self) -> SamplingSpec:
-        """The logged wire form (the seed travels separately, in the arrival)."""
+        """The logged wire form (the seed travels separately, in the arrival).
+
+        Floats are made floats: ``temperature=0`` would otherwise encode as an int, decode as 0.0 and re-encode
+        to other bytes, so a replay's digest would differ from the live run's.
+        """
         return SamplingSpec(
-            max_tokens=self.max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
-            top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, stop=list(self.stop),
+            max_tokens=self.max_tokens, min_tokens=self.min_tokens, temperature=float(self.temperature),
+            top_k=self.top_k, top_p=float(self.top_p), min_p=float(self.min_p),
+            repetition_penalty=float(self.repetition_penalty), presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty), stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids), include_stop_str=self.include_stop_str,
             ignore_eos=self.ignore_eos, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
             thinking_budget=self.thinking_budget, skip_special_tokens=self.skip_special_tokens,
