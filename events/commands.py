@@ -27,7 +27,7 @@ class BindRequest(Record, frozen=True, tag="bind"):
     prompt_len: int
     masked_token_ids: list[int]
     """Token ids masked at sampling while the output index is below ``params.min_tokens``."""
-    prompt_token_ids: list[int] = []
+    prompt_token_ids: list[int] = []  # noqa: RUF012 (msgspec copies mutable defaults per instance)
     """The prompt, so that the executor knows the tokens a prefix-cache hit skips (penalties need them)."""
 
 

@@ -67,7 +67,7 @@ async def test_e04_stop_strings(tmp_path: Path, autojump_clock: trio.testing.Moc
         assert last.usage.completion_tokens == 8 and len(tokens) == 8
     assert at_once[-1].usage == late[-1].usage
     assert core_reason == "stop", "the core stopped scheduling the sequence"
-    with_stop, _ = await _stop_run(tmp_path / "incl.tlog", [stop], 0.0)
+    _with_stop, _ = await _stop_run(tmp_path / "incl.tlog", [stop], 0.0)
     for name in ("plain", "once", "late", "incl"):
         assert_replays(tmp_path / f"{name}.tlog")
 
@@ -184,7 +184,7 @@ async def test_e05_rejected_requests_open_no_stream(tmp_path: Path, autojump_clo
             engine.generate("x" * 64, SamplingParams())
         with pytest.raises(RequestRejected, match="outside vocab_size=96"):
             engine.generate([1, 2, 500], SamplingParams())
-        with pytest.raises(RequestRejected, match="SamplingParams.top_p=0"):
+        with pytest.raises(RequestRejected, match=r"SamplingParams\.top_p=0"):
             SamplingParams(top_p=0)
         with pytest.raises(RequestRejected, match="deadline"):
             engine.generate("ok", deadline=-1)
@@ -194,10 +194,9 @@ async def test_e05_rejected_requests_open_no_stream(tmp_path: Path, autojump_clo
 
 async def test_e07_every_run_replays_with_the_cli(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     log = tmp_path / "run.tlog"
-    async with Engine.open(stub_config(log, snapshot_every=4)) as engine:
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(engine.complete, f"p{i}", SamplingParams(max_tokens=12, seed=i))
+    async with Engine.open(stub_config(log, snapshot_every=4)) as engine, trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(engine.complete, f"p{i}", SamplingParams(max_tokens=12, seed=i))
     result = subprocess.run([sys.executable, "-m", "tools", "replay", str(log)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("identical:")
