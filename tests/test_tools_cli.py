@@ -57,6 +57,7 @@ def test_bench_log_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert [(r["figure"], r.get("sync")) for r in lines] == [
         ("bytes_per_tick", None),
         ("append", "never"),
+        ("append_engine_path", "never"),
         ("append", "tick"),
         ("read_decode", None),
     ]
