@@ -18,10 +18,12 @@ from events import BindRequest
 
 def in_flight_demand(state: CoreState) -> int:
     """Blocks promised but not yet allocated: admitted reservations plus parked sequences' resume needs."""
-    demand = 0
-    for seq in state.running:
-        if seq.status is Status.RUNNING and seq.reserve > len(seq.block_ids):
-            demand += seq.reserve - len(seq.block_ids)
+    running = Status.RUNNING
+    demand = sum([
+        seq.reserve - len(seq.block_ids)
+        for seq in state.running
+        if seq.reserve > len(seq.block_ids) and seq.status is running
+    ])
     for seq in state.preempted:
         demand += resume_blocks(state, seq) + 1
     return demand
@@ -44,7 +46,9 @@ def admit(state: CoreState, ctx: TickContext) -> None:
     if not state.waiting:
         return
     config = state.config
-    active = sum(1 for seq in state.running if seq.status is Status.RUNNING)
+    active = state.active
+    if active >= config.max_batch_size:
+        return
     demand = in_flight_demand(state)
     while state.waiting and active < config.max_batch_size:
         head = state.waiting[0]

@@ -10,6 +10,7 @@ import hashlib
 import heapq
 from collections.abc import Sequence
 
+from engine.core.config import CoreConfig
 from engine.core.context import TickContext
 from engine.core.errors import InvariantViolation
 from engine.core.lifecycle import mark_finish, release_fences
@@ -94,9 +95,10 @@ def _invalid_arrival(state: CoreState, msg: RequestArrived) -> str | None:
         return "empty prompt"
     if len(prompt) >= config.max_seq_len:
         return f"prompt of {len(prompt)} tokens does not fit max_seq_len={config.max_seq_len}"
-    for position, token in enumerate(prompt):
-        if not 0 <= token < config.vocab_size:
-            return f"prompt token id {token} at position {position} is outside vocab_size={config.vocab_size}"
+    if min(prompt) < 0 or max(prompt) >= config.vocab_size:
+        for position, token in enumerate(prompt):
+            if not 0 <= token < config.vocab_size:
+                return f"prompt token id {token} at position {position} is outside vocab_size={config.vocab_size}"
     if params.max_tokens < 1:
         return f"max_tokens={params.max_tokens} must be at least 1"
     if not 0 <= params.min_tokens <= params.max_tokens:
@@ -163,37 +165,87 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
     """
     step = _step_to_settle(state, msg.step_id)
     samplers = step.samplers
-    if len(msg.request_ids) != len(samplers) or any(
-        seq.request_id != rid for seq, rid in zip(samplers, msg.request_ids, strict=True)
-    ):
+    if msg.request_ids != step.sampler_ids:
         raise InvariantViolation(
             "step results match their step",
-            f"step {msg.step_id} sampled for {[s.request_id for s in samplers]} but reported {msg.request_ids}",
+            f"step {msg.step_id} sampled for {step.sampler_ids} but reported {msg.request_ids}",
         )
     if len(msg.token_ids) != len(samplers):
         raise InvariantViolation("step results match their step",
                                  f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(samplers)} rows")
     state.settled_step = msg.step_id
+    running = Status.RUNNING
     for seq, end in zip(step.seqs, step.kv_ends, strict=True):
         if end > seq.kv_settled:
             seq.kv_settled = end
-        if seq.has_spill and seq.status is Status.RUNNING:
+        if seq.has_spill and seq.status is running:
             seq.has_spill = False
             ctx.commands.append(DropSpill(seq.request_id))
+    config = state.config
     logprobs = msg.logprobs
-    running = Status.RUNNING
-    for i, seq in enumerate(samplers):
+    if logprobs is not None or ctx.emit_logprobs is not None or config.think_start_token is not None:
+        for i, seq in enumerate(samplers):
+            seq.inflight -= 1
+            if seq.status is running:
+                _check_index(msg.step_id, seq, step.sample_indices[i])
+                commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i])
+        release_fences(state, ctx)
+        return
+    # The common token, inlined: no thinking markers configured and no logprobs, so committing is an append,
+    # four column appends to the stream, and one test against the stop set and length limit fixed at the
+    # sequence's first settle (``_stop_rule``). A hit applies the same rules, in the same order, as
+    # ``commit_token``; the thinking budget never applies (nothing can enter a thinking section).
+    emit_ids = ctx.emit_ids.append
+    emit_tokens = ctx.emit_tokens.append
+    emit_indices = ctx.emit_indices.append
+    emit_reasoning = ctx.emit_reasoning.append
+    for seq, index, token in zip(samplers, step.sample_indices, msg.token_ids, strict=True):
         seq.inflight -= 1
         if seq.status is not running:
             continue
-        if step.sample_indices[i] != len(seq.outputs):
-            raise InvariantViolation(
-                "step results match their step",
-                f"step {msg.step_id} sampled output {step.sample_indices[i]} of {seq.request_id!r}, "
-                f"which has {len(seq.outputs)} outputs",
-            )
-        commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i])
+        outputs = seq.outputs
+        if index != len(outputs):
+            _check_index(msg.step_id, seq, index)
+        outputs.append(token)
+        emit_ids(seq.request_id)
+        emit_tokens(token)
+        emit_indices(index)
+        emit_reasoning(seq.thinking)
+        rule = seq._stop_rule
+        if rule is None:
+            rule = seq._stop_rule = _stop_rule(config, seq)
+        if index + 1 >= rule[1] or token in rule[0]:
+            _apply_stop_rules(state, seq, token, index)
     release_fences(state, ctx)
+
+
+def _stop_rule(config: CoreConfig, seq: Seq) -> tuple[frozenset[int], int]:
+    """(tokens that may stop ``seq``, the output count that ends it by length): fixed for its whole life."""
+    params = seq.params
+    stops = frozenset(params.stop_token_ids) if params.ignore_eos else frozenset(
+        (*config.eos_token_ids, *params.stop_token_ids))
+    return stops, min(params.max_tokens, config.max_seq_len - len(seq.prompt))
+
+
+def _check_index(step_id: int, seq: Seq, index: int) -> None:
+    if index != len(seq.outputs):
+        raise InvariantViolation(
+            "step results match their step",
+            f"step {step_id} sampled output {index} of {seq.request_id!r}, which has {len(seq.outputs)} outputs",
+        )
+
+
+def _apply_stop_rules(state: CoreState, seq: Seq, token: int, index: int) -> None:
+    """The stop and length rules for output ``index`` (already appended): stop first, then length."""
+    config = state.config
+    params = seq.params
+    count = index + 1
+    if count >= params.min_tokens and (
+        (not params.ignore_eos and token in config.eos_token_ids) or token in params.stop_token_ids
+    ):
+        mark_finish(state, seq, "stop", index)
+    if count >= params.max_tokens or len(seq.prompt) + count >= config.max_seq_len:
+        mark_finish(state, seq, "length", index)
 
 
 def commit_token(state: CoreState, ctx: TickContext, seq: Seq, token: int, logprob: float | None) -> None:
@@ -211,15 +263,8 @@ def commit_token(state: CoreState, ctx: TickContext, seq: Seq, token: int, logpr
         elif reasoning:
             seq.thinking_tokens += 1
     ctx.emit(seq.request_id, token, index, reasoning, logprob)
-    params = seq.params
-    count = index + 1
-    if count >= params.min_tokens and (
-        (not params.ignore_eos and token in config.eos_token_ids) or token in params.stop_token_ids
-    ):
-        mark_finish(state, seq, "stop", index)
-    if count >= params.max_tokens or len(seq.prompt) + count >= config.max_seq_len:
-        mark_finish(state, seq, "length", index)
-    budget = params.thinking_budget
+    _apply_stop_rules(state, seq, token, index)
+    budget = seq.params.thinking_budget
     if (
         seq.thinking
         and budget is not None

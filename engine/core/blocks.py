@@ -28,12 +28,16 @@ HASH_SIZE = 16
 ROOT_HASH = bytes(HASH_SIZE)
 
 
+_PACKERS: dict[int, struct.Struct] = {}
+
+
 def block_hash(parent: bytes, tokens: Sequence[int], salt: str) -> bytes:
     """The prefix-cache key of one full block: it names the block's tokens and everything before them."""
-    h = hashlib.blake2b(parent, digest_size=HASH_SIZE)
-    h.update(salt.encode())
-    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
-    return h.digest()
+    packer = _PACKERS.get(len(tokens))
+    if packer is None:
+        packer = _PACKERS[len(tokens)] = struct.Struct(f"<{len(tokens)}I")
+    # One call over the concatenation: blake2b streams, so this is the hash of parent, salt, then tokens.
+    return hashlib.blake2b(parent + salt.encode() + packer.pack(*tokens), digest_size=HASH_SIZE).digest()
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -91,18 +95,26 @@ class BlockPool:
 
     def reclaim(self, n: int, protect: Collection[int] = ()) -> int:
         """Evict up to ``n`` cached blocks in LRU order, skipping ``protect``; returns how many became free."""
-        freed = 0
         if n <= 0:
             return 0
-        for block in list(self.cached):
-            if freed >= n:
-                break
+        # Pop from the LRU end instead of copying the whole cache (it can hold thousands of blocks): skipped
+        # protected blocks go back to the front in their original order, so the LRU order is exactly what
+        # deleting in place would leave.
+        cached = self.cached
+        free = self.free
+        freed = 0
+        skipped: list[int] = []
+        while freed < n and cached:
+            block, _none = cached.popitem(last=False)
             if block in protect:
+                skipped.append(block)
                 continue
-            del self.cached[block]
             self._forget_hash(block)
-            self.free[block] = None
+            free[block] = None
             freed += 1
+        for block in reversed(skipped):
+            cached[block] = None
+            cached.move_to_end(block, last=False)
         return freed
 
     def release(self, blocks: Sequence[int]) -> None:

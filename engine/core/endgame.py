@@ -78,10 +78,6 @@ def _reasoning_tokens(state: CoreState, seq: Seq) -> int:
     return count
 
 
-def _active(state: CoreState) -> int:
-    return sum(1 for seq in state.running if seq.status is Status.RUNNING)
-
-
 def swap_in(state: CoreState, ctx: TickContext) -> None:
     """Bring swapped sequences back, the seed's loop.
 
@@ -89,9 +85,11 @@ def swap_in(state: CoreState, ctx: TickContext) -> None:
     has room: if the smallest does not fit in the free blocks, reclaim prefix-cache blocks pass by pass until
     it fits or a pass frees nothing; then resume the first candidate, in swap-out order, that fits.
     """
+    if not state.swapped:
+        return
     pool = state.pool
     size = state.config.block_size
-    active = _active(state)
+    active = state.active
     while active < state.config.max_batch_size:
         candidates = [seq for seq in state.swapped if seq.status is Status.SWAPPED and seq.swap_ready]
         if not candidates:
@@ -127,9 +125,11 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
     The sequence's own cached prefix counts towards its need and is never reclaimed to make room for it; a
     sequence that needs more blocks than the pool has gets an error instead of waiting forever.
     """
+    if not state.preempted:
+        return
     pool = state.pool
     size = state.config.block_size
-    active = _active(state)
+    active = state.active
     while state.preempted and active < state.config.max_batch_size:
         seq = min(state.preempted, key=lambda s: (resume_blocks(state, s), s.arrival))
         need = resume_blocks(state, seq)

@@ -23,9 +23,12 @@ def mark_finish(state: CoreState, seq: Seq, reason: FinishReason, index: int, er
         if (index, -FINISH_RANK[reason]) >= current:
             return False
     else:
-        queue = _QUEUE_OF.get(seq.status)
-        if queue is not None:
-            getattr(state, queue).remove(seq)
+        if seq.status is Status.RUNNING:
+            state.stale_running += 1  # it stays in ``running`` until the next prune
+        else:
+            queue = _QUEUE_OF.get(seq.status)
+            if queue is not None:
+                getattr(state, queue).remove(seq)
         seq.status = Status.FINISHED
         state.finishing.append(seq)
     seq.finish_reason = reason
@@ -101,7 +104,8 @@ def preempt(state: CoreState, ctx: TickContext, victim: Seq) -> None:
     little KV to save.
     """
     assert victim.inflight == 0 and is_settled(state, victim), "victims are settled"
-    state.running.remove(victim)
+    # A new list, not ``remove``: ``plan_step`` may be iterating the old one (it skips the victim by status).
+    state.running = [seq for seq in state.running if seq is not victim]
     decoding = victim.num_computed >= victim.prefill_target and victim.outputs
     if state.config.spill_enabled and decoding:
         ctx.commands.append(Preempted(victim.request_id, "swap"))

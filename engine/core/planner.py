@@ -58,58 +58,91 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
     config = state.config
     if state.shut_down or len(state.steps) >= config.pipeline_depth:
         return None
-    state.running = [seq for seq in state.running if seq.status is Status.RUNNING]
-    if not state.running:
+    state.prune_running()
+    running = state.running
+    if not running:
         return None
     step_id = state.next_step_id
     block_size = config.block_size
     token_budget = config.max_batch_tokens
+    is_running = Status.RUNNING
     rows: list[Seq] = []
     positions: list[int] = []
-    counts: list[int] = []
     token_ids: list[int] = []
     fed_from: list[int] = []
     sample_indices: list[int] = []
-    samplers: list[Seq] = []
-    sampled: list[int] = []
-    kv_ends: list[int] = []
-    registered: list[int] = []
+    prefilling: list[Seq] = []
+    rows_append = rows.append
+    positions_append = positions.append
+    token_ids_append = token_ids.append
+    fed_from_append = fed_from.append
+    sample_indices_append = sample_indices.append
+    block_starts: list[int] = []
+    num_new: list[int] = []
+    new_ids: list[int] = []
+    block_starts_append = block_starts.append
+    num_new_append = num_new.append
 
-    for seq in list(state.running):
+    # Decode rows. This loop is the hot path of a steady tick (one pass per running sequence), so it is kept
+    # flat: ``prefill_target`` is inlined, the sequences still prefilling are collected for the prefill loop
+    # below (which then need not scan the whole batch), and the columns that are the same for every decode
+    # row (counts, samplers, kv ends) are built after the loop. Each row's block-table delta is taken as the
+    # row is added: its table cannot change later in the plan (a victim never has a row in it).
+    # It iterates ``running`` itself, not a copy: ``preempt`` (reached through ``_ensure_blocks``) rebinds
+    # ``state.running`` to a new list rather than mutating this one, and a victim it takes is skipped here by
+    # its status, exactly as with a copy.
+    for seq in running:
         if token_budget <= 0:
             break
-        if seq.status is not Status.RUNNING or seq.num_computed < seq.prefill_target:
+        if seq.status is not is_running:
             continue
-        if seq.inflight and not _can_run_ahead(state, seq):
-            continue
+        outputs = seq.outputs
+        num_outputs = len(outputs)
         position = seq.num_computed
-        if position // block_size >= len(seq.block_ids) and not _ensure_blocks(
-            state, ctx, seq, position // block_size + 1, step_id
-        ):
+        if position < (len(seq.prompt) + num_outputs - 1 if num_outputs else len(seq.prompt)):
+            prefilling.append(seq)
             continue
-        rows.append(seq)
-        positions.append(position)
-        counts.append(1)
-        if seq.inflight:
-            token_ids.append(0)
-            fed_from.append(seq.last_step)
+        inflight = seq.inflight
+        if inflight and not _can_run_ahead(state, seq):
+            continue
+        table = seq.block_ids
+        size = len(table)
+        if position // block_size >= size:
+            if not _ensure_blocks(state, ctx, seq, position // block_size + 1, step_id):
+                continue
+            size = len(table)  # extended in place
+        rows_append(seq)
+        positions_append(position)
+        if inflight:
+            token_ids_append(0)
+            fed_from_append(seq.last_step)
         else:
-            token_ids.append(seq.outputs[-1])
-            fed_from.append(NOT_FED)
-        sample_indices.append(len(seq.outputs) + seq.inflight)
-        samplers.append(seq)
-        sampled.append(len(seq.outputs) + seq.inflight)
-        kv_ends.append(position + 1)
+            token_ids_append(outputs[-1])
+            fed_from_append(NOT_FED)
+        sample_indices_append(num_outputs + inflight)
         seq.num_computed = position + 1
-        seq.inflight += 1
+        seq.inflight = inflight + 1
         seq.last_step = step_id
         token_budget -= 1
+        sent = seq.sent_blocks
+        block_starts_append(sent)
+        num_new_append(size - sent)
+        if size > sent:
+            new_ids.extend(table[sent:])
+            seq.sent_blocks = size
+    counts = [1] * len(rows)
+    samplers = list(rows)
+    sampled = list(sample_indices)
+    kv_ends = [position + 1 for position in positions]
+    registered: list[int] = []
 
+    # Prefill chunks, in running order. When the decode loop stopped early the token budget is spent, so no
+    # chunk is planned and the sequences it did not reach need no look.
     prefill_budget = min(config.max_prefill_tokens, token_budget)
-    for seq in list(state.running):
+    for seq in prefilling:
         if prefill_budget <= 0:
             break
-        if seq.status is not Status.RUNNING or seq.num_computed >= seq.prefill_target:
+        if seq.status is not is_running or seq.num_computed >= seq.prefill_target:
             continue
         fresh = not seq.first_planned
         if fresh:
@@ -137,28 +170,21 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
         seq.num_computed = end
         seq.last_step = step_id
         prefill_budget -= count
+        _add_delta(seq, block_starts, num_new, new_ids)
         if config.prefix_caching:
             registered += cache_full_blocks(state, seq, end)
 
     if not rows:
         return None
-    block_starts: list[int] = []
-    num_new: list[int] = []
-    new_ids: list[int] = []
-    for seq in rows:
-        sent = seq.sent_blocks
-        block_starts.append(sent)
-        table = seq.block_ids
-        num_new.append(len(table) - sent)
-        if len(table) > sent:
-            new_ids.extend(table[sent:])
-            seq.sent_blocks = len(table)
+    request_ids = [seq.request_id for seq in rows]
     state.next_step_id += 1
-    state.steps.append(InflightStep(step_id, rows, samplers, sampled, kv_ends, registered))
+    state.steps.append(
+        InflightStep(step_id, rows, samplers, sampled, kv_ends, registered, [seq.request_id for seq in samplers])
+    )
     ctx.planned_step = True
     return RunStep(
         step_id,
-        [seq.request_id for seq in rows],
+        request_ids,
         positions,
         counts,
         token_ids,
@@ -168,6 +194,17 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
         num_new,
         new_ids,
     )
+
+
+def _add_delta(seq: Seq, block_starts: list[int], num_new: list[int], new_ids: list[int]) -> None:
+    """Record a row's block-table delta: only the blocks appended since its last step travel in ``RunStep``."""
+    table = seq.block_ids
+    sent = seq.sent_blocks
+    block_starts.append(sent)
+    num_new.append(len(table) - sent)
+    if len(table) > sent:
+        new_ids.extend(table[sent:])
+        seq.sent_blocks = len(table)
 
 
 def _claim_prefix(state: CoreState, seq: Seq) -> None:

@@ -23,7 +23,7 @@ from engine.core.errors import InvariantViolation
 from engine.core.invariants import check_invariants
 from engine.core.planner import plan_step
 from engine.core.snapshot import CoreSnapshot, restore_state, take_snapshot
-from engine.core.state import CoreState, Status
+from engine.core.state import CoreState
 from events import CoreGauges, TickInputs, TickOutputs, chain_digest, encode_commands
 
 
@@ -87,7 +87,7 @@ class SchedulerCore:
         state = self.state
         return CoreGauges(
             waiting=len(state.waiting),
-            running=sum(1 for seq in state.running if seq.status is Status.RUNNING),
+            running=state.active,
             preempted=len(state.preempted),
             swapped=len(state.swapped),
             free_blocks=state.pool.num_free,

@@ -12,7 +12,7 @@ import msgspec
 
 from engine.core.blocks import BlockPool
 from engine.core.config import CoreConfig
-from engine.core.state import CoreState, InflightStep, Seq
+from engine.core.state import CoreState, InflightStep, Seq, Status
 
 
 class StepSnapshot(msgspec.Struct, frozen=True, array_like=True):
@@ -136,11 +136,12 @@ def restore_state(snapshot: CoreSnapshot) -> CoreState:
     state.seqs = {seq.request_id: seq for seq in seqs[: snap.live]}
     state.waiting = [seqs[i] for i in snap.waiting]
     state.running = [seqs[i] for i in snap.running]
+    state.stale_running = sum(1 for seq in state.running if seq.status is not Status.RUNNING)
     state.preempted = [seqs[i] for i in snap.preempted]
     state.swapped = [seqs[i] for i in snap.swapped]
     state.steps = deque(
         InflightStep(s.step_id, [seqs[i] for i in s.rows], [seqs[i] for i in s.samplers], list(s.sample_indices),
-                     list(s.kv_ends), list(s.registered))
+                     list(s.kv_ends), list(s.registered), [seqs[i].request_id for i in s.samplers])
         for s in snap.steps
     )
     state.fences = deque((step, rid, list(blocks)) for step, rid, blocks in snap.fences)

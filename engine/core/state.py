@@ -87,6 +87,9 @@ class Seq:
     finish_reason: FinishReason | None = None
     finish_index: int = -1
     finish_error: str = ""
+    _stop_rule: tuple[frozenset[int], int] | None = None
+    """Cache for ``apply.settle_step``: (stop token set, length limit), set on first use. Private, so snapshots
+    (msgspec skips underscored attrs fields) do not hold it; a restored sequence recomputes it."""
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +127,8 @@ class InflightStep:
     """Per row, the KV position its last token writes, plus one."""
     registered: list[int]
     """Blocks whose hashes this step's plan registered: untrusted if the step fails."""
+    sampler_ids: list[str]
+    """The request ids of ``samplers``: a ``StepDone`` must list exactly these (checked with one compare)."""
 
 
 @attrs.define(slots=True, eq=False)
@@ -136,7 +141,10 @@ class CoreState:
     waiting: list[Seq] = attrs.Factory(list)
     """By (priority, arrival); only the head may be admitted (no overtaking)."""
     running: list[Seq] = attrs.Factory(list)
-    """Admitted sequences in admission order."""
+    """Admitted sequences in admission order. Finished ones linger until ``plan_step`` prunes them (the seed's
+    order, which ``_needs_tick`` observes), so the active count is ``len(running) - stale_running``."""
+    stale_running: int = 0
+    """How many sequences in ``running`` are finished (counted by ``mark_finish``, reset by the prune)."""
     preempted: list[Seq] = attrs.Factory(list)
     swapped: list[Seq] = attrs.Factory(list)
     """Swapping and swapped sequences in swap-out order."""
@@ -155,6 +163,17 @@ class CoreState:
     next_admission: int = 0
     digest: bytes = GENESIS_DIGEST
     shut_down: bool = False
+
+    @property
+    def active(self) -> int:
+        """Running sequences that are not finished: what ``max_batch_size`` bounds."""
+        return len(self.running) - self.stale_running
+
+    def prune_running(self) -> None:
+        """Drop the finished sequences from ``running`` (a no-op when none is)."""
+        if self.stale_running:
+            self.running = [seq for seq in self.running if seq.status is Status.RUNNING]
+            self.stale_running = 0
 
     @classmethod
     def create(cls, config: CoreConfig) -> CoreState:

@@ -1,0 +1,141 @@
+"""A safety net for optimising the core: fixed workloads must give byte-identical ``TickOutputs``, tick by tick.
+
+Each workload hashes every tick's ``events.encode(outputs)`` (commands, gauges and the chained digest) into one
+blake2b digest. The expected digests were recorded from the core before any performance work; any change to a
+decision, an order, a gauge or a command's bytes changes them. If a change is *meant* to alter decisions, record
+new digests (``python tests/test_core_golden_bytes.py`` prints them) and say why in the commit.
+
+Workloads: random blasts (``test_core_blast.run_blast``) across depth 1 and 2, spill, prefix caching and small
+pools; random-config blasts; ``tickloom bench core``'s steady-state workload at small N; and a thinking-budget
+workload with logprobs and scripted markers, which the blasts do not exercise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Iterable
+
+import pytest
+from core_harness import Harness
+from test_core_blast import blast_config, random_config, run_blast
+
+from engine.core import CoreConfig
+from engine.core.oracle import OracleExecutor
+from events import Command, Input, RequestArrived, SamplingSpec, StepDone, TickInputs, TickOutputs, encode
+
+
+def _digest(outputs: list[TickOutputs]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for out in outputs:
+        h.update(hashlib.blake2b(encode(out), digest_size=16).digest())
+    return f"{len(outputs)}:{h.hexdigest()}"
+
+
+def _blast(seed: int, ticks: int, depth: int, spill: bool, caching: bool, blocks: int, shutdown: bool) -> str:
+    return _digest(run_blast(seed, ticks, blast_config(depth, spill, caching, blocks), shutdown=shutdown).outputs)
+
+
+def _random_blast(seed: int) -> str:
+    return _digest(run_blast(seed, 400, random_config(seed), shutdown=seed % 3 == 0).outputs)
+
+
+def _bench(batch: int, depth: int, ticks: int) -> str:
+    from tools.bench_core import _Workload
+
+    work = _Workload(batch, depth, seed=7)
+    outputs: list[TickOutputs] = []
+    tick = work.core.tick
+
+    def recording(tick_inputs: TickInputs) -> TickOutputs:
+        out = tick(tick_inputs)
+        outputs.append(out)
+        return out
+
+    work.core.tick = recording  # type: ignore[method-assign]
+    for _ in range(ticks):
+        work.step(None)
+    return _digest(outputs)
+
+
+class _LogprobOracle(OracleExecutor):
+    """The oracle, with logprobs on the results of odd-numbered steps."""
+
+    def handle(self, commands: Iterable[Command]) -> list[Input]:
+        return [
+            StepDone(r.step_id, r.request_ids, r.token_ids, r.step_time_ns,
+                     [-0.25 * (i % 7) for i in range(len(r.token_ids))])
+            if isinstance(r, StepDone) and r.step_id % 2 else r
+            for r in super().handle(commands)
+        ]
+
+
+def _thinking(depth: int) -> str:
+    """Think markers (scripted), thinking budgets, min_tokens, stop ids and logprobs on every other step."""
+    config = CoreConfig(num_blocks=48, block_size=8, max_batch_size=6, max_seq_len=96, max_prefill_tokens=32,
+                        max_batch_tokens=48, pipeline_depth=depth, think_start_token=5, think_end_token=6,
+                        eos_token_ids=(1,), vocab_size=500, spill_enabled=depth == 2, preempt_immunity_tokens=4)
+    h = Harness(config, steps_per_tick=depth, oracle=_LogprobOracle(config.vocab_size, avoid=(1, 5, 6)))
+    rng = random.Random(depth)
+    for i in range(300):
+        arrivals = []
+        if i < 240 and rng.random() < 0.3:
+            rid = f"t{i}"
+            prompt = [rng.randrange(10, 500) for _ in range(rng.randint(1, 30))]
+            if rng.random() < 0.5:
+                prompt.append(5)
+            max_tokens = rng.choice((1, 4, 12, 30))
+            params = SamplingSpec(
+                max_tokens=max_tokens, min_tokens=rng.choice((0, 0, min(3, max_tokens))),
+                thinking_budget=rng.choice((None, 0, 2, 5)), stop_token_ids=rng.choice(([], [7])),
+                ignore_eos=rng.random() < 0.2,
+            )
+            script = {rng.randint(0, max_tokens): rng.choice((1, 5, 6, 7)) for _ in range(rng.randint(0, 3))}
+            h.oracle.scripted[rid] = script
+            arrivals.append(RequestArrived(rid, prompt, params, seed=i))
+        h.step(*arrivals)
+    h.run()
+    return _digest(h.outputs)
+
+
+WORKLOADS: dict[str, Callable[[], str]] = {
+    "blast-2601-d1-spill-cache-24": lambda: _blast(2601, 1500, 1, True, True, 24, False),
+    "blast-2602-d2-spill-cache-24-shutdown": lambda: _blast(2602, 1500, 2, True, True, 24, True),
+    "blast-2603-d2-cache-20": lambda: _blast(2603, 1200, 2, False, True, 20, False),
+    "blast-2605-d2-spill-nocache-32": lambda: _blast(2605, 1200, 2, True, False, 32, False),
+    "blast-2606-d1-nocache-16": lambda: _blast(2606, 1000, 1, False, False, 16, True),
+    "random-2700": lambda: _random_blast(2700),
+    "random-2701": lambda: _random_blast(2701),
+    "random-2705": lambda: _random_blast(2705),
+    "random-2710": lambda: _random_blast(2710),
+    "bench-n16-d1": lambda: _bench(16, 1, 400),
+    "bench-n48-d2": lambda: _bench(48, 2, 300),
+    "thinking-d1": lambda: _thinking(1),
+    "thinking-d2": lambda: _thinking(2),
+}
+
+EXPECTED: dict[str, str] = {
+    'blast-2601-d1-spill-cache-24': '1505:5d71928fb819f1f9c5fe26ac9ba23a84',
+    'blast-2602-d2-spill-cache-24-shutdown': '1501:6d0cbc921e8fee6de9c53a570d427646',
+    'blast-2603-d2-cache-20': '1515:e17a5b1bd3ea050d6ae3974b03edb1d4',
+    'blast-2605-d2-spill-nocache-32': '1220:1e9054da68ebfdd704d6e4aa05592f2f',
+    'blast-2606-d1-nocache-16': '1001:45342e2a2f8ca5924571016ae9a76a88',
+    'random-2700': '401:3a4dff2a7e50896246bae588b9495c9a',
+    'random-2701': '400:9136fd0d3555b923840ba80420b38ea4',
+    'random-2705': '400:39a79fca8fa8cc912fccb4bff2f58494',
+    'random-2710': '402:8e3223d70bd4184ecab1667a004bb583',
+    'bench-n16-d1': '400:3addec806c75ea7c09c24eb3758fe668',
+    'bench-n48-d2': '300:023e745c8671760fd3f27eba9e3a8a73',
+    'thinking-d1': '300:0dec27729eb76c5f012c5ff0c6fa72f0',
+    'thinking-d2': '300:1d0a73a53d1f1d5393883737cf79f755',
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_outputs_are_byte_identical_to_the_recorded_core(name: str) -> None:
+    assert WORKLOADS[name]() == EXPECTED[name], f"{name}: the core's outputs changed"
+
+
+if __name__ == "__main__":
+    for key, run in WORKLOADS.items():
+        print(f"    {key!r}: {run()!r},")
