@@ -19,11 +19,8 @@ from events import BindRequest
 def in_flight_demand(state: CoreState) -> int:
     """Blocks promised but not yet allocated: admitted reservations plus parked sequences' resume needs."""
     running = Status.RUNNING
-    demand = sum([
-        seq.reserve - len(seq.block_ids)
-        for seq in state.running
-        if seq.reserve > len(seq.block_ids) and seq.status is running
-    ])
+    state.reserving = [s for s in state.reserving if s.status is running and s.reserve > len(s.block_ids)]
+    demand = sum([seq.reserve - len(seq.block_ids) for seq in state.reserving])
     for seq in state.preempted:
         demand += resume_blocks(state, seq) + 1
     return demand
@@ -61,6 +58,7 @@ def admit(state: CoreState, ctx: TickContext) -> None:
         head.admitted = state.next_admission
         state.next_admission += 1
         head.reserve = need
+        state.reserving.append(head)  # a waiting request was never running: it is not in the list yet
         state.running.append(head)
         active += 1
         demand += need

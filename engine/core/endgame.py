@@ -150,6 +150,8 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
         seq.num_computed = seq.kv_settled = len(hits) * size
         seq.first_planned = True
         seq.reserve = need + 1
+        if seq not in state.reserving:  # it may still be listed from before it was preempted
+            state.reserving.append(seq)
         state.preempted.remove(seq)
         _resume(state, seq)
         ctx.unblocked = True

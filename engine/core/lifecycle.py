@@ -24,7 +24,7 @@ def mark_finish(state: CoreState, seq: Seq, reason: FinishReason, index: int, er
             return False
     else:
         if seq.status is Status.RUNNING:
-            state.stale_running += 1  # it stays in ``running`` until the next prune
+            state.stale.append(seq)  # it stays in ``running`` until the next prune
         else:
             queue = _QUEUE_OF.get(seq.status)
             if queue is not None:

@@ -136,7 +136,8 @@ def restore_state(snapshot: CoreSnapshot) -> CoreState:
     state.seqs = {seq.request_id: seq for seq in seqs[: snap.live]}
     state.waiting = [seqs[i] for i in snap.waiting]
     state.running = [seqs[i] for i in snap.running]
-    state.stale_running = sum(1 for seq in state.running if seq.status is not Status.RUNNING)
+    state.stale = [seq for seq in state.running if seq.status is not Status.RUNNING]
+    state.reserving = [s for s in state.running if s.status is Status.RUNNING and s.reserve > len(s.block_ids)]
     state.preempted = [seqs[i] for i in snap.preempted]
     state.swapped = [seqs[i] for i in snap.swapped]
     state.steps = deque(

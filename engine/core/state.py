@@ -142,9 +142,13 @@ class CoreState:
     """By (priority, arrival); only the head may be admitted (no overtaking)."""
     running: list[Seq] = attrs.Factory(list)
     """Admitted sequences in admission order. Finished ones linger until ``plan_step`` prunes them (the seed's
-    order, which ``_needs_tick`` observes), so the active count is ``len(running) - stale_running``."""
-    stale_running: int = 0
-    """How many sequences in ``running`` are finished (counted by ``mark_finish``, reset by the prune)."""
+    order, which ``_needs_tick`` observes), so the active count is ``len(running) - len(stale)``."""
+    stale: list[Seq] = attrs.Factory(list)
+    """The finished sequences still in ``running`` (added by ``mark_finish``, removed by the prune)."""
+    reserving: list[Seq] = attrs.Factory(list)
+    """Running sequences that may hold fewer blocks than their reservation (``in_flight_demand`` sums only
+    these). A sequence joins at admission or resume, the only points that raise ``reserve`` above what it holds,
+    and leaves once it holds its reservation, which it then keeps until it stops running."""
     preempted: list[Seq] = attrs.Factory(list)
     swapped: list[Seq] = attrs.Factory(list)
     """Swapping and swapped sequences in swap-out order."""
@@ -167,13 +171,19 @@ class CoreState:
     @property
     def active(self) -> int:
         """Running sequences that are not finished: what ``max_batch_size`` bounds."""
-        return len(self.running) - self.stale_running
+        return len(self.running) - len(self.stale)
 
     def prune_running(self) -> None:
         """Drop the finished sequences from ``running`` (a no-op when none is)."""
-        if self.stale_running:
-            self.running = [seq for seq in self.running if seq.status is Status.RUNNING]
-            self.stale_running = 0
+        stale = self.stale
+        if stale:
+            if len(stale) * 8 < len(self.running):
+                # A few finishes in a big batch (the steady state): C-level removals beat a Python-level scan.
+                for seq in stale:
+                    self.running.remove(seq)  # Seq compares by identity
+            else:
+                self.running = [seq for seq in self.running if seq.status is Status.RUNNING]
+            stale.clear()
 
     @classmethod
     def create(cls, config: CoreConfig) -> CoreState:
