@@ -55,6 +55,10 @@ class Engine:
         except BaseExceptionGroup as group:
             if rt.fatal is not None:
                 raise rt.fatal from group
+            # The supervising nursery wraps whatever the caller's block raised; hand back their own exception.
+            leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+            if len(leaves) == 1:
+                raise leaves[0] from None
             raise
         finally:
             rt.close()
@@ -178,6 +182,13 @@ class Engine:
         stream = rt.open_stream(arrival)
         await rt.client.send(arrival)
         return stream
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return found
 
 
 class RequestStream:

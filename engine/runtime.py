@@ -185,8 +185,11 @@ class Runtime:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if isinstance(prompt, Sequence) and all(isinstance(m, dict) and "role" in m for m in prompt):
-            text = self.tokenizer.render_chat(list(prompt), add_generation_prompt=True)
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            try:
+                text = self.tokenizer.render_chat(list(prompt), add_generation_prompt=True)
+                return list(self.tokenizer.encode(text, add_special_tokens=False))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise RequestRejected(f"the chat messages cannot be rendered and tokenized: {exc}") from None
         raise RequestRejected("prompt must be a str, a list of token ids, or a list of chat messages")
 
     async def acquire_slot(self) -> None:

@@ -29,5 +29,5 @@ class StubTokenizer:
         return "".join(chr(i + 32) if i < 95 else ("" if skip_special_tokens else "</s>") for i in ids)
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+        text = " ".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + (" <assistant>" if add_generation_prompt else "")

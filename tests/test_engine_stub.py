@@ -200,3 +200,20 @@ async def test_e07_every_run_replays_with_the_cli(tmp_path: Path, autojump_clock
     result = subprocess.run([sys.executable, "-m", "tools", "replay", str(log)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("identical:")
+
+
+async def test_errors_raised_inside_the_block_come_out_unwrapped(tmp_path: Path,
+                                                                 autojump_clock: trio.testing.MockClock) -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with Engine.open(stub_config(tmp_path / "run.tlog")):
+            raise KeyError("mine")
+
+
+async def test_chat_messages_on_the_stub(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    log = tmp_path / "run.tlog"
+    async with Engine.open(stub_config(log)) as engine:
+        out = await engine.complete([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4))
+        assert out.finish_reason == "length"
+        with pytest.raises(RequestRejected, match="cannot be rendered"):
+            engine.generate([{"role": "user", "content": "caf\u00e9"}])
+    assert_replays(log)

@@ -50,10 +50,10 @@ def _best(repeat: int, *fns: Callable[[], None]) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
+    from actors.log import FLUSH_BYTES
     from events import FORMAT_VERSION, SCHEMA_HASH, LogHeader, LogReader, LogWriter, RunStep, TickRecord
     from events.digest import DIGEST_VERSION
     from events.frames import HEADER_SIZE
-    from actors.log import FLUSH_BYTES
     from tools.cli import CliError
     from tools.sample_ticks import make_ticks
 

@@ -31,6 +31,9 @@ SUBCOMMANDS: tuple[str, ...] = (
     "tools.cmd_log",
     "tools.cmd_replay",
     "tools.cmd_inspect",
+    "tools.cmd_generate",
+    "tools.cmd_chat",
+    "tools.cmd_models",
 )
 """Modules that each add one subcommand, in ``--help`` order. Add yours here."""
 

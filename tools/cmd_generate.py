@@ -1,0 +1,308 @@
+"""``tickloom generate PROMPT...``: stream completions of one or more prompts, run concurrently by the engine.
+
+On a terminal each prompt gets a live panel that fills as tokens arrive, above a progress line with tokens/s.
+Piped (or with ``--plain``), each output line is prefixed with its prompt's label, ``[1]``, ``[2]``...; a single
+running prompt streams its text as it comes. Either way the run ends with a one-line summary: requests, tokens,
+tokens/s, preemptions and the log's path. Exit status 1 if any request ended in an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from engine import Engine, EngineConfig, RequestOutput, RequestStream, SamplingParams
+    from engine.api import Prompt
+
+NAME = "generate"
+HELP = "stream completions of one or more prompts (concurrently), then summarise the run"
+
+DEFAULT_MODEL = "smollm2-135m"
+"""The default model is an instruct model, so ``--chat`` is on by default for it."""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, temperature: float,
+                        chat_flag: bool = True) -> None:
+    """Options shared by ``generate`` and ``chat``."""
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"a model name (see `tickloom models`), a checkpoint directory, a .gguf file, or "
+                             f"'stub' (default {DEFAULT_MODEL})")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens,
+                        help=f"tokens to generate per reply at most (default {max_tokens})")
+    parser.add_argument("--temperature", type=float, default=temperature,
+                        help=f"sampling temperature; 0 is greedy (default {temperature})")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling seed (prompt i uses SEED + i); default: the engine picks and logs one")
+    parser.add_argument("--log", metavar="PATH", default=None,
+                        help="write the engine's log here (replay it with `tickloom replay PATH`)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
+    if chat_flag:
+        parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                            help=f"wrap prompts as chat messages (default: on for {DEFAULT_MODEL}, off otherwise)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts to complete, each one request")
+    add_model_arguments(parser, max_tokens=128, temperature=0.7)
+    parser.add_argument("--concurrency", type=int, default=None, metavar="K",
+                        help="run at most K prompts at once (default: all)")
+    parser.add_argument("--plain", action="store_true",
+                        help="plain labelled lines even on a terminal (the default when piped)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from engine import ConfigError, EngineConfig
+    from tools.cli import CliError
+
+    if args.max_tokens < 1:
+        raise CliError("--max-tokens must be at least 1")
+    if args.max_seq_len < 2:
+        raise CliError("--max-seq-len must be at least 2")
+    try:
+        return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, log_path=args.log,
+                            max_seq_len=args.max_seq_len)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+def sampling(args: argparse.Namespace, index: int = 0) -> SamplingParams:
+    from engine import RequestRejected, SamplingParams
+    from tools.cli import CliError
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              seed=None if args.seed is None else args.seed + index)
+    except RequestRejected as exc:
+        raise CliError(str(exc)) from None
+
+
+def use_chat(args: argparse.Namespace) -> bool:
+    return bool(args.chat) if args.chat is not None else args.model == DEFAULT_MODEL
+
+
+def label(index: int, prompt: str, width: int = 48) -> str:
+    flat = " ".join(prompt.split())
+    return f"[{index + 1}] " + (flat if len(flat) <= width else flat[: width - 1] + "…")
+
+
+@dataclass
+class _Request:
+    index: int
+    label: str
+    text: str = ""
+    tokens: int = 0
+    state: str = "waiting"
+    """"waiting", "running", or the finish reason."""
+    error: str | None = None
+    pending_line: str = field(default="", repr=False)
+
+
+class _Plain:
+    """Labelled lines for pipes: whole lines as they complete, or the raw stream when one request runs alone."""
+
+    def __init__(self, out: TextIO, stream_raw: bool) -> None:
+        self.out = out
+        self.stream_raw = stream_raw
+
+    def started(self, req: _Request) -> None:
+        if self.stream_raw:
+            print(f"{req.label}", file=self.out, flush=True)
+
+    def delta(self, req: _Request, text: str) -> None:
+        if self.stream_raw:
+            self.out.write(text)
+            self.out.flush()
+            return
+        req.pending_line += text
+        *lines, req.pending_line = req.pending_line.split("\n")
+        for line in lines:
+            print(f"[{req.index + 1}] {line}", file=self.out, flush=True)
+
+    def finished(self, req: _Request) -> None:
+        if self.stream_raw:
+            self.out.write("\n")
+        elif req.pending_line:
+            print(f"[{req.index + 1}] {req.pending_line}", file=self.out)
+            req.pending_line = ""
+        note = f"{req.state}, {req.tokens} tokens" + (f": {req.error}" if req.error else "")
+        print(f"[{req.index + 1}] ({note})", file=self.out, flush=True)
+
+
+def make_streams(engine: Engine, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[RequestStream]:
+    """One (not yet submitted) stream per prompt; a prompt the engine refuses is a ``CliError`` naming it."""
+    from engine import RequestRejected
+    from tools.cli import CliError
+
+    streams = []
+    for i, prompt in enumerate(prompts):
+        try:
+            streams.append(engine.generate(prompt, params[i], request_id=f"prompt-{i + 1}"))
+        except RequestRejected as exc:
+            raise CliError(f"prompt {i + 1}: {exc}") from None
+    return streams
+
+
+async def run_prompts(streams: Sequence[RequestStream], labels: Sequence[str], concurrency: int,
+                      display: Any) -> list[_Request]:
+    """Run every stream, in order, at most ``concurrency`` at once (one worker task each), feeding the display."""
+    import trio
+
+    reqs = [_Request(i, labels[i]) for i in range(len(streams))]
+    queue = iter(zip(reqs, streams, strict=True))
+
+    async def worker() -> None:
+        for req, stream in queue:
+            await one(req, stream)
+
+    async def one(req: _Request, stream: RequestStream) -> None:
+        try:
+            await stream.start()
+            req.state = "running"
+            display.started(req)
+            out: RequestOutput
+            async for out in stream:
+                delta = out.reasoning_delta + out.text_delta
+                req.tokens += len(out.token_ids)
+                if delta:
+                    req.text += delta
+                    display.delta(req, delta)
+                if out.finished:
+                    req.state = out.finish_reason or "?"
+                    req.error = out.error
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+        display.finished(req)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(min(concurrency, len(reqs))):
+            nursery.start_soon(worker)
+    return reqs
+
+
+class _Live:
+    """Rich live panels, one per prompt, above a progress line (terminals only)."""
+
+    def __init__(self, reqs_labels: Sequence[str], console: Any) -> None:
+        self.console = console
+        self.labels = reqs_labels
+        self.reqs: dict[int, _Request] = {}
+        self.started_at = time.monotonic()
+
+    def started(self, req: _Request) -> None:
+        self.reqs[req.index] = req
+
+    def delta(self, req: _Request, text: str) -> None:
+        pass
+
+    def finished(self, req: _Request) -> None:
+        pass
+
+    def render(self, final: bool = False) -> Any:
+        from rich.console import Group
+        from rich.panel import Panel
+        from rich.text import Text
+
+        panels: list[Any] = []
+        tokens = 0
+        running = done = 0
+        for i, name in enumerate(self.labels):
+            req = self.reqs.get(i)
+            state = req.state if req is not None else "waiting"
+            tokens += req.tokens if req is not None else 0
+            running += state == "running"
+            done += state not in ("running", "waiting")
+            style = {"running": "cyan", "waiting": "dim"}.get(state, "red" if state == "error" else "green")
+            body = Text(req.text if req is not None else "")
+            if req is not None and req.error:
+                body.append(f"\n{req.error}", style="red")
+            subtitle = f"{state} · {req.tokens if req else 0} tokens"
+            panels.append(Panel(body, title=name, title_align="left", subtitle=subtitle, subtitle_align="right",
+                                border_style=style))
+        if not final:
+            elapsed = max(time.monotonic() - self.started_at, 1e-9)
+            panels.append(Text(f"{done}/{len(self.labels)} done · {running} running · {tokens} tokens · "
+                               f"{tokens / elapsed:.1f} tokens/s · {elapsed:.1f} s", style="bold"))
+        return Group(*panels)
+
+
+def summary_line(n: int, tokens: int, seconds: float, preemptions: int, log: str | None) -> str:
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return (f"summary: {n} requests, {tokens} tokens in {seconds:.2f} s, {rate:.1f} tokens/s, "
+            f"{preemptions} preemptions, log {log if log else 'none (use --log PATH)'}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tools.cli import CliError
+
+    if args.concurrency is not None and args.concurrency < 1:
+        raise CliError("--concurrency must be at least 1")
+    config = engine_config(args)
+    chat = use_chat(args)
+    prompts: list[Prompt] = [[{"role": "user", "content": p}] if chat else p for p in args.prompts]
+    labels = [label(i, p) for i, p in enumerate(args.prompts)]
+    params = [sampling(args, i) for i in range(len(prompts))]
+    concurrency = args.concurrency or len(prompts)
+
+    import trio
+    from rich.console import Console
+
+    console = Console()
+    live_mode = console.is_terminal and not args.plain
+    result: dict[str, Any] = {}
+
+    async def main() -> None:
+        from engine import Engine
+
+        async with Engine.open(config) as engine:
+            try:
+                streams = make_streams(engine, prompts, params)
+            except CliError as exc:
+                result["error"] = exc  # raised outside the engine's nursery, so not in an exception group
+                return
+            started = time.monotonic()
+            if live_mode:
+                from rich.live import Live
+
+                display = _Live(labels, console)
+                with Live(display.render(), console=console, auto_refresh=False, transient=True,
+                          vertical_overflow="ellipsis") as live:
+                    async with trio.open_nursery() as nursery:
+                        async def refresh() -> None:
+                            while True:
+                                live.update(display.render(), refresh=True)
+                                await trio.sleep(0.1)
+
+                        nursery.start_soon(refresh)
+                        reqs = await run_prompts(streams, labels, concurrency, display)
+                        nursery.cancel_scope.cancel()
+                console.print(display.render(final=True))
+            else:
+                plain = _Plain(sys.stdout, stream_raw=concurrency == 1)
+                reqs = await run_prompts(streams, labels, concurrency, plain)
+            result["seconds"] = time.monotonic() - started
+            result["reqs"] = reqs
+            result["stats"] = engine.stats()
+
+    from engine.model import ModelLoadError
+    from tools.cli import EX_DATAERR
+
+    try:
+        trio.run(main)
+    except ModelLoadError as exc:
+        raise CliError(f"cannot load model {args.model!r}: {exc}", EX_DATAERR) from None
+    if "error" in result:
+        raise result["error"]
+    reqs = result["reqs"]
+    tokens = sum(r.tokens for r in reqs)
+    print(summary_line(len(reqs), tokens, result["seconds"], int(result["stats"]["preemptions"]), args.log),
+          flush=True)
+    return 1 if any(r.state == "error" for r in reqs) else 0
+
