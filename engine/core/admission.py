@@ -79,10 +79,15 @@ def make_room(state: CoreState, ctx: TickContext, blocks: int, demand: int, hits
     I/O.
     """
     pool = state.pool
-    short = blocks - (pool.num_free - demand)
-    if short > 0:
-        pool.reclaim(short, protect=hits)
+
+    def shortfall_after_reclaim() -> int:
         short = blocks - (pool.num_free - demand)
+        if short > 0:
+            pool.reclaim(short, protect=hits)
+            short = blocks - (pool.num_free - demand)
+        return short
+
+    short = shortfall_after_reclaim()
     if short <= 0:
         return True
     if not state.config.spill_enabled:
@@ -101,10 +106,6 @@ def make_room(state: CoreState, ctx: TickContext, blocks: int, demand: int, hits
     candidates.sort(key=lambda seq: (len(seq.block_ids), seq.admitted), reverse=True)
     for victim in candidates:
         preempt(state, ctx, victim)
-        short = blocks - (pool.num_free - demand)
-        if short > 0:
-            pool.reclaim(short, protect=hits)
-            short = blocks - (pool.num_free - demand)
-        if short <= 0:
+        if shortfall_after_reclaim() <= 0:
             return True
     return False
