@@ -195,27 +195,38 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
     # four column appends to the stream, and one test against the stop set and length limit fixed at the
     # sequence's first settle (``_stop_rule``). A hit applies the same rules, in the same order, as
     # ``commit_token``; the thinking budget never applies (nothing can enter a thinking section).
-    emit_ids = ctx.emit_ids.append
-    emit_tokens = ctx.emit_tokens.append
-    emit_indices = ctx.emit_indices.append
-    emit_reasoning = ctx.emit_reasoning.append
-    for seq, index, token in zip(samplers, step.sample_indices, msg.token_ids, strict=True):
+    # The stream columns are the step's own columns when every row is still running (the steady state), so they
+    # are extended in bulk. Stop rules are applied after the loop: each sequence has one row per step, so no
+    # row's outcome depends on another's.
+    kept: list[int] | None = None  # rows streamed, when some are discarded; None: all of them
+    stopping: list[tuple[Seq, int, int]] = []
+    for i, (seq, index, token) in enumerate(zip(samplers, step.sample_indices, msg.token_ids, strict=True)):
         seq.inflight -= 1
         if seq.status is not running:
+            if kept is None:
+                kept = list(range(i))
             continue
+        if kept is not None:
+            kept.append(i)
         outputs = seq.outputs
         if index != len(outputs):
             _check_index(msg.step_id, seq, index)
         outputs.append(token)
-        emit_ids(seq.request_id)
-        emit_tokens(token)
-        emit_indices(index)
-        emit_reasoning(seq.thinking)
         rule = seq._stop_rule
         if rule is None:
             rule = seq._stop_rule = _stop_rule(config, seq)
         if index + 1 >= rule[1] or token in rule[0]:
-            _apply_stop_rules(state, seq, token, index)
+            stopping.append((seq, token, index))
+    if kept is None:
+        ctx.emit_ids += msg.request_ids
+        ctx.emit_tokens += msg.token_ids
+        ctx.emit_indices += step.sample_indices
+        ctx.emit_reasoning += [False] * len(samplers)
+    else:
+        for i in kept:
+            ctx.emit(msg.request_ids[i], msg.token_ids[i], step.sample_indices[i], False, None)
+    for seq, token, index in stopping:
+        _apply_stop_rules(state, seq, token, index)
     release_fences(state, ctx)
 
 
