@@ -355,3 +355,5 @@ def shut_down(state: CoreState, msg: Shutdown) -> None:
     for seq in list(state.seqs.values()):
         if seq.status is not Status.FINISHED:
             mark_finish(state, seq, "error", len(seq.outputs) - 1, f"{msg.reason}{where[seq.status]}")
+    # No step is planned after a shutdown, and ``plan_step`` is where finished rows usually leave ``running``.
+    state.prune_running()
