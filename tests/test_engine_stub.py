@@ -10,7 +10,7 @@ import pytest
 import trio
 from engine_helpers import assert_replays, core_finishes, joined, stub_config
 
-from engine import Engine, EngineError, FaultPlan, RequestOutput, RequestRejected, SamplingParams
+from engine import Engine, EngineError, EngineOverloaded, FaultPlan, RequestOutput, RequestRejected, SamplingParams
 from events import LogReader, Preempted, recover_log
 
 
@@ -216,4 +216,34 @@ async def test_chat_messages_on_the_stub(tmp_path: Path, autojump_clock: trio.te
         assert out.finish_reason == "length"
         with pytest.raises(RequestRejected, match="cannot be rendered"):
             engine.generate([{"role": "user", "content": "caf\u00e9"}])
+    assert_replays(log)
+
+
+async def test_overload_reject_and_drain(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    log = tmp_path / "run.tlog"
+    async with Engine.open(stub_config(log, max_waiting=2, max_batch_size=2, overload="reject")) as engine:
+        streams = [engine.generate("go", SamplingParams(max_tokens=20), request_id=f"r{i}") for i in range(4)]
+        for stream in streams:
+            await stream.start()
+        with pytest.raises(EngineOverloaded, match="waiting queue is full"):
+            await engine.generate("one more", SamplingParams(max_tokens=20)).start()
+        assert await engine.drain(timeout=10.0), "the open requests finish"
+        for stream in streams:
+            frames = [out async for out in stream]
+            assert frames[-1].finish_reason == "length"
+        with pytest.raises(EngineOverloaded, match="draining"):
+            await engine.generate("after drain").start()
+    assert_replays(log)
+
+
+async def test_drain_times_out_and_shutdown_ends_the_rest(tmp_path: Path,
+                                                          autojump_clock: trio.testing.MockClock) -> None:
+    log = tmp_path / "run.tlog"
+    stream = None
+    async with Engine.open(stub_config(log, max_seq_len=4096, num_blocks=512)) as engine:
+        stream = engine.generate("long", SamplingParams(max_tokens=3000))
+        await stream.start()
+        assert not await engine.drain(timeout=0.5)
+    frames = [out async for out in stream]
+    assert frames[-1].finish_reason == "error" and frames[-1].error == "engine shut down"
     assert_replays(log)
