@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.core.oracle import oracle_token
 from engine.model.types import HostKV, SamplingSpecLike, StepResult
 
 
 def token_for(seed: int, output_index: int, vocab_size: int = 32000) -> int:
-    """The stub's token for output ``output_index`` of a request with ``seed``: a pure function.
-
-    (Stand-in until ``engine/core/oracle.py`` provides the canonical oracle.)"""
-    h = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") % vocab_size
+    """The stub's token for output ``output_index`` of a request with ``seed``: the core's oracle, so a run on
+    this executor and a run of the core's tests agree token for token."""
+    return oracle_token(seed, output_index, vocab_size)
 
 
 @dataclass(slots=True)
