@@ -46,6 +46,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     preempt_immunity_tokens: int = 64
     prefix_caching: bool = True
     max_waiting: int = 1024
+    """Requests that may wait beyond a full batch: at most ``max_waiting + max_batch_size`` are open at once;
+    past that, submit waits (``overload="wait"``) or raises ``EngineOverloaded`` (``"reject"``)."""
     overload: Literal["wait", "reject"] = "wait"
     spill_dir: str | None = None
     """A spill store's disk tier (a private subdirectory is made in it). Spill is on when this is set or

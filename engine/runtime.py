@@ -71,8 +71,10 @@ class Runtime:
         self.started_at = time.monotonic()
         send, self._inbox = trio.open_memory_channel[Envelope](INBOX_SIZE)
         self.client = Outbox(Source.CLIENT, send)
-        limit = core_config.max_waiting + core_config.max_batch_size + 64
-        self._slots = trio.Semaphore(core_config.max_waiting + core_config.max_batch_size)
+        # Open requests are bounded by max_waiting + max_batch_size (the core's waiting bound, see build_runtime):
+        # however they split between waiting and running, the core never has to reject one for a full queue.
+        limit = core_config.max_waiting + 64
+        self._slots = trio.Semaphore(core_config.max_waiting)
         self.store: SpillStore | None = None
         self.spill: SpillActor | None = None
         self.swap_in: SwapInActor | None = None
@@ -250,7 +252,7 @@ async def build_runtime(config: EngineConfig) -> Runtime:
         admit_watermark=config.admit_watermark, pipeline_depth=config.pipeline_depth,
         spill_enabled=config.spill_enabled, preempt_immunity_tokens=config.preempt_immunity_tokens,
         think_start_token=config.think_start_token, think_end_token=config.think_end_token,
-        prefix_caching=config.prefix_caching, max_waiting=config.max_waiting,
+        prefix_caching=config.prefix_caching, max_waiting=config.max_waiting + config.max_batch_size,
     )
     if config.model == "stub":
         tokenizer = StubTokenizer(config.stub_vocab_size)
