@@ -74,8 +74,11 @@ def sampled_ids(step: RunStep) -> list[str]:
 class ThreadDevice:
     """Runs an ``Executor`` on one dedicated thread; commands queue in order (``submit_nowait``)."""
 
-    def __init__(self, executor: Executor, outbox: Outbox, spill: SpillActor | None, limit: int) -> None:
+    def __init__(self, executor: Executor, outbox: Outbox, spill: SpillActor | None, limit: int,
+                 fail_steps: frozenset[int] = frozenset()) -> None:
         self.executor = executor
+        self.fail_steps = fail_steps
+        """Step ids that raise before reaching the executor (``FaultPlan.fail_steps``)."""
         self._outbox = outbox
         self._spill = spill
         self._queue: queue.Queue[Command | None] = queue.Queue(maxsize=limit)
@@ -129,6 +132,8 @@ class ThreadDevice:
         if isinstance(command, RunStep):
             start = time.perf_counter_ns()
             try:
+                if command.step_id in self.fail_steps:
+                    raise RuntimeError("injected device fault")
                 result = ex.run_step(list(command.request_ids), list(command.positions), list(command.num_tokens),
                                      executor_inputs(command, self._failed), list(command.sample_indices),
                                      list(command.block_starts), list(command.num_new_blocks),

@@ -13,7 +13,7 @@ class FaultPlan(msgspec.Struct, frozen=True, kw_only=True):
     """Faults to inject, for tests and chaos runs. Each is logged like any other input, so the run replays."""
 
     fail_steps: list[int] = []
-    """Step ids the device reports as failed (stub model only)."""
+    """Step ids the device reports as failed."""
     fail_spill: list[str] = []
     """Request ids whose spill write fails."""
     fail_swap_in: list[str] = []

@@ -94,7 +94,8 @@ class Runtime:
                                      step_time=lambda _step: step_time, avoid=core_config.eos_token_ids,
                                      fail_steps=frozenset(faults.fail_steps) if faults else frozenset())
         else:
-            self.device = ThreadDevice(executor, device_outbox, self.spill, limit * 4)
+            self.device = ThreadDevice(executor, device_outbox, self.spill, limit * 4,
+                                       fail_steps=frozenset(faults.fail_steps) if faults else frozenset())
         self.reporter = Reporter(Outbox(Source.RETIRE, send.clone()), limit, "retire",
                                  delay=faults.report_delay if faults else 0.0)
         self.retire = RetireActor(tokenizer, self.reporter.report_nowait)

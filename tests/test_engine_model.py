@@ -8,7 +8,7 @@ import pytest
 import trio
 from engine_helpers import assert_replays
 
-from engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from engine import Engine, EngineConfig, FaultPlan, RequestOutput, SamplingParams
 from engine.model import write_tiny_model
 
 
@@ -75,3 +75,18 @@ async def test_e08_memory_pressure_with_and_without_spill(tiny_model: Path, tmp_
     assert not list((tmp_path / "spill").iterdir()), "spill files are removed"
     assert_replays(tmp_path / "spill.tlog")
     assert_replays(tmp_path / "requeue.tlog")
+
+
+async def test_e05_step_failure_on_the_real_executor(tiny_model: Path, tmp_path: Path) -> None:
+    """A failed step ends its requests, and with them the rows of the next step fed from it; the rest go on."""
+    log = tmp_path / "fail.tlog"
+    config = EngineConfig(model=str(tiny_model), dtype="float64", max_seq_len=128, num_blocks=64, max_batch_size=4,
+                          pipeline_depth=2, log_path=str(log), faults=FaultPlan(fail_steps=[3]))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    async with Engine.open(config) as engine:
+        first = await engine.complete([5, 6, 7, 8], params, request_id="victim")
+        later = await engine.complete([9, 10, 11], params, request_id="after")
+    assert first.finish_reason == "error" and "step 3 failed: RuntimeError: injected device fault" in (first.error
+                                                                                                       or "")
+    assert later.finish_reason == "length" and len(later.token_ids) == 6
+    assert_replays(log)
