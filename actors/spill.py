@@ -24,7 +24,7 @@ import trio
 
 from actors.mailbox import ChannelOverflow, Outbox
 from engine.model.types import HostKV
-from events import Command, DropSpill, PrefetchSpill, SpillDone, SwapInFailed, SwapInReady
+from events import Command, DropSpill, PrefetchSpill, SpillDone, SpillOut, SwapInFailed, SwapInReady
 
 _CHECKSUM = 32
 
@@ -152,39 +152,62 @@ def _deserialize(payload: bytes) -> HostKV:
 
 
 class SpillActor:
-    """Stores host copies the device hands over, and deletes dropped ones; reports ``SpillDone``."""
+    """Stores host copies the device hands over, and deletes dropped ones; reports ``SpillDone``.
+
+    It hears of each ``SpillOut`` from the step actor when the command is dispatched, before the device can hand
+    the copy over. So a ``DropSpill`` that overtakes its copy (the request ended meanwhile) is remembered, and the
+    copy is discarded on arrival instead of lingering in a tier until shutdown.
+    """
 
     def __init__(self, store: SpillStore, outbox: Outbox, limit: int) -> None:
         self.store = store
         self._outbox = outbox
-        self._send, self._receive = trio.open_memory_channel[tuple[str, HostKV | None, str]](limit)
+        self._send, self._receive = trio.open_memory_channel[tuple[str, str, HostKV | None, str]](limit)
         self._limit = limit
 
-    def accept_nowait(self, request_id: str, kv: HostKV | None, error: str = "") -> None:
-        """From the device (via the trio token): a finished copy-out, or why it failed."""
+    def _put(self, kind: str, request_id: str, kv: HostKV | None = None, error: str = "") -> None:
         try:
-            self._send.send_nowait((request_id, kv, error))
+            self._send.send_nowait((kind, request_id, kv, error))
         except trio.WouldBlock:
             raise ChannelOverflow(f"spill actor overflowed its bound of {self._limit}") from None
 
+    def accept_nowait(self, request_id: str, kv: HostKV | None, error: str = "") -> None:
+        """From the device (via the trio token): a finished copy-out, or why it failed."""
+        self._put("copy", request_id, kv, error)
+
     def submit_nowait(self, command: Command) -> None:
-        if isinstance(command, DropSpill):
-            self.accept_nowait(command.request_id, None, "drop")
+        if isinstance(command, SpillOut):
+            self._put("pending", command.request_id)
+        elif isinstance(command, DropSpill):
+            self._put("drop", command.request_id)
 
     async def run(self) -> None:
-        async for request_id, kv, error in self._receive:
-            if kv is None and error == "drop":
-                await trio.to_thread.run_sync(self.store.drop, request_id)
-                continue
-            if kv is None:
-                await self._outbox.send(SpillDone(request_id, False, error))
-                continue
-            try:
-                size = await trio.to_thread.run_sync(self.store.store, request_id, kv)
-            except OSError as exc:
-                await self._outbox.send(SpillDone(request_id, False, f"spill write failed: {exc}"))
+        pending: set[str] = set()
+        doomed: set[str] = set()
+        async for kind, request_id, kv, error in self._receive:
+            if kind == "pending":
+                pending.add(request_id)
+            elif kind == "drop":
+                if request_id in pending:
+                    doomed.add(request_id)
+                else:
+                    await trio.to_thread.run_sync(self.store.drop, request_id)
             else:
-                await self._outbox.send(SpillDone(request_id, True, "", size))
+                pending.discard(request_id)
+                if request_id in doomed:
+                    doomed.discard(request_id)  # the request ended while its copy was in flight
+                elif kv is None:
+                    await self._outbox.send(SpillDone(request_id, False, error))
+                else:
+                    await self._store(request_id, kv)
+
+    async def _store(self, request_id: str, kv: HostKV) -> None:
+        try:
+            size = await trio.to_thread.run_sync(self.store.store, request_id, kv)
+        except OSError as exc:
+            await self._outbox.send(SpillDone(request_id, False, f"spill write failed: {exc}"))
+        else:
+            await self._outbox.send(SpillDone(request_id, True, "", size))
 
 
 class SwapInActor:

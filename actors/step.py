@@ -149,6 +149,9 @@ class StepActor:
         for command in commands:
             if isinstance(command, RunStep | BindRequest | ReleaseRequest | SpillOut | SwapIn):
                 self._device.submit_nowait(command)
+                if isinstance(command, SpillOut):
+                    assert self._spill is not None
+                    self._spill.submit_nowait(command)  # before the device can hand the copy over
                 if isinstance(command, RunStep):
                     self.stats.steps += 1
                     self.stats.rows += len(command.request_ids)
