@@ -176,8 +176,7 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
     state.settled_step = msg.step_id
     running = Status.RUNNING
     for seq, end in zip(step.seqs, step.kv_ends, strict=True):
-        if end > seq.kv_settled:
-            seq.kv_settled = end
+        seq.kv_settled = end  # rows of a sequence settle in order, each ending past the last
         if seq.has_spill and seq.status is running:
             seq.has_spill = False
             ctx.commands.append(DropSpill(seq.request_id))

@@ -69,25 +69,19 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
     rows: list[Seq] = []
     positions: list[int] = []
     token_ids: list[int] = []
-    fed_from: list[int] = []
+    fed: list[tuple[int, int]] = []
     sample_indices: list[int] = []
     prefilling: list[Seq] = []
     rows_append = rows.append
     positions_append = positions.append
     token_ids_append = token_ids.append
-    fed_from_append = fed_from.append
     sample_indices_append = sample_indices.append
-    block_starts: list[int] = []
-    num_new: list[int] = []
-    new_ids: list[int] = []
-    block_starts_append = block_starts.append
-    num_new_append = num_new.append
 
     # Decode rows. This loop is the hot path of a steady tick (one pass per running sequence), so it is kept
     # flat: ``prefill_target`` is inlined, the sequences still prefilling are collected for the prefill loop
-    # below (which then need not scan the whole batch), and the columns that are the same for every decode
-    # row (counts, samplers, kv ends) are built after the loop. Each row's block-table delta is taken as the
-    # row is added: its table cannot change later in the plan (a victim never has a row in it).
+    # below (which then need not scan the whole batch), and the columns that are alike for most decode rows
+    # (fed-from, block deltas, counts, samplers, kv ends) are built after the loop. A row's block-table delta
+    # can be read then: its table cannot change later in the plan (a victim never has a row in it).
     # It iterates ``running`` itself, not a copy: ``preempt`` (reached through ``_ensure_blocks``) rebinds
     # ``state.running`` to a new list rather than mutating this one, and a victim it takes is skipped here by
     # its status, exactly as with a copy.
@@ -105,31 +99,36 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
         inflight = seq.inflight
         if inflight and not _can_run_ahead(state, seq):
             continue
-        table = seq.block_ids
-        size = len(table)
-        if position // block_size >= size:
-            if not _ensure_blocks(state, ctx, seq, position // block_size + 1, step_id):
-                continue
-            size = len(table)  # extended in place
-        rows_append(seq)
-        positions_append(position)
+        if position // block_size >= len(seq.block_ids) and not _ensure_blocks(
+            state, ctx, seq, position // block_size + 1, step_id
+        ):
+            continue
         if inflight:
+            fed.append((len(rows), seq.last_step))
             token_ids_append(0)
-            fed_from_append(seq.last_step)
         else:
             token_ids_append(outputs[-1])
-            fed_from_append(NOT_FED)
+        rows_append(seq)
+        positions_append(position)
         sample_indices_append(num_outputs + inflight)
         seq.num_computed = position + 1
         seq.inflight = inflight + 1
         seq.last_step = step_id
         token_budget -= 1
-        sent = seq.sent_blocks
-        block_starts_append(sent)
-        num_new_append(size - sent)
-        if size > sent:
-            new_ids.extend(table[sent:])
-            seq.sent_blocks = size
+    # The columns every decode row has alike are built in bulk: rows fed from a step in flight are patched in,
+    # and the block-table deltas (usually none: a table grows once every ``block_size`` tokens) are read now,
+    # as no table of a row already planned can change later in the plan.
+    fed_from = [NOT_FED] * len(rows)
+    for row, source in fed:
+        fed_from[row] = source
+    block_starts = [seq.sent_blocks for seq in rows]
+    num_new = [len(seq.block_ids) - sent for seq, sent in zip(rows, block_starts, strict=True)]
+    new_ids: list[int] = []
+    if any(num_new):
+        for seq, sent, grown in zip(rows, block_starts, num_new, strict=True):
+            if grown:
+                new_ids += seq.block_ids[sent:]
+                seq.sent_blocks = sent + grown
     counts = [1] * len(rows)
     samplers = list(rows)
     sampled = list(sample_indices)
@@ -177,10 +176,10 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
     if not rows:
         return None
     request_ids = [seq.request_id for seq in rows]
+    # Equal lengths mean every row samples (decode rows always do), so the two id lists are the same.
+    sampler_ids = request_ids if len(samplers) == len(rows) else [seq.request_id for seq in samplers]
     state.next_step_id += 1
-    state.steps.append(
-        InflightStep(step_id, rows, samplers, sampled, kv_ends, registered, [seq.request_id for seq in samplers])
-    )
+    state.steps.append(InflightStep(step_id, rows, samplers, sampled, kv_ends, registered, sampler_ids))
     ctx.planned_step = True
     return RunStep(
         step_id,
