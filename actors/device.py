@@ -20,7 +20,7 @@ from typing import Protocol, cast
 import trio
 
 from actors.mailbox import ChannelOverflow, Outbox
-from actors.spill import SpillActor, SpillStore
+from actors.spill import SpillActor
 from engine.core.oracle import oracle_token
 from engine.model.types import HostKV, SamplingSpecLike, StepResult
 from events import (
@@ -237,4 +237,4 @@ class StubDevice:
         return oracle_token(self.seeds[request_id], index, self.vocab_size, self.avoid)
 
 
-__all__ = ["Executor", "SpillStore", "StubDevice", "ThreadDevice"]
+__all__ = ["Executor", "StubDevice", "ThreadDevice"]

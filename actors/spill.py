@@ -159,11 +159,14 @@ class SpillActor:
     copy is discarded on arrival instead of lingering in a tier until shutdown.
     """
 
-    def __init__(self, store: SpillStore, outbox: Outbox, limit: int) -> None:
+    def __init__(self, store: SpillStore, outbox: Outbox, limit: int,
+                 fault: Callable[[str], str | None] | None = None) -> None:
         self.store = store
         self._outbox = outbox
         self._send, self._receive = trio.open_memory_channel[tuple[str, str, HostKV | None, str]](limit)
         self._limit = limit
+        self._fault = fault
+        """Injected write errors (``FaultPlan.fail_spill``): request id -> error text, or None."""
 
     def _put(self, kind: str, request_id: str, kv: HostKV | None = None, error: str = "") -> None:
         try:
@@ -202,7 +205,10 @@ class SpillActor:
                     await self._store(request_id, kv)
 
     async def _store(self, request_id: str, kv: HostKV) -> None:
+        injected = self._fault(request_id) if self._fault is not None else None
         try:
+            if injected is not None:
+                raise OSError(injected)
             size = await trio.to_thread.run_sync(self.store.store, request_id, kv)
         except OSError as exc:
             await self._outbox.send(SpillDone(request_id, False, f"spill write failed: {exc}"))

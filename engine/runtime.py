@@ -81,8 +81,9 @@ class Runtime:
         faults = config.faults
         if config.spill_enabled:
             self.store = SpillStore(config.spill_dir, config.host_spill_bytes)
-            self.spill = _FaultySpill(self.store, Outbox(Source.SPILL, send.clone()), limit,
-                                      set(faults.fail_spill) if faults else set())
+            fail_spill = set(faults.fail_spill) if faults else set()
+            self.spill = SpillActor(self.store, Outbox(Source.SPILL, send.clone()), limit,
+                                    fault=lambda rid: "injected spill write error" if rid in fail_spill else None)
             fail_swap = set(faults.fail_swap_in) if faults else set()
             self.swap_in = SwapInActor(self.store, Outbox(Source.SWAP_IN, send.clone()), limit,
                                        fault=lambda rid: "injected swap-in read error" if rid in fail_swap else None)
@@ -230,19 +231,6 @@ class Runtime:
             "tokens_per_s": s.tokens / elapsed, "preemptions": s.preemptions, "swaps": s.swaps,
             "spill_bytes": self.store.spilled_bytes if self.store is not None else 0, "log_bytes": s.log_bytes,
         }
-
-
-class _FaultySpill(SpillActor):
-    """A spill actor that fails the writes of chosen requests (``FaultPlan.fail_spill``)."""
-
-    def __init__(self, store: SpillStore, outbox: Outbox, limit: int, fail: set[str]) -> None:
-        super().__init__(store, outbox, limit)
-        self._fail = fail
-
-    def accept_nowait(self, request_id: str, kv: Any, error: str = "") -> None:
-        if kv is not None and request_id in self._fail:
-            kv, error = None, "injected spill write error"
-        super().accept_nowait(request_id, kv, error)
 
 
 async def build_runtime(config: EngineConfig) -> Runtime:

@@ -10,6 +10,7 @@ from engine.model.host_pool import CopyEngine
 from engine.model.kv_cache import HostKV, PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.model.sampling import Sampler, SampleRow, has_penalties
+from engine.model.tables import BoundRequests
 from engine.model.types import SamplingSpecLike, StepResult
 
 
@@ -23,17 +24,17 @@ class _RequestState:
     tokens: list[int] = field(default_factory=list)  # token at each position seen or sampled so far
 
 
-class ModelExecutor:
+class ModelExecutor(BoundRequests[_RequestState]):
     """Owns the model, its KV blocks and every bound request's state. Not thread-safe: one thread
     (the step actor's executor thread) calls it, in command order."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16) -> None:
+        super().__init__()
         self.model = model
         self.block_size = block_size
         self.kv: PagedKVCache = model.new_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(model.cfg.vocab_size, model.device)
         self.copier = CopyEngine(model.device)
-        self._requests: dict[str, _RequestState] = {}
         self._gqa = model.cfg.num_heads // model.cfg.num_kv_heads
 
     @property
@@ -54,15 +55,6 @@ class ModelExecutor:
         state.tokens.extend(prompt_token_ids)
         self._requests[request_id] = state
 
-    def release(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-
-    def is_bound(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def block_table(self, request_id: str) -> list[int]:
-        return list(self._requests[request_id].block_table)
-
     def run_step(
         self,
         request_ids: list[str],
@@ -80,18 +72,12 @@ class ModelExecutor:
         cols = (positions, num_tokens, sample_indices, block_starts, num_new_blocks)
         if any(len(c) != n_rows for c in cols):
             raise ValueError("run_step columns have different lengths")
-        if sum(num_new_blocks) != len(new_block_ids):
-            raise ValueError(f"{len(new_block_ids)} new block ids, rows claim {sum(num_new_blocks)}")
-        states = [self._requests[r] for r in request_ids]
+        states = self.apply_table_deltas(request_ids, block_starts, num_new_blocks, new_block_ids)
         tokens = list(token_ids)
         rows: list[RowSpec] = []
         off = 0
-        b_off = 0
         for i, st in enumerate(states):
             p, n = positions[i], num_tokens[i]
-            del st.block_table[block_starts[i] :]
-            st.block_table.extend(new_block_ids[b_off : b_off + num_new_blocks[i]])
-            b_off += num_new_blocks[i]
             if len(st.tokens) < p:
                 raise ValueError(f"{request_ids[i]}: step starts at {p}, only {len(st.tokens)} tokens known")
             for j in range(off, off + n):

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.core.oracle import oracle_token
+from engine.model.tables import BoundRequests
 from engine.model.types import HostKV, SamplingSpecLike, StepResult
 
 
@@ -22,14 +23,14 @@ class _StubRequest:
     block_table: list[int] = field(default_factory=list)
 
 
-class StubExecutor:
+class StubExecutor(BoundRequests[_StubRequest]):
     """Same methods as ``ModelExecutor``; no tensors. ``copy_out``/``copy_in`` move no data."""
 
     def __init__(self, vocab_size: int = 32000, num_blocks: int = 1024, block_size: int = 16) -> None:
+        super().__init__()
         self.vocab_size = vocab_size
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._requests: dict[str, _StubRequest] = {}
         self.steps_run = 0
 
     def bind(
@@ -43,15 +44,6 @@ class StubExecutor:
     ) -> None:
         self._requests[request_id] = _StubRequest(seed, prompt_len)
 
-    def release(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-
-    def is_bound(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def block_table(self, request_id: str) -> list[int]:
-        return list(self._requests[request_id].block_table)
-
     def run_step(
         self,
         request_ids: list[str],
@@ -63,17 +55,10 @@ class StubExecutor:
         num_new_blocks: list[int],
         new_block_ids: list[int],
     ) -> StepResult:
-        if sum(num_tokens) != len(token_ids) or sum(num_new_blocks) != len(new_block_ids):
+        if sum(num_tokens) != len(token_ids):
             raise ValueError("run_step columns are inconsistent")
-        out: list[int] = []
-        b_off = 0
-        for i, rid in enumerate(request_ids):
-            st = self._requests[rid]
-            del st.block_table[block_starts[i] :]
-            st.block_table.extend(new_block_ids[b_off : b_off + num_new_blocks[i]])
-            b_off += num_new_blocks[i]
-            if sample_indices[i] >= 0:
-                out.append(token_for(st.seed, sample_indices[i], self.vocab_size))
+        states = self.apply_table_deltas(request_ids, block_starts, num_new_blocks, new_block_ids)
+        out = [token_for(st.seed, k, self.vocab_size) for st, k in zip(states, sample_indices, strict=True) if k >= 0]
         self.steps_run += 1
         return StepResult(out)
 

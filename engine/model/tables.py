@@ -1,0 +1,45 @@
+"""What every executor keeps per bound request: its block table, updated from ``RunStep``'s deltas.
+
+Torch-free, shared by ``ModelExecutor`` and ``StubExecutor`` so the delta rules live in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Protocol, TypeVar
+
+
+class HasBlockTable(Protocol):
+    block_table: list[int]
+
+
+S = TypeVar("S", bound=HasBlockTable)
+
+
+class BoundRequests(Generic[S]):
+    """Per-request state keyed by request id, for the requests bound and not yet released."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, S] = {}
+
+    def release(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def is_bound(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._requests[request_id].block_table)
+
+    def apply_table_deltas(
+        self, request_ids: list[str], block_starts: list[int], num_new_blocks: list[int], new_block_ids: list[int]
+    ) -> list[S]:
+        """Each row's table is cut to ``block_starts[i]`` entries and its new ids appended; returns the states."""
+        if sum(num_new_blocks) != len(new_block_ids):
+            raise ValueError(f"{len(new_block_ids)} new block ids, rows claim {sum(num_new_blocks)}")
+        states = [self._requests[r] for r in request_ids]
+        offset = 0
+        for state, start, count in zip(states, block_starts, num_new_blocks, strict=True):
+            del state.block_table[start:]
+            state.block_table.extend(new_block_ids[offset : offset + count])
+            offset += count
+        return states
