@@ -59,7 +59,9 @@ def admit(state: CoreState, ctx: TickContext) -> None:
         state.next_admission += 1
         head.reserve = need
         state.reserving.append(head)  # a waiting request was never running: it is not in the list yet
-        state.running.append(head)
+        state.join_running(head)
+        if state.lane is not None:
+            state.lane.prefilling.append(head)
         active += 1
         demand += need
         masked = [] if head.params.ignore_eos else list(config.eos_token_ids)

@@ -10,10 +10,9 @@ import hashlib
 import heapq
 from collections.abc import Sequence
 
-from engine.core.config import CoreConfig
 from engine.core.context import TickContext
 from engine.core.errors import InvariantViolation
-from engine.core.lifecycle import mark_finish, release_fences
+from engine.core.lifecycle import mark_finish, release_fences, stop_rule
 from engine.core.state import CoreState, InflightStep, Seq, Status, ends_in_thinking
 from events import (
     ClientGone,
@@ -132,6 +131,7 @@ def arrive(state: CoreState, ctx: TickContext, msg: RequestArrived) -> None:
               msg.deadline_ns, msg.cache_salt)
     seq.thinking = ends_in_thinking(seq.prompt, state.config.think_start_token, state.config.think_end_token)
     state.seqs[msg.request_id] = seq
+    state.stop_tokens.update(stop_rule(state.config, seq)[0])
     key = (seq.priority, seq.arrival)
     waiting = state.waiting
     i = len(waiting)
@@ -190,51 +190,40 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
                 commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i])
         release_fences(state, ctx)
         return
-    # The common token, inlined: no thinking markers configured and no logprobs, so committing is an append,
-    # four column appends to the stream, and one test against the stop set and length limit fixed at the
-    # sequence's first settle (``_stop_rule``). A hit applies the same rules, in the same order, as
-    # ``commit_token``; the thinking budget never applies (nothing can enter a thinking section).
-    # The stream columns are the step's own columns when every row is still running (the steady state), so they
-    # are extended in bulk. Stop rules are applied after the loop: each sequence has one row per step, so no
-    # row's outcome depends on another's.
-    kept: list[int] | None = None  # rows streamed, when some are discarded; None: all of them
-    stopping: list[tuple[Seq, int, int]] = []
-    for i, (seq, index, token) in enumerate(zip(samplers, step.sample_indices, msg.token_ids, strict=True)):
+    # The common case, in bulk: no thinking markers and no logprobs, so committing a token is an append plus
+    # the stop rules. Most rows can stop nothing: their token is in no request's stop set (one set test for the
+    # whole step) and they are not at their length limit (the plan listed the rows that are, ``ending``). So
+    # only the candidates go through ``_apply_stop_rules``, in row order, after every token is committed: each
+    # sequence has one row per step, so no row's outcome depends on another's. The sample indices need no
+    # check here: the plan derived them from the very outputs appended now.
+    tokens = msg.token_ids
+    indices = step.sample_indices
+    discarded = False
+    for seq, token in zip(samplers, tokens, strict=True):
         seq.inflight -= 1
-        if seq.status is not running:
-            if kept is None:
-                kept = list(range(i))
-            continue
-        if kept is not None:
-            kept.append(i)
-        outputs = seq.outputs
-        if index != len(outputs):
-            _check_index(msg.step_id, seq, index)
-        outputs.append(token)
-        rule = seq._stop_rule
-        if rule is None:
-            rule = seq._stop_rule = _stop_rule(config, seq)
-        if index + 1 >= rule[1] or token in rule[0]:
-            stopping.append((seq, token, index))
-    if kept is None:
+        if seq.status is running:
+            seq.outputs.append(token)
+        else:
+            discarded = True
+    candidates = step.ending
+    stop_tokens = state.stop_tokens
+    if not stop_tokens.isdisjoint(tokens):
+        candidates = sorted({*candidates, *(i for i, token in enumerate(tokens) if token in stop_tokens)})
+    if not discarded:
         ctx.emit_ids += msg.request_ids
-        ctx.emit_tokens += msg.token_ids
-        ctx.emit_indices += step.sample_indices
+        ctx.emit_tokens += tokens
+        ctx.emit_indices += indices
         ctx.emit_reasoning += [False] * len(samplers)
     else:
-        for i in kept:
-            ctx.emit(msg.request_ids[i], msg.token_ids[i], step.sample_indices[i], False, None)
-    for seq, token, index in stopping:
-        _apply_stop_rules(state, seq, token, index)
+        # Rows of sequences that finished meanwhile are discarded: never streamed, never counted.
+        for i, seq in enumerate(samplers):
+            if seq.status is running:
+                ctx.emit(msg.request_ids[i], tokens[i], indices[i], False, None)
+    for i in candidates:
+        seq = samplers[i]
+        if seq.status is running:
+            _apply_stop_rules(state, seq, tokens[i], indices[i])
     release_fences(state, ctx)
-
-
-def _stop_rule(config: CoreConfig, seq: Seq) -> tuple[frozenset[int], int]:
-    """(tokens that may stop ``seq``, the output count that ends it by length): fixed for its whole life."""
-    params = seq.params
-    stops = frozenset(params.stop_token_ids) if params.ignore_eos else frozenset(
-        (*config.eos_token_ids, *params.stop_token_ids))
-    return stops, min(params.max_tokens, config.max_seq_len - len(seq.prompt))
 
 
 def _check_index(step_id: int, seq: Seq, index: int) -> None:
@@ -293,6 +282,7 @@ def fail_step(state: CoreState, ctx: TickContext, msg: StepFailed) -> None:
     """
     step = _step_to_settle(state, msg.step_id)
     state.settled_step = msg.step_id
+    state.lane = None
     for seq in step.samplers:
         seq.inflight -= 1
     error = f"step {msg.step_id} failed: {msg.error}"

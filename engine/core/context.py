@@ -23,6 +23,8 @@ class TickContext:
     emit_logprobs: list[float] | None = None
     planned_step: bool = False
     unblocked: bool = False
+    lane_broken: bool = False
+    """A preemption happened this tick: the plan must not leave a decode lane behind (``engine.core.lane``)."""
     """Something this tick may let parked work run next tick (blocks freed, a resume, an admission)."""
 
     def emit(self, request_id: str, token: int, index: int, reasoning: bool, logprob: float | None) -> None:

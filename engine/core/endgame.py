@@ -101,6 +101,7 @@ def swap_in(state: CoreState, ctx: TickContext) -> None:
         if chosen is None:
             return
         state.swapped.remove(chosen)
+        state.lane = None  # it comes back decoding, at the end of running order: the general plan places it
         chosen.block_ids = pool.allocate(blocks_for(chosen.spill_tokens, size))
         chosen.sent_blocks = len(chosen.block_ids)
         chosen.num_computed = chosen.kv_settled = chosen.spill_tokens
@@ -116,7 +117,7 @@ def _resume(state: CoreState, seq: Seq) -> None:
     seq.status = Status.RUNNING
     seq.swap_ready = False
     seq.immune_until = len(seq.outputs) + state.config.preempt_immunity_tokens
-    state.running.append(seq)
+    state.join_running(seq)
 
 
 def resume_preempted(state: CoreState, ctx: TickContext) -> None:
@@ -154,5 +155,7 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
             state.reserving.append(seq)
         state.preempted.remove(seq)
         _resume(state, seq)
+        if state.lane is not None:
+            state.lane.prefilling.append(seq)
         ctx.unblocked = True
         active += 1

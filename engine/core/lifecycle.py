@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.core.blocks import ROOT_HASH, block_hash, blocks_for
+from engine.core.config import CoreConfig
 from engine.core.context import TickContext
 from engine.core.state import FINISH_RANK, CoreState, Seq, Status
 from events import FinishReason, Preempted, SpillOut
@@ -35,6 +36,17 @@ def mark_finish(state: CoreState, seq: Seq, reason: FinishReason, index: int, er
     seq.finish_index = index
     seq.finish_error = error
     return True
+
+
+def stop_rule(config: CoreConfig, seq: Seq) -> tuple[frozenset[int], int]:
+    """(tokens that may stop ``seq``, the output count that ends it by length): fixed for its whole life."""
+    rule = seq._stop_rule
+    if rule is None:
+        params = seq.params
+        stops = frozenset(params.stop_token_ids) if params.ignore_eos else frozenset(
+            (*config.eos_token_ids, *params.stop_token_ids))
+        rule = seq._stop_rule = (stops, min(params.max_tokens, config.max_seq_len - len(seq.prompt)))
+    return rule
 
 
 def is_settled(state: CoreState, seq: Seq) -> bool:
@@ -104,6 +116,8 @@ def preempt(state: CoreState, ctx: TickContext, victim: Seq) -> None:
     little KV to save.
     """
     assert victim.inflight == 0 and is_settled(state, victim), "victims are settled"
+    state.lane = None
+    ctx.lane_broken = True
     # A new list, not ``remove``: ``plan_step`` may be iterating the old one (it skips the victim by status).
     state.running = [seq for seq in state.running if seq is not victim]
     decoding = victim.num_computed >= victim.prefill_target and victim.outputs

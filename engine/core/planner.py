@@ -9,17 +9,22 @@ row is an over-run: ``settle_step`` discards it, and the blocks it references st
 
 KV exhaustion: reclaim prefix-cache blocks first, then preempt a victim (``lifecycle.choose_victim``). Rows of
 unsettled steps are never victims; if only they could give blocks, the row waits for the next step instead.
+
+This module is the general plan, and the specification: ``engine.core.lane`` derives most steady-state steps
+from the previous one in bulk, and must plan exactly what this would.
 """
 
 from __future__ import annotations
 
+from engine.core.columns import StepColumns
 from engine.core.context import TickContext
-from engine.core.lifecycle import cache_full_blocks, choose_victim, full_block_hashes, preempt
+from engine.core.lane import advance_lane, plan_lane_decode, start_lane
+from engine.core.lifecycle import cache_full_blocks, choose_victim, full_block_hashes, preempt, stop_rule
 from engine.core.state import CoreState, InflightStep, Seq, Status
 from events import NO_SAMPLE, NOT_FED, RunStep
 
 
-def _ensure_blocks(state: CoreState, ctx: TickContext, seq: Seq, blocks: int, step_id: int) -> bool:
+def ensure_blocks(state: CoreState, ctx: TickContext, seq: Seq, blocks: int, step_id: int) -> bool:
     """Grow ``seq``'s table to ``blocks`` blocks, reclaiming and preempting as needed; False if it cannot now.
 
     If ``seq`` itself is chosen as the victim it is preempted and False is returned.
@@ -41,7 +46,7 @@ def _ensure_blocks(state: CoreState, ctx: TickContext, seq: Seq, blocks: int, st
     return True
 
 
-def _can_run_ahead(state: CoreState, seq: Seq) -> bool:
+def can_run_ahead(state: CoreState, seq: Seq) -> bool:
     """Whether a sequence with a token in flight may get a row fed from it."""
     if seq.inflight >= state.config.pipeline_depth:
         return False
@@ -58,10 +63,42 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
     config = state.config
     if state.shut_down or len(state.steps) >= config.pipeline_depth:
         return None
+    lane = state.lane
+    state.lane = None
+    if lane is not None:
+        planned = plan_lane_decode(state, lane)
+        if planned is not None:
+            budget = config.max_batch_tokens - len(planned.rows)
+            remaining, completed = plan_prefill(state, ctx, planned, lane.prefilling, budget)
+            if not planned.rows:
+                return None
+            if not ctx.lane_broken:
+                advance_lane(state, lane, remaining, completed)
+            return emit_step(state, ctx, planned)
     state.prune_running()
-    running = state.running
-    if not running:
+    if not state.running:
         return None
+    planned, prefilling, left_out = _plan_decode(state, ctx)
+    if planned is None:
+        return None
+    decode_rows = len(planned.rows)
+    remaining, completed = plan_prefill(state, ctx, planned, prefilling, config.max_batch_tokens - decode_rows)
+    if not planned.rows:
+        return None
+    if prefilling is not None and not ctx.lane_broken and config.think_start_token is None:
+        start_lane(state, planned, decode_rows, remaining, completed, left_out)
+    return emit_step(state, ctx, planned)
+
+
+def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None, list[Seq] | None, list[Seq]]:
+    """The decode rows of the next step, in running order, with the sequences still prefilling.
+
+    Returns (columns, prefilling, left out). ``prefilling`` is None when the token budget ran out before every
+    running sequence was looked at (the lane needs the whole list); ``left out`` are decode sequences that got
+    no row.
+    """
+    config = state.config
+    running = state.running
     step_id = state.next_step_id
     block_size = config.block_size
     token_budget = config.max_batch_tokens
@@ -72,21 +109,23 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
     fed: list[tuple[int, int]] = []
     sample_indices: list[int] = []
     prefilling: list[Seq] = []
+    looked_at_all = True
+    left_out: list[Seq] = []
     rows_append = rows.append
     positions_append = positions.append
     token_ids_append = token_ids.append
     sample_indices_append = sample_indices.append
 
-    # Decode rows. This loop is the hot path of a steady tick (one pass per running sequence), so it is kept
-    # flat: ``prefill_target`` is inlined, the sequences still prefilling are collected for the prefill loop
-    # below (which then need not scan the whole batch), and the columns that are alike for most decode rows
-    # (fed-from, block deltas, counts, samplers, kv ends) are built after the loop. A row's block-table delta
-    # can be read then: its table cannot change later in the plan (a victim never has a row in it).
-    # It iterates ``running`` itself, not a copy: ``preempt`` (reached through ``_ensure_blocks``) rebinds
-    # ``state.running`` to a new list rather than mutating this one, and a victim it takes is skipped here by
-    # its status, exactly as with a copy.
+    # One pass per running sequence, kept flat: ``prefill_target`` is inlined, the sequences still prefilling
+    # are collected for the prefill loop (which then need not scan the whole batch), and the columns that are
+    # alike for most decode rows (fed-from, block deltas, counts, samplers, kv ends) are built after the loop.
+    # A row's block-table delta can be read then: its table cannot change later in the plan (a victim never
+    # has a row in it). It iterates ``running`` itself, not a copy: ``preempt`` (reached through
+    # ``ensure_blocks``) rebinds ``state.running`` to a new list rather than mutating this one, and a victim it
+    # takes is skipped here by its status, exactly as with a copy.
     for seq in running:
         if token_budget <= 0:
+            looked_at_all = False
             break
         if seq.status is not is_running:
             continue
@@ -97,11 +136,13 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
             prefilling.append(seq)
             continue
         inflight = seq.inflight
-        if inflight and not _can_run_ahead(state, seq):
+        if inflight and not can_run_ahead(state, seq):
+            left_out.append(seq)
             continue
-        if position // block_size >= len(seq.block_ids) and not _ensure_blocks(
+        if position // block_size >= len(seq.block_ids) and not ensure_blocks(
             state, ctx, seq, position // block_size + 1, step_id
         ):
+            left_out.append(seq)
             continue
         if inflight:
             fed.append((len(rows), seq.last_step))
@@ -115,9 +156,8 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
         seq.inflight = inflight + 1
         seq.last_step = step_id
         token_budget -= 1
-    # The columns every decode row has alike are built in bulk: rows fed from a step in flight are patched in,
-    # and the block-table deltas (usually none: a table grows once every ``block_size`` tokens) are read now,
-    # as no table of a row already planned can change later in the plan.
+    if not looked_at_all and not rows:
+        return None, None, left_out
     fed_from = [NOT_FED] * len(rows)
     for row, source in fed:
         fed_from[row] = source
@@ -129,80 +169,114 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
             if grown:
                 new_ids += seq.block_ids[sent:]
                 seq.sent_blocks = sent + grown
-    counts = [1] * len(rows)
-    samplers = list(rows)
-    sampled = list(sample_indices)
-    kv_ends = [position + 1 for position in positions]
-    registered: list[int] = []
+    planned = StepColumns(
+        step_id, rows, positions, [1] * len(rows), token_ids, fed_from, sample_indices, block_starts, num_new,
+        new_ids, list(rows), list(sample_indices), [position + 1 for position in positions],
+    )
+    planned.ending = [
+        i for i, (seq, index) in enumerate(zip(rows, sample_indices, strict=True))
+        if index + 1 >= stop_rule(config, seq)[1]
+    ]
+    return planned, prefilling if looked_at_all else None, left_out
 
-    # Prefill chunks, in running order. When the decode loop stopped early the token budget is spent, so no
-    # chunk is planned and the sequences it did not reach need no look.
+
+def plan_prefill(
+    state: CoreState, ctx: TickContext, planned: StepColumns, prefilling: list[Seq] | None, token_budget: int
+) -> tuple[list[Seq], list[Seq]]:
+    """Add prefill chunks, in running order, to the step; returns (still prefilling, completed by this step).
+
+    With ``prefilling`` None (the decode pass ran out of token budget) nothing is planned.
+    """
+    if prefilling is None:
+        return [], []
+    config = state.config
+    block_size = config.block_size
+    step_id = planned.step_id
+    is_running = Status.RUNNING
     prefill_budget = min(config.max_prefill_tokens, token_budget)
-    for seq in prefilling:
+    remaining: list[Seq] = []
+    completed: list[Seq] = []
+    for i, seq in enumerate(prefilling):
         if prefill_budget <= 0:
+            remaining += [s for s in prefilling[i:] if s.status is is_running]
             break
-        if seq.status is not is_running or seq.num_computed >= seq.prefill_target:
+        if seq.status is not is_running:
+            continue
+        if seq.num_computed >= seq.prefill_target:
+            completed.append(seq)
             continue
         fresh = not seq.first_planned
         if fresh:
             _claim_prefix(state, seq)
         start = seq.num_computed
         count = min(seq.prefill_target - start, prefill_budget)
-        if not _ensure_blocks(state, ctx, seq, (start + count - 1) // block_size + 1, step_id):
+        if not ensure_blocks(state, ctx, seq, (start + count - 1) // block_size + 1, step_id):
             if fresh and seq.status is Status.RUNNING:
                 _unclaim_prefix(state, seq)
+            if seq.status is is_running:
+                remaining.append(seq)
             continue
         end = start + count
-        rows.append(seq)
-        positions.append(start)
-        counts.append(count)
-        token_ids.extend(seq.tokens(start, end))
-        fed_from.append(NOT_FED)
+        planned.rows.append(seq)
+        planned.positions.append(start)
+        planned.counts.append(count)
+        planned.token_ids.extend(seq.tokens(start, end))
+        planned.fed_from.append(NOT_FED)
         if end == len(seq.prompt) and not seq.outputs:
-            sample_indices.append(0)
-            samplers.append(seq)
-            sampled.append(0)
+            planned.sample_indices.append(0)
+            if stop_rule(config, seq)[1] <= 1:
+                planned.ending.append(len(planned.samplers))
+            planned.samplers.append(seq)
+            planned.sampled.append(0)
             seq.inflight += 1
         else:
-            sample_indices.append(NO_SAMPLE)
-        kv_ends.append(end)
+            planned.sample_indices.append(NO_SAMPLE)
+        planned.kv_ends.append(end)
         seq.num_computed = end
         seq.last_step = step_id
         prefill_budget -= count
-        _add_delta(seq, block_starts, num_new, new_ids)
+        _add_delta(seq, planned)
         if config.prefix_caching:
-            registered += cache_full_blocks(state, seq, end)
+            planned.registered += cache_full_blocks(state, seq, end)
+        (completed if end >= seq.prefill_target else remaining).append(seq)
+    return remaining, completed
 
-    if not rows:
-        return None
+
+def emit_step(state: CoreState, ctx: TickContext, planned: StepColumns) -> RunStep:
+    """Record the planned step as in flight and build its ``RunStep``."""
+    rows = planned.rows
     request_ids = [seq.request_id for seq in rows]
+    samplers = planned.samplers
     # Equal lengths mean every row samples (decode rows always do), so the two id lists are the same.
     sampler_ids = request_ids if len(samplers) == len(rows) else [seq.request_id for seq in samplers]
     state.next_step_id += 1
-    state.steps.append(InflightStep(step_id, rows, samplers, sampled, kv_ends, registered, sampler_ids))
+    state.steps.append(
+        InflightStep(planned.step_id, rows, samplers, planned.sampled, planned.kv_ends, planned.registered,
+                     sampler_ids, planned.ending)
+    )
     ctx.planned_step = True
     return RunStep(
-        step_id,
+        planned.step_id,
         request_ids,
-        positions,
-        counts,
-        token_ids,
-        fed_from,
-        sample_indices,
-        block_starts,
-        num_new,
-        new_ids,
+        planned.positions,
+        planned.counts,
+        planned.token_ids,
+        planned.fed_from,
+        planned.sample_indices,
+        planned.block_starts,
+        planned.num_new,
+        planned.new_ids,
     )
 
 
-def _add_delta(seq: Seq, block_starts: list[int], num_new: list[int], new_ids: list[int]) -> None:
+def _add_delta(seq: Seq, planned: StepColumns) -> None:
     """Record a row's block-table delta: only the blocks appended since its last step travel in ``RunStep``."""
     table = seq.block_ids
     sent = seq.sent_blocks
-    block_starts.append(sent)
-    num_new.append(len(table) - sent)
+    planned.block_starts.append(sent)
+    planned.num_new.append(len(table) - sent)
     if len(table) > sent:
-        new_ids.extend(table[sent:])
+        planned.new_ids.extend(table[sent:])
         seq.sent_blocks = len(table)
 
 

@@ -12,6 +12,7 @@ import msgspec
 
 from engine.core.blocks import BlockPool
 from engine.core.config import CoreConfig
+from engine.core.lifecycle import stop_rule
 from engine.core.state import CoreState, InflightStep, Seq, Status
 
 
@@ -118,6 +119,16 @@ def take_snapshot(state: CoreState) -> CoreSnapshot:
     return decode_snapshot(encode_snapshot(shallow))
 
 
+def _restore_step(config: CoreConfig, step: StepSnapshot, seqs: list[Seq]) -> InflightStep:
+    samplers = [seqs[i] for i in step.samplers]
+    ending = [
+        i for i, (seq, index) in enumerate(zip(samplers, step.sample_indices, strict=True))
+        if index + 1 >= stop_rule(config, seq)[1]
+    ]
+    return InflightStep(step.step_id, [seqs[i] for i in step.rows], samplers, list(step.sample_indices),
+                        list(step.kv_ends), list(step.registered), [seq.request_id for seq in samplers], ending)
+
+
 def restore_state(snapshot: CoreSnapshot) -> CoreState:
     """A fresh ``CoreState`` equal to the one ``snapshot`` was taken of; the snapshot is left untouched."""
     snap = decode_snapshot(encode_snapshot(snapshot))
@@ -140,11 +151,9 @@ def restore_state(snapshot: CoreSnapshot) -> CoreState:
     state.reserving = [s for s in state.running if s.status is Status.RUNNING and s.reserve > len(s.block_ids)]
     state.preempted = [seqs[i] for i in snap.preempted]
     state.swapped = [seqs[i] for i in snap.swapped]
-    state.steps = deque(
-        InflightStep(s.step_id, [seqs[i] for i in s.rows], [seqs[i] for i in s.samplers], list(s.sample_indices),
-                     list(s.kv_ends), list(s.registered), [seqs[i].request_id for i in s.samplers])
-        for s in snap.steps
-    )
+    state.steps = deque(_restore_step(config, s, seqs) for s in snap.steps)
+    for seq in seqs:
+        state.stop_tokens.update(stop_rule(config, seq)[0])
     state.fences = deque((step, rid, list(blocks)) for step, rid, blocks in snap.fences)
     state.deadlines = list(snap.deadlines)
     state.tick = snap.tick

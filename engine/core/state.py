@@ -90,6 +90,10 @@ class Seq:
     _stop_rule: tuple[frozenset[int], int] | None = None
     """Cache for ``apply.settle_step``: (stop token set, length limit), set on first use. Private, so snapshots
     (msgspec skips underscored attrs fields) do not hold it; a restored sequence recomputes it."""
+    _run_order: int = -1
+    """When it last joined ``running`` (``CoreState.next_run_order``), so ``lane`` can compare running order
+    without a scan. Private like ``_stop_rule``: a restored sequence has -1, which only makes the lane stand
+    down until the general plan rebuilds it."""
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +133,40 @@ class InflightStep:
     """Blocks whose hashes this step's plan registered: untrusted if the step fails."""
     sampler_ids: list[str]
     """The request ids of ``samplers``: a ``StepDone`` must list exactly these (checked with one compare)."""
+    ending: list[int]
+    """Indices into ``samplers``, ascending, of the rows whose token reaches the sequence's length limit, so that
+    settling need not test every row for it."""
+
+
+@attrs.define(slots=True, eq=False)
+class DecodeLane:
+    """The newest step's decode rows as columns, so the next step's can be derived from them in bulk.
+
+    ``engine.core.lane`` explains when it holds; the columns are parallel, one entry per member.
+    """
+
+    step_id: int
+    """The step whose decode rows the members had."""
+    seqs: list[Seq]
+    ids: list[str]
+    positions: list[int]
+    """Each member's next position (its ``num_computed``)."""
+    indices: list[int]
+    """The output index each member sampled in ``step_id``."""
+    sent: list[int]
+    """Each member's ``sent_blocks``."""
+    limits: list[int]
+    """Each member's length limit: the output count that ends it (``lifecycle.stop_rule``)."""
+    last_rows: dict[int, list[Seq]]
+    """A timer wheel: step id -> the members whose row in that step samples their last token by length. A
+    member's index grows by one every step it stays in the lane, so the step is known when it joins."""
+    prefilling: list[Seq]
+    """Running sequences still prefilling, in running order."""
+    joining: list[Seq]
+    """Sequences whose prefill was completed by ``step_id``: decode rows from the next step on."""
+    left_out: list[Seq]
+    """Decode sequences that got no row in ``step_id`` (no room to run ahead, no blocks): the lane holds only
+    while every one of them has finished."""
 
 
 @attrs.define(slots=True, eq=False)
@@ -167,6 +205,18 @@ class CoreState:
     next_admission: int = 0
     digest: bytes = GENESIS_DIGEST
     shut_down: bool = False
+    stop_tokens: set[int] = attrs.Factory(set)
+    """Every token that may stop some request (a superset): a step whose tokens miss it stops nothing."""
+    lane: DecodeLane | None = None
+    """The steady-state fast path's view of the newest step (``engine.core.lane``); None when it must stand
+    down. Derived state, never snapshotted: a restored core plans its first step the general way."""
+    next_run_order: int = 0
+
+    def join_running(self, seq: Seq) -> None:
+        """Append a sequence to ``running`` (admission, resume, swap-in): the only way into it."""
+        seq._run_order = self.next_run_order
+        self.next_run_order += 1
+        self.running.append(seq)
 
     @property
     def active(self) -> int:

@@ -1,0 +1,29 @@
+"""A step being planned, as the columns of its ``RunStep`` plus what the core keeps of it while in flight."""
+
+from __future__ import annotations
+
+import attrs
+
+from engine.core.state import Seq
+
+
+@attrs.define(slots=True, eq=False)
+class StepColumns:
+    """A step being planned: the ``RunStep`` columns plus what ``InflightStep`` keeps, decode rows first."""
+
+    step_id: int
+    rows: list[Seq]
+    positions: list[int]
+    counts: list[int]
+    token_ids: list[int]
+    fed_from: list[int]
+    sample_indices: list[int]
+    block_starts: list[int]
+    num_new: list[int]
+    new_ids: list[int]
+    samplers: list[Seq]
+    sampled: list[int]
+    kv_ends: list[int]
+    registered: list[int] = attrs.Factory(list)
+    ending: list[int] = attrs.Factory(list)
+    """Indices into ``samplers`` of the rows that sample a sequence's last token by its length limit."""
