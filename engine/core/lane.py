@@ -70,8 +70,8 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     need = [i for i, position in enumerate(positions) if not position % block_size]
     if need:
         need = [i for i in need if positions[i] // block_size >= len(seqs[i].block_ids)]
-        if len(need) > state.pool.num_free:
-            return None
+        if len(need) > state.pool.num_free + state.pool.num_cached:
+            return None  # a victim would be needed
 
     # Committed from here on: the step is the lane's.
     state.prune_running()
@@ -81,7 +81,9 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     num_new = [0] * rows
     new_ids: list[int] = []
     pool = state.pool
-    for i in need:  # in row order, as the general plan allocates
+    for i in need:  # in row order, reclaiming one block when none is free, as the general plan does
+        if not pool.free:
+            pool.reclaim(1)
         table = seqs[i].block_ids
         table += pool.allocate(1)
         start = block_starts[i]
