@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.core.blocks import ROOT_HASH, block_hash, blocks_for
+from engine.core.blocks import ROOT_HASH, blocks_for, chain_hashes, pack_tokens
 from engine.core.config import CoreConfig
 from engine.core.context import TickContext
 from engine.core.state import FINISH_RANK, CoreState, Seq, Status
@@ -58,10 +58,11 @@ def full_block_hashes(state: CoreState, seq: Seq, num_tokens: int) -> list[bytes
     """Hashes of the full blocks among the first ``num_tokens`` tokens, extending ``seq.hashes`` as needed."""
     size = state.config.block_size
     hashes = seq.hashes
-    for j in range(len(hashes), num_tokens // size):
-        parent = hashes[j - 1] if j else ROOT_HASH
-        hashes.append(block_hash(parent, seq.tokens(j * size, (j + 1) * size), seq.salt))
-    return hashes[: num_tokens // size]
+    have, want = len(hashes), num_tokens // size
+    if want > have:
+        packed = pack_tokens(seq.tokens(have * size, want * size))
+        hashes += chain_hashes(hashes[-1] if hashes else ROOT_HASH, packed, size, seq.salt)
+    return hashes[:want]
 
 
 def cache_full_blocks(state: CoreState, seq: Seq, num_tokens: int) -> list[int]:
@@ -70,9 +71,16 @@ def cache_full_blocks(state: CoreState, seq: Seq, num_tokens: int) -> list[int]:
         return []
     registered = []
     blocks = seq.block_ids
-    for j, h in enumerate(full_block_hashes(state, seq, min(num_tokens, len(blocks) * state.config.block_size))):
-        if state.pool.register(blocks[j], h):
-            registered.append(blocks[j])
+    pool = state.pool
+    by_hash = pool.by_hash
+    hash_of = pool.hash_of
+    hashes = full_block_hashes(state, seq, min(num_tokens, len(blocks) * state.config.block_size))
+    for block, h in zip(blocks, hashes, strict=False):  # there are no more hashes than blocks
+        # ``BlockPool.register``, inlined: every prefill chunk and every retirement offers all the full blocks.
+        if h not in by_hash and hash_of[block] is None:
+            hash_of[block] = h
+            by_hash[h] = block
+            registered.append(block)
     return registered
 
 
