@@ -41,6 +41,7 @@ def block_hash(parent: bytes, tokens: Sequence[int], salt: str) -> bytes:
     return hashlib.blake2b(parent + salt.encode() + packer.pack(*tokens), digest_size=HASH_SIZE).digest()
 
 
+_BLAKE2B = hashlib.blake2b(digest_size=HASH_SIZE)
 _TOKEN_CODE = "I" if array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = array(_TOKEN_CODE, [1]).tobytes()[0] == 0
 
@@ -57,10 +58,12 @@ def chain_hashes(parent: bytes, packed: bytes, block_size: int, salt: str) -> li
     """``block_hash`` of each full block in ``packed`` (``pack_tokens``), chained from ``parent``."""
     prefix = salt.encode()
     step = 4 * block_size
-    blake2b = hashlib.blake2b
+    copy = _BLAKE2B.copy  # copying a fresh hasher is cheaper than constructing one with its parameters
     hashes = []
     for offset in range(0, len(packed) - step + 1, step):
-        parent = blake2b(parent + prefix + packed[offset : offset + step], digest_size=HASH_SIZE).digest()
+        hasher = copy()
+        hasher.update(parent + prefix + packed[offset : offset + step])
+        parent = hasher.digest()
         hashes.append(parent)
     return hashes
 

@@ -24,10 +24,14 @@ every output byte.
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import ge
+
 from engine.core.columns import StepColumns
 from engine.core.lifecycle import stop_rule
 from engine.core.state import CoreState, DecodeLane, Seq, Status
 from events import NOT_FED
+
 
 
 def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
@@ -65,13 +69,12 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     if rows > config.max_batch_tokens:
         return None
     positions = lane.positions
-    block_size = config.block_size
-    # A row needs a block only when its position starts one (a table always covers every earlier position).
-    need = [i for i, position in enumerate(positions) if not position % block_size]
-    if need:
-        need = [i for i in need if positions[i] // block_size >= len(seqs[i].block_ids)]
-        if len(need) > state.pool.num_free + state.pool.num_cached:
-            return None  # a victim would be needed
+    rooms = lane.rooms
+    pool = state.pool
+    # The rows whose position is past their table (``map`` and ``compress`` keep the scan at C speed).
+    need = list(compress(range(rows), map(ge, positions, rooms)))
+    if len(need) > len(pool.free) + len(pool.cached):
+        return None  # a victim would be needed
 
     # Committed from here on: the step is the lane's.
     state.prune_running()
@@ -80,16 +83,21 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     block_starts = list(sent)
     num_new = [0] * rows
     new_ids: list[int] = []
-    pool = state.pool
-    for i in need:  # in row order, reclaiming one block when none is free, as the general plan does
-        if not pool.free:
+    free = pool.free
+    block_size = config.block_size
+    for i in need:
+        # ``BlockPool.allocate(1)``, inlined, in row order, reclaiming one block when none is free, as the
+        # general plan does. A member's table has been sent whole, so the new block is the row's whole delta.
+        if not free:
             pool.reclaim(1)
-        table = seqs[i].block_ids
-        table += pool.allocate(1)
-        start = block_starts[i]
-        num_new[i] = len(table) - start
-        new_ids += table[start:]
-        seqs[i].sent_blocks = sent[i] = len(table)
+        block = free.popitem(last=False)[0]
+        pool.ref[block] = 1
+        seq = seqs[i]
+        seq.block_ids.append(block)
+        num_new[i] = 1
+        new_ids.append(block)
+        seq.sent_blocks = sent[i] = sent[i] + 1
+        rooms[i] += block_size
     next_positions = [position + 1 for position in positions]
     inflight = 2 if fed else 1
     for seq, position in zip(seqs, next_positions, strict=True):
@@ -141,7 +149,7 @@ def start_lane(
         positions=planned.kv_ends[:decode_rows],
         indices=indices,
         sent=[seq.sent_blocks for seq in seqs],
-        limits=limits,
+        rooms=[len(seq.block_ids) * config.block_size for seq in seqs],
         last_rows=last_rows,
         prefilling=prefilling,
         joining=completed,
@@ -159,7 +167,7 @@ def _drop_finished(lane: DecodeLane, stale: list[Seq]) -> None:
 
 
 def _remove(lane: DecodeLane, i: int) -> None:
-    del lane.seqs[i], lane.ids[i], lane.positions[i], lane.indices[i], lane.sent[i], lane.limits[i]
+    del lane.seqs[i], lane.ids[i], lane.positions[i], lane.indices[i], lane.sent[i], lane.rooms[i]
 
 
 def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_out: list[Seq]) -> bool:
@@ -184,7 +192,7 @@ def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_
         lane.positions.append(seq.num_computed)
         lane.indices.append(index)
         lane.sent.append(seq.sent_blocks)
-        lane.limits.append(limit)
+        lane.rooms.append(len(seq.block_ids) * config.block_size)
         lane.last_rows.setdefault(step_id + limit - 1 - index, []).append(seq)
     lane.joining = []
     return True

@@ -155,8 +155,8 @@ class DecodeLane:
     """The output index each member sampled in ``step_id``."""
     sent: list[int]
     """Each member's ``sent_blocks``."""
-    limits: list[int]
-    """Each member's length limit: the output count that ends it (``lifecycle.stop_rule``)."""
+    rooms: list[int]
+    """Each member's first position its block table does not cover."""
     last_rows: dict[int, list[Seq]]
     """A timer wheel: step id -> the members whose row in that step samples their last token by length. A
     member's index grows by one every step it stays in the lane, so the step is known when it joins."""
