@@ -33,7 +33,6 @@ from engine.core.state import CoreState, DecodeLane, Seq, Status
 from events import NOT_FED
 
 
-
 def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     """The next step's decode rows, derived from ``lane``; None if the lane must stand down.
 
