@@ -164,66 +164,94 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
     discarded: never streamed, never counted.
     """
     step = _step_to_settle(state, msg.step_id)
-    samplers = step.samplers
     if msg.request_ids != step.sampler_ids:
         raise InvariantViolation(
             "step results match their step",
             f"step {msg.step_id} sampled for {step.sampler_ids} but reported {msg.request_ids}",
         )
-    if len(msg.token_ids) != len(samplers):
+    if len(msg.token_ids) != len(step.samplers):
         raise InvariantViolation("step results match their step",
-                                 f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(samplers)} rows")
+                                 f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(step.samplers)} rows")
     state.settled_step = msg.step_id
-    running = Status.RUNNING
-    for seq, end in zip(step.seqs, step.kv_ends, strict=True):
-        seq.kv_settled = end  # rows of a sequence settle in order, each ending past the last
-        if seq.has_spill and seq.status is running:
-            seq.has_spill = False
-            ctx.commands.append(DropSpill(seq.request_id))
-    config = state.config
-    logprobs = msg.logprobs
-    if logprobs is not None or ctx.emit_logprobs is not None or config.think_start_token is not None:
-        for i, seq in enumerate(samplers):
+    if msg.logprobs is None and ctx.emit_logprobs is None and state.config.think_start_token is None:
+        _commit_in_bulk(state, ctx, step, msg)
+    else:
+        _settle_kv(ctx, step)
+        running = Status.RUNNING
+        logprobs = msg.logprobs
+        for i, seq in enumerate(step.samplers):
             seq.inflight -= 1
             if seq.status is running:
                 _check_index(msg.step_id, seq, step.sample_indices[i])
                 commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i])
-        release_fences(state, ctx)
-        return
-    # The common case, in bulk: no thinking markers and no logprobs, so committing a token is an append plus
-    # the stop rules. Most rows can stop nothing: their token is in no request's stop set (one set test for the
-    # whole step) and they are not at their length limit (the plan listed the rows that are, ``ending``). So
-    # only the candidates go through ``_apply_stop_rules``, in row order, after every token is committed: each
-    # sequence has one row per step, so no row's outcome depends on another's. The sample indices need no
-    # check here: the plan derived them from the very outputs appended now.
+    release_fences(state, ctx)
+
+
+def _settle_kv(ctx: TickContext, step: InflightStep) -> None:
+    running = Status.RUNNING
+    for seq, end in zip(step.seqs, step.kv_ends, strict=True):
+        seq.kv_settled = end  # rows of a sequence settle in order, each ending past the last
+        if seq.has_spill and seq.status is running:
+            _drop_spill(ctx, seq)
+
+
+def _commit_in_bulk(state: CoreState, ctx: TickContext, step: InflightStep, msg: StepDone) -> None:
+    """``commit_token`` for a whole step, when no thinking markers are configured and no logprobs travel.
+
+    Committing a token is then an append plus the stop rules, and most rows can stop nothing: their token is
+    in no request's stop set (one set test for the whole step) and they are not at their length limit (the
+    plan listed the rows that are, ``ending``). So only those candidates go through ``_apply_stop_rules``, in
+    row order, after every token is committed: each sequence has one row per step, so no row's outcome
+    depends on another's. The sample indices need no check here: the plan derived them from the very outputs
+    appended now.
+    """
+    samplers = step.samplers
     tokens = msg.token_ids
-    indices = step.sample_indices
+    running = Status.RUNNING
     discarded = False
-    for seq, token in zip(samplers, tokens, strict=True):
-        seq.inflight -= 1
-        if seq.status is running:
-            seq.outputs.append(token)
-        else:
-            discarded = True
-    candidates = step.ending
-    stop_tokens = state.stop_tokens
-    if not stop_tokens.isdisjoint(tokens):
-        candidates = sorted({*candidates, *(i for i, token in enumerate(tokens) if token in stop_tokens)})
+    if len(samplers) == len(step.seqs):
+        # Every row samples (so ``samplers`` is ``seqs``): settling the KV and committing is one pass.
+        for seq, end, token in zip(samplers, step.kv_ends, tokens, strict=True):
+            seq.kv_settled = end
+            seq.inflight -= 1
+            if seq.status is running:
+                if seq.has_spill:
+                    _drop_spill(ctx, seq)
+                seq.outputs.append(token)
+            else:
+                discarded = True
+    else:
+        _settle_kv(ctx, step)
+        for seq, token in zip(samplers, tokens, strict=True):
+            seq.inflight -= 1
+            if seq.status is running:
+                seq.outputs.append(token)
+            else:
+                discarded = True
+    indices = step.sample_indices
     if not discarded:
         ctx.emit_ids += msg.request_ids
         ctx.emit_tokens += tokens
         ctx.emit_indices += indices
         ctx.emit_reasoning += [False] * len(samplers)
     else:
-        # Rows of sequences that finished meanwhile are discarded: never streamed, never counted.
         for i, seq in enumerate(samplers):
             if seq.status is running:
                 ctx.emit(msg.request_ids[i], tokens[i], indices[i], False, None)
+    candidates = step.ending
+    stop_tokens = state.stop_tokens
+    if not stop_tokens.isdisjoint(tokens):
+        candidates = sorted({*candidates, *(i for i, token in enumerate(tokens) if token in stop_tokens)})
     for i in candidates:
         seq = samplers[i]
         if seq.status is running:
             _apply_stop_rules(state, seq, tokens[i], indices[i])
-    release_fences(state, ctx)
+
+
+def _drop_spill(ctx: TickContext, seq: Seq) -> None:
+    """A swapped-in sequence's first settled step: its spilled copy is no longer needed."""
+    seq.has_spill = False
+    ctx.commands.append(DropSpill(seq.request_id))
 
 
 def _check_index(step_id: int, seq: Seq, index: int) -> None:

@@ -84,11 +84,14 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     new_ids: list[int] = []
     free = pool.free
     block_size = config.block_size
+    if len(need) > len(free):
+        # The general plan reclaims one block whenever none is free. Reclaiming the shortfall at once evicts
+        # the same blocks in the same order and appends them to the free list in that order, so the rows get
+        # the same blocks.
+        pool.reclaim(len(need) - len(free))
     for i in need:
-        # ``BlockPool.allocate(1)``, inlined, in row order, reclaiming one block when none is free, as the
-        # general plan does. A member's table has been sent whole, so the new block is the row's whole delta.
-        if not free:
-            pool.reclaim(1)
+        # ``BlockPool.allocate(1)``, inlined, in row order. A member's table has been sent whole, so the new
+        # block is the row's whole delta.
         block = free.popitem(last=False)[0]
         pool.ref[block] = 1
         seq = seqs[i]
