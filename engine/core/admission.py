@@ -30,7 +30,10 @@ def prefix_hits(state: CoreState, seq: Seq) -> list[int]:
     """Cached blocks the prompt would reuse. At most ``prompt_len - 1`` tokens: the last is always computed."""
     if not state.config.prefix_caching:
         return []
-    return state.pool.lookup(full_block_hashes(state, seq, len(seq.prompt) - 1))
+    # Every full block of the prompt is hashed in one go, the last one too (which its first chunk will
+    # register), though only the ones before the last token may hit.
+    usable = (len(seq.prompt) - 1) // state.config.block_size
+    return state.pool.lookup(full_block_hashes(state, seq, len(seq.prompt))[:usable])
 
 
 def admission_need(state: CoreState, seq: Seq) -> int:
