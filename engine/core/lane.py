@@ -29,7 +29,7 @@ from operator import ge
 
 from engine.core.columns import StepColumns
 from engine.core.lifecycle import stop_rule
-from engine.core.state import CoreState, DecodeLane, Seq, Status
+from engine.core.state import CoreState, DecodeLane, Seq, Status, find_in_run_order
 from events import NOT_FED
 
 
@@ -59,7 +59,7 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
         if seq.status is running:
             if not fed:
                 return None
-            _remove(lane, lane.ids.index(seq.request_id))
+            _remove(lane, find_in_run_order(lane.seqs, seq))
             left_out.append(seq)
     if lane.joining and not _join(state, lane, step_id, 1 if fed else 0, left_out):
         return None
@@ -112,8 +112,7 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     else:
         token_ids = [seq.outputs[-1] for seq in seqs]
         fed_from = [NOT_FED] * rows
-    ids = lane.ids
-    ending = sorted(ids.index(seq.request_id) for seq in lane.last_rows.get(step_id, ()) if seq.status is running)
+    ending = sorted(find_in_run_order(seqs, seq) for seq in lane.last_rows.get(step_id, ()) if seq.status is running)
     lane.step_id = step_id
     lane.positions = next_positions
     lane.indices = [index + 1 for index in indices]
@@ -147,7 +146,6 @@ def start_lane(
     state.lane = DecodeLane(
         step_id=planned.step_id,
         seqs=seqs,
-        ids=[seq.request_id for seq in seqs],
         positions=planned.kv_ends[:decode_rows],
         indices=indices,
         sent=[seq.sent_blocks for seq in seqs],
@@ -161,15 +159,15 @@ def start_lane(
 
 def _drop_finished(lane: DecodeLane, stale: list[Seq]) -> None:
     """Remove the members that finished since the lane's step (``stale`` lists every finished running one)."""
-    ids = lane.ids
     for seq in stale:
-        if seq.last_step == lane.step_id and seq.request_id in ids:
-            i = ids.index(seq.request_id)
-            _remove(lane, i)
+        if seq.last_step == lane.step_id:
+            i = find_in_run_order(lane.seqs, seq)
+            if i >= 0:
+                _remove(lane, i)
 
 
 def _remove(lane: DecodeLane, i: int) -> None:
-    del lane.seqs[i], lane.ids[i], lane.positions[i], lane.indices[i], lane.sent[i], lane.rooms[i]
+    del lane.seqs[i], lane.positions[i], lane.indices[i], lane.sent[i], lane.rooms[i]
 
 
 def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_out: list[Seq]) -> bool:
@@ -190,7 +188,6 @@ def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_
             left_out.append(seq)
             continue
         lane.seqs.append(seq)
-        lane.ids.append(seq.request_id)
         lane.positions.append(seq.num_computed)
         lane.indices.append(index)
         lane.sent.append(seq.sent_blocks)
