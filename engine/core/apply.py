@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from engine.core.context import TickContext
 from engine.core.errors import InvariantViolation
+from engine.core.lane import hand_tokens
 from engine.core.lifecycle import mark_finish, release_fences, stop_rule
 from engine.core.state import CoreState, InflightStep, Seq, Status, ends_in_thinking
 from events import (
@@ -184,6 +185,8 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
             if seq.status is running:
                 _check_index(msg.step_id, seq, step.sample_indices[i])
                 commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i])
+    if state.lane is not None:
+        hand_tokens(state.lane, msg.step_id, msg.token_ids)
     release_fences(state, ctx)
 
 

@@ -52,6 +52,8 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     if state.stale:
         _drop_finished(lane, state.stale)
     fed = bool(steps)
+    if not fed and lane.tokens_step != lane.step_id:
+        return None  # settling the step hands the lane its tokens; without them, the general plan reads them
     left_out: list[Seq] = []
     # Members whose last token by length is the one in flight get no row (``planner.can_run_ahead``). Without
     # a step in flight that token has settled and finished them, so a running one means the lane is wrong.
@@ -110,7 +112,8 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
         token_ids = [0] * rows
         fed_from = [lane.step_id] * rows
     else:
-        token_ids = [seq.outputs[-1] for seq in seqs]
+        token_ids = lane.tokens
+        lane.tokens = []
         fed_from = [NOT_FED] * rows
     ending = sorted(find_in_run_order(seqs, seq) for seq in lane.last_rows.get(step_id, ()) if seq.status is running)
     lane.step_id = step_id
@@ -121,6 +124,14 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
         step_id, list(seqs), positions, [1] * rows, token_ids, fed_from, list(indices), block_starts, num_new,
         new_ids, list(seqs), list(indices), list(next_positions), ending=ending,
     )
+
+
+def hand_tokens(lane: DecodeLane, step_id: int, tokens: list[int]) -> None:
+    """``settle_step``: the step's sampled tokens, in sampler order. The lane's step samples for its members
+    first, in their order, so the first ones are the members' pending tokens."""
+    if lane.step_id == step_id:
+        lane.tokens = tokens[: len(lane.seqs)]
+        lane.tokens_step = step_id
 
 
 def advance_lane(state: CoreState, lane: DecodeLane, prefilling: list[Seq], completed: list[Seq]) -> None:
@@ -149,6 +160,8 @@ def start_lane(
         positions=planned.kv_ends[:decode_rows],
         indices=indices,
         sent=[seq.sent_blocks for seq in seqs],
+        tokens=[],
+        tokens_step=-1,
         rooms=[len(seq.block_ids) * config.block_size for seq in seqs],
         last_rows=last_rows,
         prefilling=prefilling,
@@ -168,6 +181,8 @@ def _drop_finished(lane: DecodeLane, stale: list[Seq]) -> None:
 
 def _remove(lane: DecodeLane, i: int) -> None:
     del lane.seqs[i], lane.positions[i], lane.indices[i], lane.sent[i], lane.rooms[i]
+    if lane.tokens_step == lane.step_id:
+        del lane.tokens[i]
 
 
 def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_out: list[Seq]) -> bool:
@@ -192,6 +207,8 @@ def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_
         lane.indices.append(index)
         lane.sent.append(seq.sent_blocks)
         lane.rooms.append(len(seq.block_ids) * config.block_size)
+        if lane.tokens_step == lane.step_id:
+            lane.tokens.append(seq.outputs[-1])
         lane.last_rows.setdefault(step_id + limit - 1 - index, []).append(seq)
     lane.joining = []
     return True

@@ -177,6 +177,10 @@ class DecodeLane:
     """The output index each member sampled in ``step_id``."""
     sent: list[int]
     """Each member's ``sent_blocks``."""
+    tokens: list[int]
+    """Each member's pending token, once ``step_id`` has settled (then ``tokens_step == step_id``): settling
+    hands over the step's sampled tokens, so the plan need not read every member's last output."""
+    tokens_step: int
     rooms: list[int]
     """Each member's first position its block table does not cover."""
     last_rows: dict[int, list[Seq]]
