@@ -10,6 +10,9 @@ in the seed system's order; each is a function named after what it does:
 3. ``plan_step``: decode rows, prefill chunks, KV exhaustion;
 4. ``sweep_deadlines``, ``fence_finished``, ``retire_finished``, ``swap_in``, ``resume_preempted``, then the
    planned ``RunStep`` is emitted last.
+
+In the steady state most steps are planned by ``lane.plan_lane_decode``, which derives the decode rows from
+the previous step's in bulk; ``planner`` is the general plan and the specification it must match.
 """
 
 from __future__ import annotations
