@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from events.commands import Command
-from events.records import Frame, TickInputs, TickOutputs, TickRecord
+from events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
 from events.types import CoreGauges, Record
 
 FORMAT_VERSION = 1
@@ -46,8 +46,11 @@ def encode_commands(commands: Sequence[Command]) -> bytes:
 # Why these two mirror types: the digest is computed over the encoded commands, and the tick frame holds the
 # same commands again. Encoding them twice would double the hot path's encode cost, so the frame is encoded
 # through a Struct with the same field order whose ``commands`` is the already-encoded ``msgspec.Raw``. The
-# bytes are identical to encoding ``TickRecord`` directly (a test checks it), so readers never know.
-class _TickOutputsWire(Record, frozen=True):
+# bytes are identical to encoding ``TickRecord`` directly (a test checks it), so readers never know. Replay
+# decodes through them too: it compares digests, and needs the logged commands only when a tick diverges.
+class RawTickOutputs(Record, frozen=True):
+    """``TickOutputs`` with the commands left encoded."""
+
     tick: int
     commands: msgspec.Raw
     needs_tick: bool
@@ -55,15 +58,28 @@ class _TickOutputsWire(Record, frozen=True):
     digest: bytes
 
 
-class _TickRecordWire(Record, frozen=True, tag="tick"):
+class RawTickRecord(Record, frozen=True, tag="tick"):
+    """``TickRecord`` with the commands left encoded (``decode_commands`` reads them)."""
+
     inputs: TickInputs
-    outputs: _TickOutputsWire
+    outputs: RawTickOutputs
 
 
-def _tick_wire(inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None) -> _TickRecordWire:
+_raw_frame_decoder: msgspec.msgpack.Decoder[LogHeader | RawTickRecord | SnapshotRecord] = msgspec.msgpack.Decoder(
+    LogHeader | RawTickRecord | SnapshotRecord
+)
+
+
+def decode_frame_raw(payload: bytes) -> LogHeader | RawTickRecord | SnapshotRecord:
+    """``decode_frame``, leaving a tick's commands encoded. ``payload`` must be ``bytes``: the raw commands
+    are a view of it, and a view of a log's mmap would keep the file from closing."""
+    return _raw_frame_decoder.decode(payload)
+
+
+def _tick_wire(inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None) -> RawTickRecord:
     raw = msgspec.Raw(encoded_commands if encoded_commands is not None else encode_commands(outputs.commands))
-    wire = _TickOutputsWire(outputs.tick, raw, outputs.needs_tick, outputs.gauges, outputs.digest)
-    return _TickRecordWire(inputs, wire)
+    wire = RawTickOutputs(outputs.tick, raw, outputs.needs_tick, outputs.gauges, outputs.digest)
+    return RawTickRecord(inputs, wire)
 
 
 def encode_tick(inputs: TickInputs, outputs: TickOutputs, encoded_commands: bytes | None = None) -> bytes:

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from engine.core import SchedulerCore
 from engine.core.snapshot import CoreSnapshot, decode_snapshot, encode_snapshot
-from events import LogError, LogHeader, LogReader, RunStep, SnapshotRecord, TickRecord
+from events import LogError, LogHeader, LogReader, RunStep, SnapshotRecord, decode_commands
+from events.codec import RawTickRecord
 from replay.diff import diff_commands, diff_gauges, diff_state, summarise_inputs
 from replay.header import ReplayConfigError, core_config_from_header, digest_problem
 
@@ -121,13 +122,13 @@ def verify(path: str | os.PathLike[str], *, check_snapshots: bool = True) -> Rep
 
 
 def _replay(reader: LogReader, core: SchedulerCore, report: ReplayReport, check_snapshots: bool) -> None:
-    records = reader.records()
+    records = reader.raw_records()
     rows = 0
     ticks = 0
     expected_tick = 0
     tick_fn = core.tick
     for record in records:
-        if type(record) is TickRecord:
+        if type(record) is RawTickRecord:
             inputs = record.inputs
             logged = record.outputs
             if inputs.tick != expected_tick or logged.tick != inputs.tick:
@@ -144,7 +145,7 @@ def _replay(reader: LogReader, core: SchedulerCore, report: ReplayReport, check_
                 _diverged(report, inputs.tick, record, None, core, records)
                 break
             if out.digest != logged.digest or out.needs_tick != logged.needs_tick:
-                report.command_diff = diff_commands(logged.commands, out.commands)
+                report.command_diff = diff_commands(decode_commands(bytes(logged.commands)), out.commands)
                 report.gauges_diff = diff_gauges(logged.gauges, out.gauges)
                 if out.needs_tick != logged.needs_tick:
                     report.needs_tick_diff = f"needs_tick: expected {logged.needs_tick}, got {out.needs_tick}"
@@ -174,10 +175,10 @@ def _replay(reader: LogReader, core: SchedulerCore, report: ReplayReport, check_
 def _diverged(
     report: ReplayReport,
     tick: int,
-    record: TickRecord,
+    record: RawTickRecord,
     out: object,
     core: SchedulerCore,
-    records: Iterator[TickRecord | SnapshotRecord],
+    records: Iterator[RawTickRecord | SnapshotRecord],
 ) -> None:
     """Fill in the divergence and, where a logged snapshot lies at or after it, the state difference there."""
     report.status = "divergent"
