@@ -24,3 +24,16 @@ def test_bench_core_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "core", "--batches", "4", "--ticks", "2", "--warmup", "2", "--depths", "2"]) == 0
     out = capsys.readouterr().out
     assert "vLLM" in out and "not installable" in out and "N=4" in out and "depth 2" in out
+
+
+def test_bench_core_reports_its_best_round(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "core", "--json", "--batches", "4", "--ticks", "3", "--warmup", "5", "--rounds", "3"]
+    assert main(args) == 0
+    (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert line["rounds"] == 3 and len(line["round_medians"]) == 3
+    assert line["us_per_request_step"] == pytest.approx(min(line["round_medians"]))
+
+
+def test_bench_core_rejects_zero_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "core", "--rounds", "0"]) == 64
+    assert "--rounds" in capsys.readouterr().err
