@@ -5,7 +5,7 @@ from __future__ import annotations
 from core_harness import Harness, arrival
 
 from engine.core import CoreConfig
-from events import Finish, Preempted, RunStep, SpillOut, SwapIn
+from events import DropSpill, Finish, Preempted, RequestCancelled, RunStep, SpillOut, SwapIn
 
 
 def unpressured_output(request_id: str, prompt: int, max_tokens: int) -> list[int]:
@@ -52,6 +52,41 @@ def test_c23_golden_swap_out_swap_in() -> None:
     assert h.reason("r1") == "length" and h.output("r1") == unpressured_output("r1", 40, 8)
     assert h.reason("r0") == "length" and len(h.output("r0")) == 60
     assert not [c for _, c in h.commands(Preempted) if c.request_id == "r0"], "r0 is never preempted"
+
+
+def _c23_until_swap_out() -> Harness:
+    config = CoreConfig(
+        num_blocks=10, block_size=16, spill_enabled=True, admit_watermark=0, max_batch_size=4,
+        max_seq_len=128, pipeline_depth=1, max_prefill_tokens=64,
+    )
+    h = Harness(config)
+    h.step(arrival("r0", 20, 60), arrival("r1", 40, 8))
+    h.step()
+    h.step(arrival("r2", 100, 4))
+    assert [c.request_id for _, c in h.commands(SpillOut)] == ["r1"]
+    return h
+
+
+def test_c23_a_swapped_in_request_drops_its_spill_entry_once_its_first_step_settles() -> None:
+    h = _c23_until_swap_out()
+    h.run()
+    ticks = {type(c).__name__: t for t, c in h.commands() if getattr(c, "request_id", None) == "r1"}
+    drops = [t for t, c in h.commands(DropSpill)]
+    assert [c.request_id for _, c in h.commands(DropSpill)] == ["r1"], "dropped exactly once"
+    assert ticks["SwapIn"] < drops[0] < ticks["Finish"]
+    first_step = next(t for t, c in h.commands(RunStep) if t > ticks["SwapIn"] and "r1" in c.request_ids)
+    assert drops[0] == first_step + 1, "in the tick that settles r1's first step after the swap-in"
+
+
+def test_c12_a_request_that_ends_while_swapped_out_drops_its_spill_entry() -> None:
+    h = _c23_until_swap_out()
+    out = h.step(RequestCancelled("r1"))
+    finish = next(c for c in out.commands if isinstance(c, Finish))
+    assert finish.request_id == "r1" and finish.reason == "cancelled"
+    assert DropSpill("r1") in out.commands
+    h.run()
+    assert [c.request_id for _, c in h.commands(DropSpill)] == ["r1"]
+    assert not h.commands(SwapIn)
 
 
 def test_c24_golden_requeue() -> None:

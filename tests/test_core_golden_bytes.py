@@ -115,10 +115,10 @@ WORKLOADS: dict[str, Callable[[], str]] = {
 }
 
 EXPECTED: dict[str, str] = {
-    'blast-2601-d1-spill-cache-24': '1505:5d71928fb819f1f9c5fe26ac9ba23a84',
-    'blast-2602-d2-spill-cache-24-shutdown': '1501:6d0cbc921e8fee6de9c53a570d427646',
+    'blast-2601-d1-spill-cache-24': '1505:158904863f573b5d7fd79cb38d5b93ad',
+    'blast-2602-d2-spill-cache-24-shutdown': '1501:a73ddac6860080ad2b7ad1716e4eae37',
     'blast-2603-d2-cache-20': '1515:e17a5b1bd3ea050d6ae3974b03edb1d4',
-    'blast-2605-d2-spill-nocache-32': '1220:1e9054da68ebfdd704d6e4aa05592f2f',
+    'blast-2605-d2-spill-nocache-32': '1220:5067f7e95a030e5d2a7f7e94e0e17ffc',
     'blast-2606-d1-nocache-16': '1001:45342e2a2f8ca5924571016ae9a76a88',
     'random-2700': '401:3a4dff2a7e50896246bae588b9495c9a',
     'random-2701': '400:9136fd0d3555b923840ba80420b38ea4',

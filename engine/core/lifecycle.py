@@ -134,6 +134,7 @@ def preempt(state: CoreState, ctx: TickContext, victim: Seq) -> None:
         ctx.commands.append(SpillOut(victim.request_id, list(victim.block_ids), victim.kv_settled))
         victim.spill_tokens = victim.kv_settled
         victim.swap_ready = False
+        victim.has_spill = True  # until its first step after swap-in settles, or it ends: then ``DropSpill``
         victim.status = Status.SWAPPING
         state.swapped.append(victim)
     else:
