@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable
 
 import pytest
-from test_core_blast import blast_config, random_config, run_blast
+from test_core_blast import BLAST_RUNS, blast_config, random_config, run_blast
 
 import engine.core.planner as planner
 from engine.core import CoreConfig
@@ -56,12 +56,29 @@ def test_lane_matches_the_general_plan_under_random_configs(seed: int, monkeypat
     _assert_same(monkeypatch, _blast(seed, 500, random_config(seed)), share=0.2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3300, 3312))
+def test_lane_matches_the_general_plan_in_long_random_config_runs(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    _assert_same(monkeypatch, _blast(seed, 3000, random_config(seed)), share=0.2)
+
+
 @pytest.mark.parametrize(("depth", "spill", "caching", "blocks"),
                          [(1, False, True, 40), (2, False, True, 40), (1, True, True, 24), (2, True, False, 32)])
 def test_lane_matches_the_general_plan_under_pressure(
     depth: int, spill: bool, caching: bool, blocks: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _assert_same(monkeypatch, _blast(3200 + depth, 1500, blast_config(depth, spill, caching, blocks)), share=0.4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("seed", "ticks", "depth", "spill", "caching", "blocks", "shutdown"), BLAST_RUNS)
+def test_lane_matches_the_general_plan_in_the_c26_blasts(
+    seed: int, ticks: int, depth: int, spill: bool, caching: bool, blocks: int, shutdown: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """C26's 20,000 ticks: long enough for the rare cases (a resume whose whole history hits the cache)."""
+    config = blast_config(depth, spill, caching, blocks)
+    _assert_same(monkeypatch, lambda: run_blast(seed, ticks, config, shutdown=shutdown).outputs, share=0.3)
 
 
 @pytest.mark.parametrize("depth", [1, 2])

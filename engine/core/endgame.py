@@ -156,6 +156,9 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
         state.preempted.remove(seq)
         _resume(state, seq)
         if state.lane is not None:
-            state.lane.prefilling.append(seq)
+            if seq.num_computed < seq.prefill_target:
+                state.lane.prefilling.append(seq)
+            else:  # its whole history hit the prefix cache: it decodes at once, which the general plan places
+                state.lane = None
         ctx.unblocked = True
         active += 1

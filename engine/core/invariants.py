@@ -26,6 +26,7 @@ def check_invariants(state: CoreState) -> None:
     check_fences(state)
     check_queues(state)
     check_bounds(state)
+    check_lane(state)
 
 
 def check_blocks(state: CoreState) -> None:
@@ -115,3 +116,40 @@ def check_bounds(state: CoreState) -> None:
             raise InvariantViolation("bounds", f"{seq.request_id!r} has {len(seq.outputs)} > max_tokens outputs")
         if seq.inflight < 0 or seq.inflight > config.pipeline_depth:
             raise InvariantViolation("fences", f"{seq.request_id!r} has {seq.inflight} tokens in flight")
+
+
+def check_lane(state: CoreState) -> None:
+    """The decode lane, if any, agrees with the sequences it describes and misses no running sequence."""
+    lane = state.lane
+    if lane is None:
+        return
+    columns = (lane.positions, lane.indices, lane.sent, lane.rooms)
+    if any(len(column) != len(lane.seqs) for column in columns):
+        raise InvariantViolation("decode lane", f"columns of lengths {[len(c) for c in columns]} "
+                                 f"for {len(lane.seqs)} members")
+    orders = [seq._run_order for seq in lane.seqs]
+    if orders != sorted(orders):
+        raise InvariantViolation("decode lane", "members out of running order")
+    with_tokens = lane.tokens_step == lane.step_id
+    if with_tokens and len(lane.tokens) != len(lane.seqs):
+        raise InvariantViolation("decode lane", f"{len(lane.tokens)} tokens for {len(lane.seqs)} members")
+    size = state.config.block_size
+    for i, seq in enumerate(lane.seqs):
+        if seq.status is not Status.RUNNING:
+            continue  # finished since the lane's step; dropped at the next plan
+        expected = (seq.num_computed, len(seq.outputs) + seq.inflight, seq.sent_blocks, len(seq.block_ids) * size)
+        found = (lane.positions[i], lane.indices[i], lane.sent[i], lane.rooms[i])
+        if found != expected or seq.last_step != lane.step_id or seq.sent_blocks != len(seq.block_ids):
+            raise InvariantViolation(
+                "decode lane",
+                f"{seq.request_id!r}: lane (position, index, sent, room) {found} but the sequence has {expected}, "
+                f"last step {seq.last_step} (lane step {lane.step_id}), {len(seq.block_ids)} blocks",
+            )
+        if with_tokens and lane.tokens[i] != seq.outputs[-1]:
+            raise InvariantViolation("decode lane", f"{seq.request_id!r}: pending token {seq.outputs[-1]}, "
+                                     f"lane holds {lane.tokens[i]}")
+    known = {seq.request_id for group in (lane.seqs, lane.prefilling, lane.joining, lane.left_out) for seq in group}
+    for seq in state.running:
+        if seq.status is Status.RUNNING and seq.request_id not in known:
+            raise InvariantViolation("decode lane", f"running {seq.request_id!r} is neither a member, prefilling, "
+                                     "joining nor left out")

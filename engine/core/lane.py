@@ -193,8 +193,14 @@ def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_
         if seq.status is not Status.RUNNING:
             continue
         # A resumed sequence's prefill samples nothing, so running ahead it has no token in flight to be fed
-        # from; and running order must put it after every member.
-        if seq.inflight != inflight or seq._run_order <= last or seq.num_computed < seq.prefill_target:
+        # from; running order must put it after every member; and its table must have been sent whole, as the
+        # lane sends only the blocks it adds.
+        if (
+            seq.inflight != inflight
+            or seq._run_order <= last
+            or seq.num_computed < seq.prefill_target
+            or seq.sent_blocks != len(seq.block_ids)
+        ):
             return False
         last = seq._run_order
         index = len(seq.outputs) + seq.inflight
