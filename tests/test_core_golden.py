@@ -15,7 +15,8 @@ def unpressured_output(request_id: str, prompt: int, max_tokens: int) -> list[in
     return h.output(request_id)
 
 
-def test_c23_golden_swap_out_swap_in() -> None:
+def _c23_before_r2() -> Harness:
+    """C23's setup: r0 and r1 running, two ticks in."""
     config = CoreConfig(
         num_blocks=10, block_size=16, spill_enabled=True, admit_watermark=0, max_batch_size=4,
         max_seq_len=128, pipeline_depth=1, max_prefill_tokens=64,
@@ -23,6 +24,11 @@ def test_c23_golden_swap_out_swap_in() -> None:
     h = Harness(config)
     h.step(arrival("r0", 20, 60), arrival("r1", 40, 8))
     h.step()
+    return h
+
+
+def test_c23_golden_swap_out_swap_in() -> None:
+    h = _c23_before_r2()
     assert h.core.state.pool.num_free == 5
     out = h.step(arrival("r2", 100, 4))
     kinds = [type(c).__name__ for c in out.commands]
@@ -55,13 +61,7 @@ def test_c23_golden_swap_out_swap_in() -> None:
 
 
 def _c23_until_swap_out() -> Harness:
-    config = CoreConfig(
-        num_blocks=10, block_size=16, spill_enabled=True, admit_watermark=0, max_batch_size=4,
-        max_seq_len=128, pipeline_depth=1, max_prefill_tokens=64,
-    )
-    h = Harness(config)
-    h.step(arrival("r0", 20, 60), arrival("r1", 40, 8))
-    h.step()
+    h = _c23_before_r2()
     h.step(arrival("r2", 100, 4))
     assert [c.request_id for _, c in h.commands(SpillOut)] == ["r1"]
     return h
