@@ -68,11 +68,8 @@ class ModelExecutor(BoundRequests[_RequestState]):
     ) -> StepResult:
         """Run one mixed step. A token id below 0 means "the token this request sampled for that
         position" (rows fed from a step still in flight when the command was made)."""
-        n_rows = len(request_ids)
-        cols = (positions, num_tokens, sample_indices, block_starts, num_new_blocks)
-        if any(len(c) != n_rows for c in cols):
-            raise ValueError("run_step columns have different lengths")
-        states = self.apply_table_deltas(request_ids, block_starts, num_new_blocks, new_block_ids)
+        states = self.start_step(request_ids, positions, num_tokens, token_ids, sample_indices, block_starts,
+                                 num_new_blocks, new_block_ids)
         tokens = list(token_ids)
         rows: list[RowSpec] = []
         off = 0

@@ -55,9 +55,8 @@ class StubExecutor(BoundRequests[_StubRequest]):
         num_new_blocks: list[int],
         new_block_ids: list[int],
     ) -> StepResult:
-        if sum(num_tokens) != len(token_ids):
-            raise ValueError("run_step columns are inconsistent")
-        states = self.apply_table_deltas(request_ids, block_starts, num_new_blocks, new_block_ids)
+        states = self.start_step(request_ids, positions, num_tokens, token_ids, sample_indices, block_starts,
+                                 num_new_blocks, new_block_ids)
         out = [token_for(st.seed, k, self.vocab_size) for st, k in zip(states, sample_indices, strict=True) if k >= 0]
         self.steps_run += 1
         return StepResult(out)

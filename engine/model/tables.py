@@ -30,10 +30,25 @@ class BoundRequests(Generic[S]):
     def block_table(self, request_id: str) -> list[int]:
         return list(self._requests[request_id].block_table)
 
-    def apply_table_deltas(
-        self, request_ids: list[str], block_starts: list[int], num_new_blocks: list[int], new_block_ids: list[int]
+    def start_step(
+        self,
+        request_ids: list[str],
+        positions: list[int],
+        num_tokens: list[int],
+        token_ids: list[int],
+        sample_indices: list[int],
+        block_starts: list[int],
+        num_new_blocks: list[int],
+        new_block_ids: list[int],
     ) -> list[S]:
-        """Each row's table is cut to ``block_starts[i]`` entries and its new ids appended; returns the states."""
+        """Check a ``RunStep``'s columns against each other, then apply its table deltas: each row's table is
+        cut to ``block_starts[i]`` entries and its new ids appended. Returns the rows' states."""
+        rows = len(request_ids)
+        columns = (positions, num_tokens, sample_indices, block_starts, num_new_blocks)
+        if any(len(column) != rows for column in columns):
+            raise ValueError(f"run_step columns of lengths {[len(c) for c in columns]} for {rows} rows")
+        if sum(num_tokens) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} token ids, rows claim {sum(num_tokens)}")
         if sum(num_new_blocks) != len(new_block_ids):
             raise ValueError(f"{len(new_block_ids)} new block ids, rows claim {sum(num_new_blocks)}")
         states = [self._requests[r] for r in request_ids]
