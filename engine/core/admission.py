@@ -63,8 +63,6 @@ def admit(state: CoreState, ctx: TickContext) -> None:
         head.reserve = need
         state.reserving.append(head)  # a waiting request was never running: it is not in the list yet
         state.join_running(head)
-        if state.lane is not None:
-            state.lane.prefilling.append(head)
         active += 1
         demand += need
         masked = [] if head.params.ignore_eos else list(config.eos_token_ids)

@@ -101,7 +101,6 @@ def swap_in(state: CoreState, ctx: TickContext) -> None:
         if chosen is None:
             return
         state.swapped.remove(chosen)
-        state.lane = None  # it comes back decoding, at the end of running order: the general plan places it
         chosen.block_ids = pool.allocate(blocks_for(chosen.spill_tokens, size))
         chosen.sent_blocks = len(chosen.block_ids)
         chosen.num_computed = chosen.kv_settled = chosen.spill_tokens
@@ -155,10 +154,5 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
             state.reserving.append(seq)
         state.preempted.remove(seq)
         _resume(state, seq)
-        if state.lane is not None:
-            if seq.num_computed < seq.prefill_target:
-                state.lane.prefilling.append(seq)
-            else:  # its whole history hit the prefix cache: it decodes at once, which the general plan places
-                state.lane = None
         ctx.unblocked = True
         active += 1

@@ -239,10 +239,20 @@ class CoreState:
     next_run_order: int = 0
 
     def join_running(self, seq: Seq) -> None:
-        """Append a sequence to ``running`` (admission, resume, swap-in): the only way into it."""
+        """Append a sequence to ``running`` (admission, resume, swap-in): the only way into it.
+
+        A sequence that still has to prefill joins the lane's ``prefilling``, at the end like in ``running``. One
+        that decodes at once (swapped in, or resumed with its whole history in the prefix cache) stands the lane
+        down: it gets a decode row in the next step, in running order, which only the general plan places.
+        """
         seq._run_order = self.next_run_order
         self.next_run_order += 1
         self.running.append(seq)
+        if self.lane is not None:
+            if seq.num_computed < seq.prefill_target:
+                self.lane.prefilling.append(seq)
+            else:
+                self.lane = None
 
     @property
     def active(self) -> int:
