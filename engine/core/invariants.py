@@ -123,7 +123,7 @@ def check_lane(state: CoreState) -> None:
     lane = state.lane
     if lane is None:
         return
-    columns = (lane.positions, lane.indices, lane.sent, lane.rooms)
+    columns = (lane.positions, lane.indices, lane.sent)
     if any(len(column) != len(lane.seqs) for column in columns):
         raise InvariantViolation("decode lane", f"columns of lengths {[len(c) for c in columns]} "
                                  f"for {len(lane.seqs)} members")
@@ -133,16 +133,15 @@ def check_lane(state: CoreState) -> None:
     with_tokens = lane.tokens_step == lane.step_id
     if with_tokens and len(lane.tokens) != len(lane.seqs):
         raise InvariantViolation("decode lane", f"{len(lane.tokens)} tokens for {len(lane.seqs)} members")
-    size = state.config.block_size
     for i, seq in enumerate(lane.seqs):
         if seq.status is not Status.RUNNING:
             continue  # finished since the lane's step; dropped at the next plan
-        expected = (seq.num_computed, len(seq.outputs) + seq.inflight, seq.sent_blocks, len(seq.block_ids) * size)
-        found = (lane.positions[i], lane.indices[i], lane.sent[i], lane.rooms[i])
+        expected = (seq.num_computed, len(seq.outputs) + seq.inflight, seq.sent_blocks)
+        found = (lane.positions[i], lane.indices[i], lane.sent[i])
         if found != expected or seq.last_step != lane.step_id or seq.sent_blocks != len(seq.block_ids):
             raise InvariantViolation(
                 "decode lane",
-                f"{seq.request_id!r}: lane (position, index, sent, room) {found} but the sequence has {expected}, "
+                f"{seq.request_id!r}: lane (position, index, sent) {found} but the sequence has {expected}, "
                 f"last step {seq.last_step} (lane step {lane.step_id}), {len(seq.block_ids)} blocks",
             )
         if with_tokens and lane.tokens[i] != seq.outputs[-1]:

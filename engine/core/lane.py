@@ -24,8 +24,8 @@ the token budget, or thinking markers (whose budget forces tokens). The differen
 
 from __future__ import annotations
 
-from itertools import compress
-from operator import ge
+from itertools import compress, repeat
+from operator import floordiv, ge
 
 from engine.core.columns import StepColumns
 from engine.core.lifecycle import stop_rule
@@ -70,10 +70,11 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     if rows > config.max_batch_tokens:
         return None
     positions = lane.positions
-    rooms = lane.rooms
     pool = state.pool
-    # The rows whose position is past their table (``map`` and ``compress`` keep the scan at C speed).
-    need = list(compress(range(rows), map(ge, positions, rooms)))
+    # The rows whose position is past their table, which holds ``sent`` blocks (``map`` and ``compress`` keep
+    # the scan at C speed).
+    block_size = config.block_size
+    need = list(compress(range(rows), map(ge, map(floordiv, positions, repeat(block_size)), lane.sent)))
     if len(need) > len(pool.free) + len(pool.cached):
         return None  # a victim would be needed
 
@@ -85,7 +86,6 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     num_new = [0] * rows
     new_ids: list[int] = []
     free = pool.free
-    block_size = config.block_size
     if len(need) > len(free):
         # The general plan reclaims one block whenever none is free. Reclaiming the shortfall at once evicts
         # the same blocks in the same order and appends them to the free list in that order, so the rows get
@@ -101,7 +101,6 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
         num_new[i] = 1
         new_ids.append(block)
         seq.sent_blocks = sent[i] = sent[i] + 1
-        rooms[i] += block_size
     next_positions = [position + 1 for position in positions]
     inflight = 2 if fed else 1
     for seq, position in zip(seqs, next_positions, strict=True):
@@ -162,7 +161,6 @@ def start_lane(
         sent=[seq.sent_blocks for seq in seqs],
         tokens=[],
         tokens_step=-1,
-        rooms=[len(seq.block_ids) * config.block_size for seq in seqs],
         last_rows=last_rows,
         prefilling=prefilling,
         joining=completed,
@@ -180,7 +178,7 @@ def _drop_finished(lane: DecodeLane, stale: list[Seq]) -> None:
 
 
 def _remove(lane: DecodeLane, i: int) -> None:
-    del lane.seqs[i], lane.positions[i], lane.indices[i], lane.sent[i], lane.rooms[i]
+    del lane.seqs[i], lane.positions[i], lane.indices[i], lane.sent[i]
     if lane.tokens_step == lane.step_id:
         del lane.tokens[i]
 
@@ -212,7 +210,6 @@ def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_
         lane.positions.append(seq.num_computed)
         lane.indices.append(index)
         lane.sent.append(seq.sent_blocks)
-        lane.rooms.append(len(seq.block_ids) * config.block_size)
         if lane.tokens_step == lane.step_id:
             lane.tokens.append(seq.outputs[-1])
         lane.last_rows.setdefault(step_id + limit - 1 - index, []).append(seq)

@@ -176,13 +176,11 @@ class DecodeLane:
     indices: list[int]
     """The output index each member sampled in ``step_id``."""
     sent: list[int]
-    """Each member's ``sent_blocks``."""
+    """Each member's ``sent_blocks``, which is also the length of its block table: the table has been sent whole."""
     tokens: list[int]
     """Each member's pending token, once ``step_id`` has settled (then ``tokens_step == step_id``): settling
     hands over the step's sampled tokens, so the plan need not read every member's last output."""
     tokens_step: int
-    rooms: list[int]
-    """Each member's first position its block table does not cover."""
     last_rows: dict[int, list[Seq]]
     """A timer wheel: step id -> the members whose row in that step samples their last token by length. A
     member's index grows by one every step it stays in the lane, so the step is known when it joins."""
