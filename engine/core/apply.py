@@ -174,10 +174,10 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
         raise InvariantViolation("step results match their step",
                                  f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(step.samplers)} rows")
     state.settled_step = msg.step_id
+    _settle_kv(ctx, step)
     if msg.logprobs is None and ctx.emit_logprobs is None and state.config.think_start_token is None:
         _commit_in_bulk(state, ctx, step, msg)
     else:
-        _settle_kv(ctx, step)
         running = Status.RUNNING
         logprobs = msg.logprobs
         for i, seq in enumerate(step.samplers):
@@ -212,25 +212,12 @@ def _commit_in_bulk(state: CoreState, ctx: TickContext, step: InflightStep, msg:
     tokens = msg.token_ids
     running = Status.RUNNING
     discarded = False
-    if len(samplers) == len(step.seqs):
-        # Every row samples (so ``samplers`` is ``seqs``): settling the KV and committing is one pass.
-        for seq, end, token in zip(samplers, step.kv_ends, tokens, strict=True):
-            seq.kv_settled = end
-            seq.inflight -= 1
-            if seq.status is running:
-                if seq.has_spill:
-                    _drop_spill(ctx, seq)
-                seq.outputs.append(token)
-            else:
-                discarded = True
-    else:
-        _settle_kv(ctx, step)
-        for seq, token in zip(samplers, tokens, strict=True):
-            seq.inflight -= 1
-            if seq.status is running:
-                seq.outputs.append(token)
-            else:
-                discarded = True
+    for seq, token in zip(samplers, tokens, strict=True):
+        seq.inflight -= 1
+        if seq.status is running:
+            seq.outputs.append(token)
+        else:
+            discarded = True
     indices = step.sample_indices
     if not discarded:
         ctx.emit_ids += msg.request_ids
