@@ -18,7 +18,6 @@ whose value changes with ``PYTHONHASHSEED``.
 from __future__ import annotations
 
 import hashlib
-import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
@@ -29,25 +28,13 @@ HASH_SIZE = 16
 ROOT_HASH = bytes(HASH_SIZE)
 
 
-_PACKERS: dict[int, struct.Struct] = {}
-
-
-def block_hash(parent: bytes, tokens: Sequence[int], salt: str) -> bytes:
-    """The prefix-cache key of one full block: it names the block's tokens and everything before them."""
-    packer = _PACKERS.get(len(tokens))
-    if packer is None:
-        packer = _PACKERS[len(tokens)] = struct.Struct(f"<{len(tokens)}I")
-    # One call over the concatenation: blake2b streams, so this is the hash of parent, salt, then tokens.
-    return hashlib.blake2b(parent + salt.encode() + packer.pack(*tokens), digest_size=HASH_SIZE).digest()
-
-
 _BLAKE2B = hashlib.blake2b(digest_size=HASH_SIZE)
 _TOKEN_CODE = "I" if array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = array(_TOKEN_CODE, [1]).tobytes()[0] == 0
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Tokens as little-endian uint32s: ``block_hash``'s encoding, for many blocks in one call."""
+    """Tokens as little-endian uint32s, the encoding the block hashes cover."""
     packed = array(_TOKEN_CODE, tokens)
     if _BIG_ENDIAN:
         packed.byteswap()
@@ -55,7 +42,11 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 
 
 def chain_hashes(parent: bytes, packed: bytes, block_size: int, salt: str) -> list[bytes]:
-    """``block_hash`` of each full block in ``packed`` (``pack_tokens``), chained from ``parent``."""
+    """The prefix-cache key of each full block in ``packed`` (``pack_tokens``), chained from ``parent``.
+
+    A block's key is blake2b over (its parent's key, the cache salt, its tokens), so it names the block's
+    tokens and everything before them.
+    """
     prefix = salt.encode()
     step = 4 * block_size
     copy = _BLAKE2B.copy  # copying a fresh hasher is cheaper than constructing one with its parameters
@@ -66,6 +57,11 @@ def chain_hashes(parent: bytes, packed: bytes, block_size: int, salt: str) -> li
         parent = hasher.digest()
         hashes.append(parent)
     return hashes
+
+
+def block_hash(parent: bytes, tokens: Sequence[int], salt: str) -> bytes:
+    """The prefix-cache key of one full block of ``tokens``."""
+    return chain_hashes(parent, pack_tokens(tokens), len(tokens), salt)[0]
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
