@@ -25,7 +25,7 @@ from actors.spill import SpillActor, SpillStore, SwapInActor
 from actors.step import StepActor
 from engine.config import EngineConfig
 from engine.core import CoreConfig, SchedulerCore
-from engine.errors import EngineError, EngineOverloaded, RequestRejected
+from engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
 from engine.stub import StubTokenizer
 from events import (
     DIGEST_VERSION,
@@ -33,10 +33,12 @@ from events import (
     SCHEMA_HASH,
     Command,
     Finish,
+    LogExists,
     LogHeader,
     LogWriter,
     RequestArrived,
     Shutdown,
+    check_new_log_path,
 )
 
 INBOX_SIZE = 4096
@@ -112,7 +114,7 @@ class Runtime:
                 device=torch_info[1], dtype=torch_info[2], threads=torch_info[3],
                 snapshot_every=config.snapshot_every,
             )
-            self.log = LogActor(LogWriter(config.log_path, header, overwrite=True), config.fsync)
+            self.log = LogActor(_new_log(config.log_path, header), config.fsync)
         self.core = SchedulerCore(core_config)
         self.step = StepActor(self.core, self._inbox, device=self.device, deadlines=self.deadlines,
                               retire=_RetireTap(self), spill=self.spill, swap_in=self.swap_in, log=self.log,
@@ -233,8 +235,29 @@ class Runtime:
         }
 
 
+def _new_log(path: str, header: LogHeader) -> LogWriter:
+    """Create the log at ``log_path``. An existing path is never overwritten: it, and any other failure to create
+    the file, is a ``ConfigError`` naming ``log_path``."""
+    try:
+        return LogWriter(path, header)
+    except LogExists as exc:
+        raise ConfigError(str(exc)) from exc
+    except OSError as exc:
+        raise ConfigError(f"log_path={path!r} cannot be created: {exc}") from exc
+
+
+def _check_log_path(path: str) -> None:
+    """Refuse a taken ``log_path`` before loading a model; ``_new_log`` refuses atomically again later."""
+    try:
+        check_new_log_path(path)
+    except LogExists as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 async def build_runtime(config: EngineConfig) -> Runtime:
     """Load the model (in a worker thread) and wire everything; nothing runs until ``supervise``."""
+    if config.log_path is not None:
+        _check_log_path(config.log_path)
     common = dict(
         block_size=config.block_size, max_batch_size=config.max_batch_size,
         max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens,

@@ -32,7 +32,7 @@ from events.commands import (
     WatchDeadline,
 )
 from events.digest import DIGEST_VERSION, GENESIS_DIGEST, chain_digest
-from events.errors import LogCorrupt, LogError, LogFrameTooLarge, LogIncompatible
+from events.errors import LogCorrupt, LogError, LogExists, LogFrameTooLarge, LogIncompatible
 from events.inputs import (
     INPUT_TYPES,
     ClientGone,
@@ -48,7 +48,7 @@ from events.inputs import (
     SwapInFailed,
     SwapInReady,
 )
-from events.log import LogReader, LogWriter, Recovery, known_schema_hashes, recover_log
+from events.log import LogReader, LogWriter, Recovery, check_new_log_path, known_schema_hashes, recover_log
 from events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
 from events.types import FINISH_REASONS, CoreGauges, FinishReason, Record, SamplingSpec, Usage
 
@@ -75,6 +75,7 @@ __all__ = [
     "Input",
     "LogCorrupt",
     "LogError",
+    "LogExists",
     "LogFrameTooLarge",
     "LogHeader",
     "LogIncompatible",
@@ -106,6 +107,7 @@ __all__ = [
     "Usage",
     "WatchDeadline",
     "chain_digest",
+    "check_new_log_path",
     "decode_commands",
     "decode_frame",
     "encode",

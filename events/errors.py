@@ -32,6 +32,18 @@ class LogFrameTooLarge(LogError):
         )
 
 
+class LogExists(LogError, FileExistsError):
+    """A new log's path is taken (by a file, a directory or a symlink, even a dangling one). tickloom never
+    overwrites or follows anything at a log path: an existing log is evidence, and a symlink there could send the
+    writes anywhere."""
+
+    def __init__(self, path: str, what: str = "already exists") -> None:
+        self.path = path
+        super().__init__(
+            f"log_path={path!r} {what}; tickloom never overwrites a log: choose a new path or remove it"
+        )
+
+
 class LogIncompatible(LogError):
     """The log was written with a format version or schema this build does not know."""
 

@@ -9,6 +9,7 @@ the byte layout and the torn-versus-corrupt rule.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import mmap
 import os
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from events.codec import (
     encode_into,
     encode_tick_into,
 )
-from events.errors import LogCorrupt, LogError, LogIncompatible
+from events.errors import LogCorrupt, LogError, LogExists, LogIncompatible
 from events.frames import (
     DEFAULT_MAX_FRAME_BYTES,
     FrameInfo,
@@ -48,21 +49,54 @@ def known_schema_hashes() -> tuple[str, ...]:
     return tuple(parts[0] for parts in lines if parts)
 
 
-class LogWriter:
-    """Appends frames to a new log file (mode 0600). Not thread-safe; one writer per file."""
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""A log is always a new file: ``O_EXCL`` refuses any existing path (a symlink too, even a dangling one, so a
+planted link can never redirect the writes) and ``O_NOFOLLOW`` says so twice."""
 
-    def __init__(self, path: str | os.PathLike[str], header: LogHeader, *, overwrite: bool = False) -> None:
+
+def check_new_log_path(path: str | os.PathLike[str]) -> None:
+    """Raise ``LogExists`` if ``path`` is taken. Only an early, friendly check (say, before loading a model):
+    ``LogWriter`` itself refuses atomically."""
+    spath = os.fspath(path)
+    if os.path.islink(spath):
+        raise LogExists(spath, "is a symlink")
+    if os.path.lexists(spath):
+        raise LogExists(spath)
+
+
+class LogWriter:
+    """Appends frames to a new log file (mode 0600). Not thread-safe; one writer per file.
+
+    The file must not exist: an existing path (file, directory or symlink) raises ``LogExists`` and is left
+    untouched. tickloom never overwrites a log.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], header: LogHeader) -> None:
         self.path = os.fspath(path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if overwrite else os.O_EXCL)
         self._buffer = bytearray()
         self.bytes_written = 0
         self.header = header
         start = begin_frame(self._buffer)
         encode_into(self._buffer, header)
         end_frame(self._buffer, start, "header", 0)
-        self._fd: int | None = os.open(self.path, flags, 0o600)
-        os.fchmod(self._fd, 0o600)
-        self.flush()  # a log always starts with a readable header, even if nothing else is ever written
+        try:
+            fd = os.open(self.path, _CREATE_FLAGS, 0o600)
+        except FileExistsError as exc:
+            what = "is a symlink" if os.path.islink(self.path) else "already exists"
+            raise LogExists(self.path, what) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW's answer where O_EXCL did not speak first
+                raise LogExists(self.path, "is a symlink") from exc
+            raise
+        self._fd: int | None = fd
+        try:
+            # Safe: this fd is a file we just created (O_EXCL). The umask can only have removed bits from 0600;
+            # put the owner's read and write back so the log stays readable and appendable.
+            os.fchmod(fd, 0o600)
+            self.flush()  # a log always starts with a readable header, even if nothing else is ever written
+        except BaseException:
+            self.abandon()
+            raise
 
     # Frames are encoded straight into the write buffer behind a reserved header (no payload copies); if encoding
     # raises, the partial frame is cut off again so the buffer only ever holds whole frames.

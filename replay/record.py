@@ -108,7 +108,6 @@ def record_core_run(
     max_ticks: int = 100_000,
     model_fingerprint: str = "",
     keep: bool = True,
-    overwrite: bool = False,
 ) -> RecordResult:
     """Run ``config``'s core on ``script`` (tick -> inputs the clients send at that tick) and log every tick.
 
@@ -130,7 +129,7 @@ def record_core_run(
     watched: dict[str, int] = {}
     result = RecordResult(os.fspath(path), 0, 0, core, [], [])
     header = header_for(config, snapshot_every=snapshot_every, model_fingerprint=model_fingerprint)
-    with LogWriter(path, header, overwrite=overwrite) as writer:
+    with LogWriter(path, header) as writer:
         needs_tick = False
         for tick in range(max_ticks):
             if tick > last_scripted and not (pending or queue or needs_tick or watched):
@@ -220,10 +219,10 @@ class Scenario:
                               fail_steps=self.fail_steps)
 
     def record(self, path: str | os.PathLike[str], *, snapshot_every: int = 0, device: Device | None = None,
-               overwrite: bool = False, keep: bool = True) -> RecordResult:
+               keep: bool = True) -> RecordResult:
         return record_core_run(path, self.config, self.script, device=device or self.device(),
                                snapshot_every=snapshot_every, spill_fails=self.spill_fails, stop_at=self.stop_at,
-                               device_lag=self.device_lag, overwrite=overwrite, keep=keep)
+                               device_lag=self.device_lag, keep=keep)
 
 
 def everything_scenario() -> Scenario:

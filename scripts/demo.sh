@@ -7,7 +7,8 @@ source "$ROOT/scripts/venv.sh"
 cd "$ROOT"
 
 # demo.tlog is left in the repository root for you to explore (`tickloom inspect`, `tickloom replay --help`);
-# *.tlog is in .gitignore.
+# *.tlog is in .gitignore. tickloom never overwrites a log, so the demo removes its own previous demo.tlog first.
+rm -f demo.tlog
 tickloom generate --max-tokens 48 --temperature 0 --log demo.tlog \
     "What is the capital of France?" \
     "Write a haiku about the sea." \

@@ -24,7 +24,7 @@ def read_log(path: Path) -> tuple[LogHeader, Records]:
 def rewrite(path: Path, out: Path, edit: Callable[[LogHeader, Records], tuple[LogHeader, Records]]) -> Path:
     """Decode every frame of ``path``, apply ``edit``, and write a valid log (right CRCs) to ``out``."""
     header, records = edit(*read_log(path))
-    with LogWriter(out, header, overwrite=True) as writer:
+    with LogWriter(out, header) as writer:
         for record in records:
             if isinstance(record, TickRecord):
                 writer.append_tick(record.inputs, record.outputs)

@@ -172,9 +172,9 @@ def run(args: argparse.Namespace) -> int:
             model, vocab = str(model_dir), TOKENIZER_VOCAB
         work = make_workload(args.requests, args.max_tokens, vocab, args.seed)
         runs: dict[int, list[dict[str, Any]]] = {depth: [] for depth in args.depths}
-        for _ in range(args.repeat):  # depths alternate, so drift on a shared machine hits both alike
-            for depth in args.depths:
-                runs[depth].append(run_engine(model, work, depth, args, Path(tmp) / f"depth{depth}.tlog"))
+        for rep in range(args.repeat):  # depths alternate, so drift on a shared machine hits both alike
+            for depth in args.depths:  # a new log per run: logs are never overwritten
+                runs[depth].append(run_engine(model, work, depth, args, Path(tmp) / f"depth{depth}-{rep}.tlog"))
         for measured in runs.values():
             row = max(measured, key=lambda r: r["tokens_per_s"])
             row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in measured]

@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
         def append(n: int, sync: bool, reuse: bool = False) -> Callable[[], None]:
             def go() -> None:
-                with LogWriter(path, header, overwrite=True) as w:
+                if os.path.exists(path):  # our own file in our own temporary directory: logs never overwrite
+                    os.unlink(path)
+                with LogWriter(path, header) as w:
                     for inputs, outputs, encoded in ticks[:n]:
                         w.append_tick(inputs, outputs, encoded if reuse else None)
                         if sync:

@@ -291,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
             result["reqs"] = reqs
             result["stats"] = engine.stats()
 
+    from engine import ConfigError
     from engine.model import ModelLoadError
     from tools.cli import EX_DATAERR
 
@@ -298,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
         trio.run(main)
     except ModelLoadError as exc:
         raise CliError(f"cannot load model {args.model!r}: {exc}", EX_DATAERR) from None
+    except ConfigError as exc:  # e.g. --log names a path that exists: logs are never overwritten
+        raise CliError(str(exc)) from None
     if "error" in result:
         raise result["error"]
     reqs = result["reqs"]

@@ -17,10 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Write a small synthetic log (no engine needed), read it back and check it decodes equal, "
         "then append half a frame, as a crash mid-write would, and recover it.",
     )
-    demo.add_argument("path", help="the log file to create (must not exist unless --overwrite)")
+    demo.add_argument("path", help="the log file to create (must not exist: logs are never overwritten)")
     demo.add_argument("--ticks", type=int, default=20, help="ticks to write (default 20)")
     demo.add_argument("--batch", type=int, default=4, help="requests decoding per tick (default 4)")
-    demo.add_argument("--overwrite", action="store_true", help="replace PATH if it exists")
     demo.set_defaults(_log_run=_demo)
     info = sub.add_parser(
         "info",
@@ -37,7 +36,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from events import FORMAT_VERSION, SCHEMA_HASH, LogHeader, LogReader, LogWriter, SnapshotRecord, recover_log
+    from events import (
+        FORMAT_VERSION,
+        SCHEMA_HASH,
+        LogExists,
+        LogHeader,
+        LogReader,
+        LogWriter,
+        SnapshotRecord,
+        recover_log,
+    )
     from events.codec import encode_tick
     from events.digest import DIGEST_VERSION
     from events.frames import HEADER_SIZE
@@ -46,11 +54,13 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.ticks < 1 or args.batch < 1:
         raise CliError("--ticks and --batch must be at least 1")
-    if os.path.exists(args.path) and not args.overwrite:
-        raise CliError(f"{args.path} exists (pass --overwrite to replace it)")
     ticks = make_ticks(args.ticks, batch=args.batch, arrivals=min(1, args.batch))
     header = LogHeader(FORMAT_VERSION, SCHEMA_HASH, DIGEST_VERSION, "demo", '{"demo":true}', snapshot_every=10)
-    with LogWriter(args.path, header, overwrite=args.overwrite) as writer:
+    try:
+        writer = LogWriter(args.path, header)
+    except LogExists as exc:
+        raise CliError(str(exc)) from None
+    with writer:
         for inputs, outputs, encoded in ticks:
             writer.append_tick(inputs, outputs, encoded)
             if inputs.tick % 10 == 9:
