@@ -6,8 +6,15 @@ next step is already queued when the current one ends. ``StubDevice`` is its tri
 ``MockClock``: a step takes ``await trio.sleep(step_time)``, so virtual time never jumps while a thread
 computes, and tokens come from the core's oracle.
 
-A ``RunStep`` row fed from step t takes the token that t sampled for its request. If t failed there is no such
-token: the row runs with a placeholder, and the core discards it (``StepFailed(t)`` already ended that request).
+A ``RunStep`` row fed from step t takes the token that t sampled for its request.
+
+When step t fails, every request it carried is dead: ``StepFailed(t)`` ends them all in the core. But step t+1
+was queued before the core heard, and it may carry rows of those requests. Their executor state is wherever the
+failure left it: the blocks t appended may be missing, the token t should have sampled was never sampled. Run
+as they are, such rows would make the executor reject step t+1 as a whole, and fail requests that had nothing to
+do with t. So the device *poisons* the requests of a failed step until their ``ReleaseRequest``: their rows are
+cut out of later steps before the executor sees them, and the step reports a placeholder token for each, which
+the core discards (the request has already ended).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import trio
 
@@ -56,15 +63,57 @@ class Executor(Protocol):
     def copy_in(self, request_id: str, block_ids: list[int], host_kv: HostKV) -> None: ...
 
 
-def executor_inputs(step: RunStep, failed_steps: set[int]) -> list[int]:
+def executor_inputs(step: RunStep) -> list[int]:
     """The step's token column as the executor takes it: -1 for "the token sampled for this position"."""
     tokens = list(step.token_ids)
     offset = 0
     for i, fed in enumerate(step.fed_from):
-        if fed != NOT_FED and fed not in failed_steps:
+        if fed != NOT_FED:
             tokens[offset] = -1
         offset += step.num_tokens[i]
     return tokens
+
+
+def without_requests(step: RunStep, dead: set[str]) -> RunStep:
+    """The step with every row of the ``dead`` requests cut out (each column sliced alike)."""
+    keep = [rid not in dead for rid in step.request_ids]
+    tokens: list[int] = []
+    blocks: list[int] = []
+    t_off = b_off = 0
+    for i, kept in enumerate(keep):
+        n, b = step.num_tokens[i], step.num_new_blocks[i]
+        if kept:
+            tokens += step.token_ids[t_off : t_off + n]
+            blocks += step.new_block_ids[b_off : b_off + b]
+        t_off += n
+        b_off += b
+
+    def rows(column: list[int] | list[str]) -> list[Any]:
+        return [v for v, kept in zip(column, keep, strict=True) if kept]
+
+    return RunStep(step.step_id, rows(step.request_ids), rows(step.positions), rows(step.num_tokens), tokens,
+                   rows(step.fed_from), rows(step.sample_indices), rows(step.block_starts), rows(step.num_new_blocks),
+                   blocks)
+
+
+def with_placeholders(step: RunStep, dead: set[str], result: StepResult | None) -> StepResult:
+    """``result`` (for ``without_requests(step, dead)``) widened back to every sampling row of ``step``: a dead
+    request's row gets token 0 and empty logprobs, which the core discards."""
+    rows = [rid for rid, s in zip(step.request_ids, step.sample_indices, strict=True) if s != NO_SAMPLE]
+    live = iter(range(len(result.token_ids) if result is not None else 0))
+    picks = [None if rid in dead else next(live) for rid in rows]
+
+    def widen(column: list[Any] | None, blank: Any) -> list[Any] | None:
+        if column is None:
+            return None
+        return [blank if k is None else column[k] for k in picks]
+
+    tokens = widen(result.token_ids if result is not None else [], 0)
+    assert tokens is not None
+    if result is None:
+        return StepResult(tokens, None, None, None)
+    return StepResult(tokens, widen(result.logprobs, 0.0), widen(result.top_token_ids, []),
+                      widen(result.top_logprobs, []))
 
 
 def sampled_ids(step: RunStep) -> list[str]:
@@ -83,7 +132,8 @@ class ThreadDevice:
         self._spill = spill
         self._queue: queue.Queue[Command | None] = queue.Queue(maxsize=limit)
         self._limit = limit
-        self._failed: set[int] = set()
+        self._poisoned: set[str] = set()
+        """Requests of a failed step, until released (see the module docstring)."""
         self._token: trio.lowlevel.TrioToken | None = None
         self.busy_ns = 0
 
@@ -134,12 +184,17 @@ class ThreadDevice:
             try:
                 if command.step_id in self.fail_steps:
                     raise RuntimeError("injected device fault")
-                result = ex.run_step(list(command.request_ids), list(command.positions), list(command.num_tokens),
-                                     executor_inputs(command, self._failed), list(command.sample_indices),
-                                     list(command.block_starts), list(command.num_new_blocks),
-                                     list(command.new_block_ids))
+                dead = self._poisoned.intersection(command.request_ids)
+                step = without_requests(command, dead) if dead else command
+                result = None
+                if step.request_ids:
+                    result = ex.run_step(list(step.request_ids), list(step.positions), list(step.num_tokens),
+                                         executor_inputs(step), list(step.sample_indices), list(step.block_starts),
+                                         list(step.num_new_blocks), list(step.new_block_ids))
+                if dead or result is None:
+                    result = with_placeholders(command, dead, result)
             except Exception as exc:  # a fault reported as an input: only this step's requests fail
-                self._failed.add(command.step_id)
+                self._poisoned.update(command.request_ids)
                 self._report(StepFailed(command.step_id, f"{type(exc).__name__}: {exc}"))
                 return
             elapsed = time.perf_counter_ns() - start
@@ -151,6 +206,7 @@ class ThreadDevice:
             ex.bind(command.request_id, cast(SamplingSpecLike, command.params), command.seed, command.prompt_len,
                     list(command.masked_token_ids), command.prompt_token_ids)
         elif isinstance(command, ReleaseRequest):
+            self._poisoned.discard(command.request_id)
             ex.release(command.request_id)
         elif isinstance(command, SpillOut):
             assert self._spill is not None, "SpillOut without a spill store"

@@ -50,6 +50,12 @@ class SpillStore:
     def directory(self) -> Path | None:
         return self._dir
 
+    @property
+    def held(self) -> int:
+        """Requests with a spilled copy in either tier (0 once every spill has been dropped)."""
+        with self._lock:
+            return len(self._host.keys() | self._files.keys())
+
     def store(self, request_id: str, kv: HostKV) -> int:
         """Keep a copy in the host tier if it fits, else write it to disk; returns its size. Blocking."""
         kv.wait()
