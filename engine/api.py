@@ -10,14 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import trio
+from msgspec import Meta
 
 from actors.outputs import RequestOutput, RequestUsage
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineOverloaded, RequestRejected
-from engine.params import SamplingParams
+from engine.params import INT32_MAX, INT32_MIN, INT64_MAX, SamplingParams, TokenId, checked, encodable
 from engine.runtime import Runtime, build_runtime
 from events import RequestArrived, RequestCancelled
 
@@ -87,8 +89,9 @@ class Engine:
         ``deadline`` is seconds from submit. Leaving the ``async for`` early cancels the request; use
         ``async with engine.stream(...)`` for cleanup at a known point.
         """
-        arrival = self._arrival(prompt, params or SamplingParams(), deadline, request_id, priority, cache_salt)
-        return RequestStream(self, arrival, deadline)
+        arrival, seconds = self._arrival(prompt, SamplingParams() if params is None else params, deadline,
+                                         request_id, priority, cache_salt)
+        return RequestStream(self, arrival, seconds)
 
     @asynccontextmanager
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
@@ -122,7 +125,8 @@ class Engine:
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request: it finishes ``cancelled`` with the tokens delivered so far."""
-        await self.runtime.client.send(RequestCancelled(request_id))
+        rid = _request_id(request_id, "request_id")
+        await self.runtime.client.send(RequestCancelled(rid))
 
     async def drain(self, timeout: float = math.inf) -> bool:
         """Stop admitting and let running requests finish; True if all finished within ``timeout`` seconds."""
@@ -140,30 +144,67 @@ class Engine:
 
     # -- submission ------------------------------------------------------------------------------------------
     def _arrival(self, prompt: Prompt, params: SamplingParams, deadline: float | None, request_id: str | None,
-                 priority: int, cache_salt: str) -> RequestArrived:
+                 priority: int, cache_salt: str) -> tuple[RequestArrived, float | None]:
+        """The one validation boundary of a request: every argument is checked, or ``RequestRejected`` names it.
+
+        Returns the arrival (without its ``deadline_ns``, which is measured at submit) and the deadline in seconds.
+        """
         rt = self.runtime
+        limits = rt.core_config
+        args = checked({"deadline": deadline, "request_id": request_id, "priority": priority,
+                        "cache_salt": cache_salt}, _RequestArgs, "request")
+        encodable(args.cache_salt, "cache_salt")
+        if args.request_id is not None:
+            encodable(args.request_id, "request_id")
         if not isinstance(params, SamplingParams):
             raise RequestRejected(f"params must be SamplingParams, not {type(params).__name__}")
-        ids = rt.tokenize(prompt)
-        limits = rt.core_config
-        if not ids:
-            raise RequestRejected("the prompt is empty")
+        params.validate()  # again: its lists are mutable, and a subclass may skip __post_init__
+        bad_stop = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
+        if bad_stop is not None:
+            raise RequestRejected(f"SamplingParams.stop_token_ids contains {bad_stop}, outside "
+                                  f"vocab_size={limits.vocab_size}")
+        ids = self._prompt_ids(prompt)
         if len(ids) >= limits.max_seq_len:
             raise RequestRejected(f"the prompt has {len(ids)} tokens; max_seq_len={limits.max_seq_len}")
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise RequestRejected(f"prompt token id {ids[bad]} at position {bad} is outside "
-                                  f"vocab_size={limits.vocab_size}")
-        if deadline is not None and not deadline > 0:
-            raise RequestRejected(f"deadline={deadline!r} must be a positive number of seconds")
-        if not isinstance(priority, int):
-            raise RequestRejected(f"priority={priority!r} must be an int")
-        if request_id is None:
-            request_id = f"req-{self._next_id}"
+        rid = args.request_id
+        if rid is None:
+            rid = f"req-{self._next_id}"
             self._next_id += 1
-        if request_id in rt.live:
-            raise RequestRejected(f"request_id={request_id!r} is already in use")
-        return RequestArrived(request_id, ids, params.to_spec(), params.seed, priority, None, cache_salt)
+            while rid in rt.live:  # a caller's own id may look like ours
+                rid = f"req-{self._next_id}"
+                self._next_id += 1
+        elif rid in rt.live:
+            raise RequestRejected(f"request_id={rid!r} is already in use")
+        arrival = RequestArrived(rid, ids, params.to_spec(), params.seed, args.priority, None, args.cache_salt)
+        return arrival, args.deadline
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids: text is tokenized, chat messages rendered first, token ids checked."""
+        rt = self.runtime
+        limits = rt.core_config
+        if isinstance(prompt, str):
+            encodable(prompt, "prompt")
+            if len(prompt) > MAX_CHARS_PER_TOKEN * limits.max_seq_len:
+                raise RequestRejected(f"the prompt has {len(prompt)} characters; it cannot fit "
+                                      f"max_seq_len={limits.max_seq_len} tokens")
+            ids = rt.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            messages = [_chat_message(i, m) for i, m in enumerate(prompt)]
+            ids = rt.tokenize(messages)
+        elif isinstance(prompt, (list, tuple)):
+            if len(prompt) >= limits.max_seq_len:
+                raise RequestRejected(f"the prompt has {len(prompt)} tokens; max_seq_len={limits.max_seq_len}")
+            ids = checked(prompt, list[TokenId], "prompt")
+            bad = next((i for i, t in enumerate(ids) if t >= limits.vocab_size), None)
+            if bad is not None:
+                raise RequestRejected(f"prompt token id {ids[bad]} at position {bad} is outside "
+                                      f"vocab_size={limits.vocab_size}")
+        else:
+            raise RequestRejected("prompt must be a str, a list of token ids, or a list of chat messages, not "
+                                  f"{type(prompt).__name__}")
+        if not ids:
+            raise RequestRejected("the prompt is empty")
+        return ids
 
     async def _submit(self, arrival: RequestArrived, deadline: float | None) -> Any:
         rt = self.runtime
@@ -171,17 +212,72 @@ class Engine:
             raise rt.fatal
         if self._draining or rt.closing:
             raise EngineOverloaded("the engine is draining or shutting down: no new requests")
+        deadline_ns = None
+        if deadline is not None:
+            deadline_ns = rt.now_ns() + int(deadline * 1e9)
+            if deadline_ns > INT64_MAX:
+                raise RequestRejected(f"deadline={deadline!r} s from now is past what the log can hold")
         await rt.acquire_slot()
         if arrival.request_id in rt.live:
             rt.release_slot()
             raise RequestRejected(f"request_id={arrival.request_id!r} is already in use")
-        now_ns = rt.now_ns()
         if deadline is not None:
+            # Measured again once a slot is free: the deadline runs from submit, not from the call.
+            deadline_ns = min(rt.now_ns() + int(deadline * 1e9), INT64_MAX)
             arrival = RequestArrived(arrival.request_id, arrival.prompt_token_ids, arrival.params, arrival.seed,
-                                     arrival.priority, now_ns + int(deadline * 1e9), arrival.cache_salt)
+                                     arrival.priority, deadline_ns, arrival.cache_salt)
         stream = rt.open_stream(arrival)
-        await rt.client.send(arrival)
+        # Shielded: once the stream is open the arrival must reach the core, or its slot and id would leak.
+        with trio.CancelScope(shield=True):
+            await rt.client.send(arrival)
         return stream
+
+
+MAX_CHARS_PER_TOKEN = 1024
+"""A text prompt longer than this many characters per ``max_seq_len`` token is refused before tokenizing."""
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 1024
+MAX_DEADLINE_S = 1e9
+"""About 31 years: ``deadline_ns`` (submit time plus the deadline) stays far inside int64."""
+
+
+class _RequestArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """The keyword arguments of ``generate``, ``stream`` and ``complete``, with their bounds."""
+
+    deadline: Annotated[float, Meta(gt=0.0, le=MAX_DEADLINE_S)] | None = None
+    request_id: Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = None
+    priority: Annotated[int, Meta(ge=INT32_MIN, le=INT32_MAX)] = 0
+    """Lower is more important, as in vLLM; an int32."""
+    cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] = ""
+
+
+class _ChatMessage(msgspec.Struct, frozen=True):
+    role: Annotated[str, Meta(min_length=1, max_length=256)]
+    content: str
+
+
+def _chat_message(index: int, message: dict[Any, Any]) -> dict[str, Any]:
+    """One chat message, checked: a str ``role`` and ``content``; other keys (str) are passed to the template."""
+    what = f"prompt[{index}]"
+    for key in ("role", "content"):
+        if key not in message:
+            raise RequestRejected(f"{what} has no {key!r}: a chat message needs 'role' and 'content'")
+    bad_key = next((k for k in message if not isinstance(k, str)), None)
+    if bad_key is not None:
+        raise RequestRejected(f"{what} has a non-str key {bad_key!r}")
+    checked({"role": message["role"], "content": message["content"]}, _ChatMessage, what)
+    for key, value in message.items():
+        encodable(key, f"{what} key")
+        if isinstance(value, str):
+            encodable(value, f"{what}.{key}")
+    return dict(message)
+
+
+def _request_id(request_id: object, what: str) -> str:
+    rid = checked(request_id, Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)], what)
+    encodable(rid, what)
+    return rid
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

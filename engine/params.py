@@ -1,57 +1,138 @@
-"""``SamplingParams``: how a request samples and stops, validated when it is made."""
+"""``SamplingParams``: how a request samples and stops, validated when it is made.
+
+This module is also the one validation boundary of the public API: ``checked`` converts a value with msgspec
+(``msgspec.convert`` enforces the ``Annotated[..., Meta(...)]`` bounds that plain construction does not) and
+turns a ``msgspec.ValidationError`` into ``RequestRejected`` (or ``ConfigError``), keeping msgspec's
+``at `$.field` `` path, so every message names the field. ``Engine`` and ``EngineConfig`` use the same helpers.
+
+Bounds follow what the log encodes and the core computes with: every int fits msgpack's int64 (most are far
+tighter), every float is finite, every string encodes as UTF-8 (a lone surrogate would make the log unwritable).
+"""
 
 from __future__ import annotations
 
+import re
+import sys
+from collections.abc import Iterable
+from typing import Annotated, Any, TypeVar
+
 import msgspec
+from msgspec import Meta
 
 from engine.errors import RequestRejected
 from events import SamplingSpec
 
+T = TypeVar("T")
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling and stopping, as in vLLM. ``temperature=0`` is greedy. Invalid values raise ``RequestRejected``."""
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+FLOAT_MAX = sys.float_info.max
+"""An upper bound that rejects ``inf`` (and, as every bound does, NaN): a float field's bounds make it finite."""
 
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
+MAX_TOKENS = 2**31
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOP_LOGPROBS = 20
+
+Count = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+"""A token id's range on the wire; the vocabulary bound is checked where the vocabulary is known (``Engine``)."""
+
+
+def checked(value: Any, type_: type[T] | Any, what: str, error: type[ValueError] = RequestRejected) -> T:
+    """``msgspec.convert(value, type_)`` (strict: no bool for int, no str for numbers), errors as ``error``.
+
+    The message starts with ``what`` (the parameter or struct) and keeps msgspec's path, e.g.
+    ``SamplingParams: Expected `int` >= 1 - at `$.max_tokens```.
+    """
+    try:
+        result: T = msgspec.convert(value, type_)
+    except msgspec.ValidationError as exc:
+        found = _PATH.search(str(exc))
+        if found is not None and isinstance(value, dict) and found.group(1) in value:
+            name = found.group(1)
+            raise error(f"{what}.{name}={_short(value[name])}: {exc}") from None
+        raise error(f"{what}: {exc}") from None
+    return result
+
+
+_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def encodable(value: str, what: str, error: type[ValueError] = RequestRejected) -> None:
+    """Refuse a string that UTF-8 cannot encode (lone surrogates such as ``"\\ud800"``): the log could not hold it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(f"{what} is not encodable as UTF-8 ({exc.reason} at index {exc.start})") from None
+
+
+def encodable_all(values: Iterable[str], what: str, error: type[ValueError] = RequestRejected) -> None:
+    for i, value in enumerate(values):
+        encodable(value, f"{what}[{i}]", error)
+
+
+class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of ``SamplingParams`` with their bounds (``msgspec.convert`` checks them; nothing else does)."""
+
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] = 16
+    min_tokens: Count = 0
+    temperature: Annotated[float, Meta(ge=0.0, le=FLOAT_MAX)] = 1.0
+    top_k: Count = 0
     """0 disables top-k."""
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=FLOAT_MAX)] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    seed: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
     """None: the core assigns one (stable, logged), so even unseeded runs replay."""
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] = []
+    """Stop strings; a single ``str`` is one stop string (``stop="Paris"`` is ``stop=["Paris"]``)."""
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     include_stop_str: bool = False
     ignore_eos: bool = False
     logprobs: bool = False
-    top_logprobs: int = 0
-    thinking_budget: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    thinking_budget: Count | None = None
     skip_special_tokens: bool = True
 
+
+class SamplingParams(_SamplingFields, frozen=True, kw_only=True):
+    """Sampling and stopping, as in vLLM. ``temperature=0`` is greedy. Invalid values raise ``RequestRejected``.
+
+    Bounds: ``max_tokens`` in [1, 2**31]; ``min_tokens`` in [0, max_tokens]; ``temperature`` finite, >= 0;
+    ``top_k`` in [0, 2**31] (0: off); ``top_p`` in (0, 1]; ``min_p`` in [0, 1]; ``repetition_penalty`` finite,
+    > 0; presence and frequency penalties in [-2, 2]; ``seed`` in [0, 2**63); ``stop`` a string or at most 128
+    non-empty strings of at most 1024 characters; ``stop_token_ids`` at most 1024 ids inside the model's
+    vocabulary (checked at submit); ``top_logprobs`` in [0, 20]; ``thinking_budget`` None or in [0, 2**31].
+    Values are normalised as they are checked: a ``str`` stop becomes a one-element list, ints given for floats
+    become floats, and the lists are the params' own copies.
+    """
+
     def __post_init__(self) -> None:
-        checks = [
-            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
-            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be between 0 and max_tokens"),
-            ("temperature", self.temperature >= 0, "must not be negative"),
-            ("top_k", self.top_k >= 0, "must not be negative (0 disables it)"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be positive"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
-            ("thinking_budget", self.thinking_budget is None or self.thinking_budget >= 0, "must not be negative"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must not be negative"),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2**63)"),
-        ]
-        for field, ok, why in checks:
-            if not ok:
-                raise RequestRejected(f"SamplingParams.{field}={getattr(self, field)!r} {why}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field again (``Engine`` calls this at submit: the lists are mutable)."""
+        fields = checked(msgspec.structs.asdict(self), _SamplingFields, "SamplingParams")
+        stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop
+        encodable_all(stop, "SamplingParams.stop")
+        if fields.min_tokens > fields.max_tokens:
+            raise RequestRejected(f"SamplingParams.min_tokens={fields.min_tokens} must not exceed "
+                                  f"max_tokens={fields.max_tokens}")
+        for field in msgspec.structs.fields(_SamplingFields):
+            value = stop if field.name == "stop" else getattr(fields, field.name)
+            if getattr(self, field.name) is not value:
+                msgspec.structs.force_setattr(self, field.name, value)
 
     def to_spec(self) -> SamplingSpec:
         """The logged wire form (the seed travels separately, in the arrival).
@@ -59,12 +140,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         Floats are made floats: ``temperature=0`` would otherwise encode as an int, decode as 0.0 and re-encode
         to other bytes, so a replay's digest would differ from the live run's.
         """
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return SamplingSpec(
-            max_tokens=self.max_tokens, min_tokens=self.min_tokens, temperature=float(self.temperature),
-            top_k=self.top_k, top_p=float(self.top_p), min_p=float(self.min_p),
+            max_tokens=int(self.max_tokens), min_tokens=int(self.min_tokens), temperature=float(self.temperature),
+            top_k=int(self.top_k), top_p=float(self.top_p), min_p=float(self.min_p),
             repetition_penalty=float(self.repetition_penalty), presence_penalty=float(self.presence_penalty),
-            frequency_penalty=float(self.frequency_penalty), stop=list(self.stop),
-            stop_token_ids=list(self.stop_token_ids), include_stop_str=self.include_stop_str,
-            ignore_eos=self.ignore_eos, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
-            thinking_budget=self.thinking_budget, skip_special_tokens=self.skip_special_tokens,
+            frequency_penalty=float(self.frequency_penalty), stop=stop,
+            stop_token_ids=[int(t) for t in self.stop_token_ids], include_stop_str=bool(self.include_stop_str),
+            ignore_eos=bool(self.ignore_eos), logprobs=bool(self.logprobs), top_logprobs=int(self.top_logprobs),
+            thinking_budget=None if self.thinking_budget is None else int(self.thinking_budget),
+            skip_special_tokens=bool(self.skip_special_tokens),
         )

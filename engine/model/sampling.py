@@ -5,7 +5,8 @@ on the other rows, a request's tokens are the same alone, in any batch, after pr
 
 Order of operations per row: penalties, the ``min_tokens`` logit mask, logprobs (of this processed
 distribution, before temperature), then greedy argmax (temperature 0) or temperature, top-k, top-p,
-min-p and Gumbel-max over the hash noise.
+min-p and Gumbel-max over the hash noise. A temperature below ``MIN_TEMPERATURE`` is greedy. Every row is
+``sanitize``d, so no accepted parameter value can produce NaN or fail another row of the batch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ MASK32 = 0xFFFFFFFF
 _M1 = 0x7FEB352D  # odd multipliers below 2**31, so int64 products never overflow
 _M2 = 0x4C957F2D
 _MASK64 = (1 << 64) - 1
+MIN_TEMPERATURE = 1e-5
+"""Below this a temperature samples greedily (as vLLM does): dividing by it would overflow the logits."""
 
 
 def _splitmix64(x: int) -> int:
@@ -117,15 +120,42 @@ def apply_min_tokens_mask(logits: torch.Tensor, rows: list[SampleRow]) -> torch.
     """Forbid a row's ``masked_token_ids`` (e.g. stop tokens) while its output index < min_tokens."""
     r_idx: list[int] = []
     t_idx: list[int] = []
+    v = logits.shape[1]
     for i, r in enumerate(rows):
         if r.output_index < r.spec.min_tokens and r.masked_token_ids:
-            r_idx.extend([i] * len(r.masked_token_ids))
-            t_idx.extend(r.masked_token_ids)
+            masked = [t for t in r.masked_token_ids if 0 <= t < v]  # an id outside the vocabulary masks nothing
+            r_idx.extend([i] * len(masked))
+            t_idx.extend(masked)
     if not r_idx:
         return logits
     logits = logits.clone()
     dev = logits.device
     logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
+    return logits
+
+
+def sanitize(logits: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """Make any row safe to sample from: NaN becomes -inf, +inf the largest finite value, and a row left with no
+    finite value takes its ``fallback`` row (the logits before penalties and masks), or zeros.
+
+    A no-op (no copy) on the usual rows: finite values, some of them -inf. Extreme but accepted parameters (a
+    huge repetition penalty, a stop-token mask over the whole vocabulary) then affect only their own row and
+    never yield NaN, which would make a token arbitrary and a logprob unequal to itself in a replay.
+    """
+    finite = torch.isfinite(logits)
+    if bool(finite.all()):
+        return logits
+    if bool((logits.isnan() | (logits == float("inf"))).any()):
+        top = torch.finfo(logits.dtype).max
+        logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=top, neginf=float("-inf"))
+        finite = torch.isfinite(logits)
+    dead = ~finite.any(dim=-1)
+    if bool(dead.any()):
+        logits = logits.clone()
+        if fallback is not None:
+            logits[dead] = sanitize(fallback.to(logits.dtype))[dead]
+        else:
+            logits[dead] = 0.0
     return logits
 
 
@@ -172,13 +202,13 @@ class Sampler:
         if not rows:
             return SampleOutput([], None, None, None)
         dev = logits.device
-        logits = apply_min_tokens_mask(apply_penalties(logits, rows), rows)
+        logits = sanitize(apply_min_tokens_mask(apply_penalties(logits, rows), rows), logits)
         tokens = logits.argmax(dim=-1)
-        rand = [i for i, r in enumerate(rows) if r.spec.temperature > 0.0]
+        rand = [i for i, r in enumerate(rows) if r.spec.temperature >= MIN_TEMPERATURE]
         if rand:
             sub = logits if len(rand) == len(rows) else logits[rand]
             temps = torch.tensor([float(rows[i].spec.temperature) for i in rand], dtype=sub.dtype, device=dev)
-            scaled = sub / temps.unsqueeze(1)
+            scaled = sanitize(sub / temps.unsqueeze(1))
             scaled = filter_logits(
                 scaled,
                 [int(rows[i].spec.top_k) for i in rand],
@@ -198,7 +228,7 @@ class Sampler:
         want_lp = any(r.spec.logprobs or r.spec.top_logprobs > 0 for r in rows)
         if not want_lp:
             return SampleOutput(token_list, None, None, None)
-        lp = torch.log_softmax(logits.float(), dim=-1)
+        lp = torch.log_softmax(sanitize(logits.float()), dim=-1)  # float64 extremes overflow float32
         chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         kmax = max(int(r.spec.top_logprobs) for r in rows)
         top_ids: list[list[int]] = [[] for _ in rows]

@@ -51,6 +51,10 @@ def _token_text(value: Any) -> str | None:
     return str(value)
 
 
+class ChatTemplateError(ValueError):
+    """The chat template could not render the messages (a ``ValueError``, so callers reject the request)."""
+
+
 class TokenizerWrapper:
     """Encode, decode and render chat templates for one model."""
 
@@ -95,15 +99,18 @@ class TokenizerWrapper:
         """Render messages with the model's chat template, as transformers' tokenizer does."""
         if self._template is None:
             raise ValueError("this model has no chat template")
-        return str(
-            self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **extra,
+        try:
+            return str(
+                self._template.render(
+                    messages=list(messages),
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=self.bos_token or "",
+                    eos_token=self.eos_token or "",
+                    **extra,
+                )
             )
-        )
+        except jinja2.exceptions.TemplateError as exc:  # raise_exception(), undefined fields, sandbox refusals
+            raise ChatTemplateError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
