@@ -1,4 +1,10 @@
-"""Loading a Hugging Face-format model directory: config, safetensors (sharded or not), tokenizer."""
+"""Loading a Hugging Face-format model directory: config, safetensors (sharded or not), tokenizer.
+
+Loading is contained: it reads only files inside the model directory (an index's shard names and every symlink
+are checked, see ``contained``), and it never runs code from a checkpoint: weights are safetensors only (no
+pickle, no ``torch.load``), the tokenizer is ``tokenizer.json``, the chat template runs in jinja's sandbox, and
+``auto_map`` / remote code in ``config.json`` is never imported.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors import safe_open
@@ -43,19 +49,66 @@ class LoadedModel:
     path: Path
 
 
+CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                    "chat_template.jinja")
+"""The files besides the weights that loading reads; each must stay inside the model directory too."""
+
+
+def _allowed_roots(root: Path) -> list[Path]:
+    """Where a model directory's files may live: the directory itself and, for a Hugging Face hub cache snapshot
+    (``models--org--name/snapshots/<rev>/``, whose files are symlinks to ``../../blobs/<hash>``), that repo's
+    ``blobs`` directory."""
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def contained(model_dir: Path, name: object, source: Path | None = None) -> Path:
+    """``model_dir / name``, refused (``ModelLoadError``) unless it stays inside the model directory.
+
+    ``name`` must be a relative path without ``..`` (so an index cannot name ``/etc/passwd`` or ``../other``),
+    and the file it resolves to, through any symlinks, must lie inside the directory (or its hub cache's
+    ``blobs``). ``source`` is the file that named it, for the message.
+    """
+    where = source or model_dir
+    if not isinstance(name, str) or not name:
+        raise ModelLoadError(where, f"file name {name!r} must be a non-empty string")
+    if "\x00" in name:
+        raise ModelLoadError(where, f"file name {name!r} contains a NUL byte")
+    posix, windows = PurePosixPath(name), PureWindowsPath(name)
+    if posix.is_absolute() or windows.is_absolute() or windows.drive or windows.root:
+        raise ModelLoadError(where, f"file {name!r} is an absolute path; it must be inside the model directory")
+    if ".." in posix.parts or ".." in windows.parts:
+        raise ModelLoadError(where, f"file {name!r} leaves the model directory ('..')")
+    root = model_dir.resolve()
+    path = model_dir / name
+    target = path.resolve()
+    if not any(target.is_relative_to(r) for r in _allowed_roots(root)):
+        raise ModelLoadError(where, f"file {name!r} resolves to {target}, outside the model directory {root} "
+                                    "(a symlink escapes it)")
+    return path
+
+
 def _shard_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
+    index = contained(model_dir, "model.safetensors.index.json")
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ModelLoadError(index, f"bad safetensors index: {exc!r}") from exc
-        files = sorted({model_dir / str(f) for f in weight_map.values()})
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(index, "bad safetensors index: weight_map must be a non-empty object")
+        names = set(weight_map.values())
+        for name in names:
+            if not isinstance(name, str) or not name.endswith(".safetensors"):
+                raise ModelLoadError(index, f"shard {name!r} in weight_map is not a .safetensors file name")
+        files = sorted(contained(model_dir, name, index) for name in names)
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f, "shard named in model.safetensors.index.json is missing")
         return files
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(contained(model_dir, f.name) for f in model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(model_dir, "no *.safetensors weights found")
     return files
@@ -117,6 +170,8 @@ def load_hf_dir(
         raise ModelLoadError(model_dir, "not a directory")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     dt = parse_dtype(dtype, dev)
+    for name in CHECKPOINT_FILES:  # read below only if present; each must stay inside the directory
+        contained(model_dir, name)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     tensors, origin = read_safetensors(model_dir)
     needed = check_tensors(cfg, tensors, origin, model_dir)
