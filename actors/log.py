@@ -1,10 +1,21 @@
 """The log actor: group commit. The step actor appends whole frames to the writer's buffer; this actor decides
-when they reach the OS and the disk.
+when the rest reach the OS and the disk.
 
-``fsync`` policy: ``"never"`` flushes to the page cache every ``FLUSH_INTERVAL`` seconds (and whenever the
-buffer passes ``FLUSH_BYTES``); ``"<N>ms"`` flushes and fsyncs every N milliseconds; ``"tick"`` is done by the
-step actor itself (flush and fsync before a tick's commands leave), and this actor only keeps flushing.
-A write error is fatal: the log cannot be trusted to be complete after it.
+Two guarantees, for two kinds of crash:
+
+* **Process crash (``kill -9``, an abort, the OOM killer): acknowledged means logged, whatever the policy.** The
+  step actor hands a tick's frame (and all before it) to the OS with ``write(2)`` before that tick's
+  ``EmitTokens`` or ``Finish`` reach the retire actor, i.e. before any client can see them. Data handed to the
+  OS survives the death of the process, so every token a client received is in the log, and ``recover_log``
+  finds it after at most a torn final frame. Ticks with nothing client-visible are batched here.
+* **Machine crash (power loss, kernel panic): the ``fsync`` policy.** ``"never"`` leaves it to the kernel's
+  writeback, so recently acknowledged tokens may be lost; ``"<N>ms"`` fsyncs every N milliseconds, bounding the
+  loss to about that window; ``"tick"`` is done by the step actor itself (flush and fsync before a tick's
+  commands leave), so nothing acknowledged is lost, at the cost of one fsync per tick.
+
+Between those flushes, ``"never"`` flushes to the page cache every ``FLUSH_INTERVAL`` seconds (and whenever the
+buffer passes ``FLUSH_BYTES``), and ``"<N>ms"`` flushes and fsyncs every N milliseconds.
+A write error is fatal (``LogWriteFailed``): the log cannot be trusted to be complete after it.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ class LogActor:
             self.flush()
 
     def flush(self) -> None:
+        """Hand every buffered frame to the OS (``write(2)``, no fsync); an error is ``LogWriteFailed``."""
         try:
             self.writer.flush()
         except OSError as exc:

@@ -5,9 +5,16 @@
       inputs  = drain the inbox, sorted by (source, sequence)   # arrival order within a tick never matters
       outputs = core.tick(TickInputs(tick, now_ns, inputs))      # pure
       append one log frame holding both                          # nothing leaves before its tick is logged
-      dispatch outputs.commands, never waiting on a receiver
+      dispatch outputs.commands, never waiting on a receiver;
+        EmitTokens and Finish last, after a flush of the log to the OS  # acknowledged means logged
 
 A crash between ``core.tick`` and the append loses nothing: no command of that tick has left yet.
+
+**Acknowledged means logged.** ``EmitTokens`` and ``Finish`` go to the retire actor, which owns the client
+streams. Before a tick's ``EmitTokens`` or ``Finish`` are delivered, its frame (and every earlier one) is handed to
+the OS with ``write(2)``, so a token a client has received is in the log even if the process is killed
+(``kill -9``) the next instant. Ticks with nothing client-visible stay buffered for the log actor's timed flush.
+Whether a frame also survives a crash of the *machine* is the ``fsync`` policy's business; see ``actors.log``.
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ class StepStats:
     preemptions: int = 0
     swaps: int = 0
     log_ns: int = 0
-    """Thread CPU time spent encoding and writing log frames."""
+    """Thread CPU time the step actor spends encoding log frames and writing them (its flushes before tokens or a
+    finish reach a client; not the flushes of a large buffer or the log actor's timed ones, nor fsyncs)."""
     log_bytes: int = 0
 
 
@@ -132,8 +140,6 @@ class StepActor:
             self.stats.log_bytes += size
             if self._fsync == "tick":
                 await self._log.sync()  # type: ignore[union-attr]
-            else:
-                self._log.flush_if_large()  # type: ignore[union-attr]
         self.dispatch(outputs.commands)
         self.stats.ticks += 1
         if self.core.state.seqs:
@@ -171,4 +177,18 @@ class StepActor:
                 self.stats.preemptions += 1
                 self.stats.swaps += command.mode == "swap"
         if to_retire:
+            self._flush_for_clients()
             self._retire.deliver_nowait(to_retire)
+        elif self._log is not None:
+            self._log.flush_if_large()
+
+    def _flush_for_clients(self) -> None:
+        """Acknowledged means logged: before tokens or a finish reach a client, this tick's frame (and every earlier
+        one) is handed to the OS (see the module docstring). The other commands have left already, so the device
+        starts the next step while this writes. A failed write raises ``LogWriteFailed``, and nothing is delivered.
+        """
+        if self._log is None:
+            return
+        started = time.thread_time_ns()
+        self._log.flush()
+        self.stats.log_ns += time.thread_time_ns() - started
