@@ -45,11 +45,17 @@ def test_c05_exhaustion_reclaims_cache_before_preempting() -> None:
     h = Harness(config)
     h.step(arrival("r0", 33, 1))
     h.run()
-    assert h.core.state.pool.num_cached == 2
+    pool = h.core.state.pool
+    r0_cached = list(pool.cached)
+    r0_hashes = [pool.hash_of[b] for b in r0_cached]
+    assert len(r0_cached) == 2
     h.step(arrival("r1", 15, 40), arrival("r2", 15, 40))
     h.run()
     assert not h.commands(Preempted), "the cached blocks are reclaimed instead"
-    assert h.core.state.pool.num_cached >= 0
+    given = {b for _, step in h.commands(RunStep) for _, blocks in _new_blocks_by_row(step) for b in blocks
+             if step.step_id > 0}
+    assert set(r0_cached) <= given, "r0's cached blocks went to r1 and r2"
+    assert pool.lookup(r0_hashes) == [], "and left the prefix cache"  # type: ignore[arg-type]
     assert [h.reason("r1"), h.reason("r2")] == ["length", "length"]
 
 
