@@ -151,7 +151,7 @@ class Engine:
         """
         rt = self.runtime
         limits = rt.core_config
-        args = checked({"deadline": deadline, "request_id": request_id, "priority": priority,
+        args: _RequestArgs = checked({"deadline": deadline, "request_id": request_id, "priority": priority,
                         "cache_salt": cache_salt}, _RequestArgs, "request")
         encodable(args.cache_salt, "cache_salt")
         if args.request_id is not None:
@@ -182,6 +182,7 @@ class Engine:
         """The prompt's token ids: text is tokenized, chat messages rendered first, token ids checked."""
         rt = self.runtime
         limits = rt.core_config
+        ids: list[int]
         if isinstance(prompt, str):
             encodable(prompt, "prompt")
             if len(prompt) > MAX_CHARS_PER_TOKEN * limits.max_seq_len:
@@ -275,7 +276,7 @@ def _chat_message(index: int, message: dict[Any, Any]) -> dict[str, Any]:
 
 
 def _request_id(request_id: object, what: str) -> str:
-    rid = checked(request_id, Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)], what)
+    rid: str = checked(request_id, Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)], what)
     encodable(rid, what)
     return rid
 

@@ -90,7 +90,7 @@ class EngineConfig(_EngineFields, frozen=True, kw_only=True):
     """
 
     def __post_init__(self) -> None:
-        fields = checked(msgspec.structs.asdict(self), _EngineFields, "EngineConfig", ConfigError)
+        fields: _EngineFields = checked(msgspec.structs.asdict(self), _EngineFields, "EngineConfig", ConfigError)
         for name in ("model", "spill_dir", "log_path"):
             value = getattr(fields, name)
             if value is not None:

@@ -123,7 +123,7 @@ class SamplingParams(_SamplingFields, frozen=True, kw_only=True):
 
     def validate(self) -> None:
         """Check every field again (``Engine`` calls this at submit: the lists are mutable)."""
-        fields = checked(msgspec.structs.asdict(self), _SamplingFields, "SamplingParams")
+        fields: _SamplingFields = checked(msgspec.structs.asdict(self), _SamplingFields, "SamplingParams")
         stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop
         encodable_all(stop, "SamplingParams.stop")
         if fields.min_tokens > fields.max_tokens:

@@ -195,7 +195,7 @@ class Runtime:
                 text = self.tokenizer.render_chat(list(prompt), add_generation_prompt=True)
                 return list(self.tokenizer.encode(text, add_special_tokens=False))
             except (ValueError, KeyError, TypeError) as exc:
-                raise RequestRejected(f"the chat messages cannot be rendered and tokenized: {exc}") from None
+                raise RequestRejected(f"the prompt's chat messages cannot be rendered and tokenized: {exc}") from None
         raise RequestRejected("prompt must be a str, a list of token ids, or a list of chat messages")
 
     async def acquire_slot(self) -> None:
@@ -209,6 +209,11 @@ class Runtime:
 
     def release_slot(self) -> None:
         self._slots.release()
+
+    @property
+    def free_slots(self) -> int:
+        """Submit slots not held by an open request (all ``core_config.max_waiting`` of them when idle)."""
+        return int(self._slots.value)
 
     def open_stream(self, arrival: RequestArrived) -> Any:
         self.live.add(arrival.request_id)
