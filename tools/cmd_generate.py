@@ -3,12 +3,15 @@
 On a terminal each prompt gets a live panel that fills as tokens arrive, above a progress line with tokens/s.
 Piped (or with ``--plain``), each output line is prefixed with its prompt's label, ``[1]``, ``[2]``...; a single
 running prompt streams its text as it comes. Either way the run ends with a one-line summary: requests, tokens,
-tokens/s, preemptions and the log's path. Exit status 1 if any request ended in an error.
+tokens/s, preemptions and the log's path. With ``--json``, every output frame is one JSON line as it arrives
+(request id, token ids, text delta, finish), flushed at once, and the summary is a last ``{"summary": ...}`` line.
+Exit status 1 if any request ended in an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -43,6 +46,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, tem
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
+    parser.add_argument("--stub-step-time", type=float, default=None, metavar="SECONDS",
+                        help="with --model stub: seconds per model step (default: the engine's, 0.01)")
     if chat_flag:
         parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                             help=f"wrap prompts as chat messages (default: on for {DEFAULT_MODEL}, off otherwise)")
@@ -55,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run at most K prompts at once (default: all)")
     parser.add_argument("--plain", action="store_true",
                         help="plain labelled lines even on a terminal (the default when piped)")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object per output frame as it arrives (token ids included), then a summary")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -65,9 +72,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise CliError("--max-tokens must be at least 1")
     if args.max_seq_len < 2:
         raise CliError("--max-seq-len must be at least 2")
+    if args.stub_step_time is not None and args.model != "stub":
+        raise CliError("--stub-step-time needs --model stub")
+    extra = {} if args.stub_step_time is None else {"stub_step_time": args.stub_step_time}
     try:
         return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, log_path=args.log,
-                            max_seq_len=args.max_seq_len)
+                            max_seq_len=args.max_seq_len, **extra)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 
@@ -134,6 +144,32 @@ class _Plain:
         note = f"{req.state}, {req.tokens} tokens" + (f": {req.error}" if req.error else "")
         print(f"[{req.index + 1}] ({note})", file=self.out, flush=True)
 
+    def frame(self, req: _Request, out: RequestOutput) -> None:
+        pass
+
+
+class _Json:
+    """``--json``: one JSON line per output frame, written and flushed as it arrives."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+
+    def started(self, req: _Request) -> None:
+        pass
+
+    def delta(self, req: _Request, text: str) -> None:
+        pass
+
+    def finished(self, req: _Request) -> None:
+        pass
+
+    def frame(self, req: _Request, out: RequestOutput) -> None:
+        line = {"request_id": out.request_id, "prompt": req.index + 1, "token_ids": list(out.token_ids),
+                "text": out.text_delta, "reasoning": out.reasoning_delta, "finished": out.finished,
+                "finish_reason": out.finish_reason, "error": out.error}
+        self.out.write(json.dumps(line) + "\n")
+        self.out.flush()
+
 
 def make_streams(engine: Engine, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[RequestStream]:
     """One (not yet submitted) stream per prompt; a prompt the engine refuses is a ``CliError`` naming it."""
@@ -176,6 +212,7 @@ async def run_prompts(streams: Sequence[RequestStream], labels: Sequence[str], c
                 if out.finished:
                     req.state = out.finish_reason or "?"
                     req.error = out.error
+                display.frame(req, out)
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
@@ -203,6 +240,9 @@ class _Live:
         pass
 
     def finished(self, req: _Request) -> None:
+        pass
+
+    def frame(self, req: _Request, out: RequestOutput) -> None:
         pass
 
     def render(self, final: bool = False) -> Any:
@@ -255,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    live_mode = console.is_terminal and not args.plain
+    live_mode = console.is_terminal and not args.plain and not args.json
     result: dict[str, Any] = {}
 
     async def main() -> None:
@@ -285,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
                         nursery.cancel_scope.cancel()
                 console.print(display.render(final=True))
             else:
-                plain = _Plain(sys.stdout, stream_raw=concurrency == 1)
+                plain = _Json(sys.stdout) if args.json else _Plain(sys.stdout, stream_raw=concurrency == 1)
                 reqs = await run_prompts(streams, labels, concurrency, plain)
             result["seconds"] = time.monotonic() - started
             result["reqs"] = reqs
@@ -305,6 +345,12 @@ def run(args: argparse.Namespace) -> int:
         raise result["error"]
     reqs = result["reqs"]
     tokens = sum(r.tokens for r in reqs)
+    if args.json:
+        summary = {"requests": len(reqs), "tokens": tokens, "seconds": result["seconds"],
+                   "preemptions": int(result["stats"]["preemptions"]), "log": args.log,
+                   "errors": sum(r.state == "error" for r in reqs)}
+        print(json.dumps({"summary": summary}), flush=True)
+        return 1 if summary["errors"] else 0
     print(summary_line(len(reqs), tokens, result["seconds"], int(result["stats"]["preemptions"]), args.log),
           flush=True)
     return 1 if any(r.state == "error" for r in reqs) else 0
