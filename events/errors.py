@@ -49,4 +49,8 @@ class LogIncompatible(LogError):
 
     def __init__(self, path: str, what: str, found: str, supported: str) -> None:
         self.path = path
-        super().__init__(f"{path}: log {what} {found} is not readable by this build (it reads {supported})")
+        self.offset = 0  # what a log is, its header says: the frame at byte offset 0
+        super().__init__(
+            f"{path}: log {what} {found} (header frame at byte offset 0) is not readable by this build "
+            f"(it reads {supported})"
+        )

@@ -117,14 +117,24 @@ def framed_format_version(buf: bytes | memoryview, offset: int = 0) -> int | Non
     return magic[3]
 
 
+_SCAN_CHUNK = 1 << 20
+
+
 def _valid_header_after(buf: bytes | memoryview, start: int) -> bool:
-    """Whether any checking frame header begins at or after ``start`` (the corruption-versus-torn test)."""
-    data = bytes(buf[start:]) if isinstance(buf, memoryview) else buf[start:]
-    pos = data.find(b"TL")
-    while pos != -1:
-        if _parse_header(data, pos) is not None:
-            return True
-        pos = data.find(b"TL", pos + 1)
+    """Whether any checking frame header begins at or after ``start`` (the corruption-versus-torn test).
+
+    Scans in chunks, so a damaged frame early in a large log never copies the rest of the file."""
+    size = len(buf)
+    chunk_start = start
+    while chunk_start < size:
+        # Each chunk overlaps the next by a header's length less one, so no header straddles unseen.
+        data = bytes(buf[chunk_start : min(size, chunk_start + _SCAN_CHUNK + HEADER_SIZE - 1)])
+        pos = data.find(b"TL")
+        while pos != -1 and pos < _SCAN_CHUNK:
+            if _parse_header(data, pos) is not None:
+                return True
+            pos = data.find(b"TL", pos + 1)
+        chunk_start += _SCAN_CHUNK
     return False
 
 
@@ -148,6 +158,11 @@ def read_frame(
         raise LogFrameTooLarge(path, offset, length, max_frame_bytes)
     end = offset + HEADER_SIZE + length
     if end > size:
+        # An incomplete frame is a torn tail only if it is the last one: a length that runs past the end of the
+        # file while whole frames follow is damage, never a reason to drop (or let recovery truncate) them.
+        if _valid_header_after(buf, offset + HEADER_SIZE):
+            raise LogCorrupt(path, offset, None if kind == "header" else tick,
+                             f"frame declares {length} payload bytes, past the end of the file at {size}")
         return None
     if zlib.crc32(buf[offset + HEADER_SIZE : end]) != body_crc:
         if end == size:

@@ -228,10 +228,15 @@ class LogReader:
             )
 
     def _decode(self, info: FrameInfo) -> Frame:
+        # The slice is released explicitly: a decode error's traceback would otherwise keep a view of the mmap
+        # alive, and closing the reader would fail over it instead of reporting the corrupt frame.
+        view = self._buf[info.payload_offset : info.end]
         try:
-            return decode_frame(self._buf[info.payload_offset : info.end])
+            return decode_frame(view)
         except msgspec.MsgspecError as exc:
             raise LogCorrupt(self.path, info.offset, info.tick, f"payload does not decode: {exc}") from exc
+        finally:
+            view.release()
 
     def _decode_raw(self, info: FrameInfo) -> LogHeader | RawTickRecord | SnapshotRecord:
         try:
@@ -261,14 +266,27 @@ class LogReader:
 
     def raw_records(self) -> Iterator[RawTickRecord | SnapshotRecord]:
         """``records``, with each tick's commands left encoded: about half the decoding, for exact replay."""
+        for _, record in self.raw_frames():
+            yield record
+
+    def raw_frames(self) -> Iterator[tuple[FrameInfo, RawTickRecord | SnapshotRecord]]:
+        """``raw_records`` with each record's frame, so that a caller can name the byte offset of bad data."""
         for info in self.frames():
-            yield self._check_kind(info, self._decode_raw(info))
+            yield info, self._check_kind(info, self._decode_raw(info))
 
     def _check_kind(self, info: FrameInfo, record: LogHeader | _Tick | SnapshotRecord) -> _Tick | SnapshotRecord:
         if isinstance(record, LogHeader):
             raise LogCorrupt(self.path, info.offset, info.tick, "a second header frame")
-        if info.kind != ("snapshot" if isinstance(record, SnapshotRecord) else "tick"):
+        ticks: tuple[int, ...]
+        if isinstance(record, SnapshotRecord):
+            kind, ticks = "snapshot", (record.tick,)
+        else:
+            kind, ticks = "tick", (record.inputs.tick, record.outputs.tick)
+        if info.kind != kind:
             raise LogCorrupt(self.path, info.offset, info.tick, "frame kind does not match its payload")
+        if any(t != info.tick for t in ticks):
+            raise LogCorrupt(self.path, info.offset, info.tick, f"the payload names tick {ticks[0]}, the frame "
+                             f"header tick {info.tick}")
         return record
 
     def ticks(self) -> Iterator[TickRecord]:
@@ -282,18 +300,28 @@ class LogReader:
 
         Walks frame headers only; payloads are decoded from the snapshot on.
         """
+        best = self.nearest_snapshot(tick)
+        if best is None:
+            return None, self.ticks()
+        return self.snapshot_record(best), (r for r in self.records(best.end) if isinstance(r, TickRecord))
+
+    def nearest_snapshot(self, tick: int) -> FrameInfo | None:
+        """The frame of the newest snapshot taken at or before ``tick``, by walking frame headers only."""
         best: FrameInfo | None = None
         for info in self.frames():
             if info.tick > tick:
                 break
             if info.kind == "snapshot":
                 best = info
-        if best is None:
-            return None, self.ticks()
-        snapshot = self._decode(best)
+        return best
+
+    def snapshot_record(self, info: FrameInfo) -> SnapshotRecord:
+        """Decode the snapshot frame ``info`` (from ``nearest_snapshot`` or ``frames``)."""
+        snapshot = self._decode(info)
         if not isinstance(snapshot, SnapshotRecord):
-            raise LogCorrupt(self.path, best.offset, best.tick, "frame kind does not match its payload")
-        return snapshot, (r for r in self.records(best.end) if isinstance(r, TickRecord))
+            raise LogCorrupt(self.path, info.offset, info.tick, "frame kind does not match its payload")
+        self._check_kind(info, snapshot)
+        return snapshot
 
     def close(self) -> None:
         self._buf.release()

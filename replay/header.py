@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+
 from engine.core import CoreConfig
 from engine.core.errors import ConfigError
 from events import DIGEST_VERSION, LogHeader
@@ -13,25 +15,55 @@ class ReplayConfigError(ValueError):
     """The header's configuration cannot give a core configuration."""
 
 
+CORE_LIMITS: dict[str, int] = {
+    "num_blocks": 1 << 22,
+    "block_size": 1 << 16,
+    "max_seq_len": 1 << 24,
+    "vocab_size": 1 << 24,
+    "max_batch_size": 1 << 16,
+    "max_prefill_tokens": 1 << 24,
+    "max_batch_tokens": 1 << 24,
+    "max_waiting": 1 << 24,
+}
+"""The largest values replay accepts from a log. A log may come from elsewhere, and the core's block pool is built
+from ``num_blocks`` before a single tick runs (about 140 bytes a block: 1 << 22 blocks is some 600 MB), so a
+header is checked against these before any core is built from it. Generous for any real deployment."""
+
+MAX_EOS_TOKENS = 1 << 10
+
+
+def check_core_limits(config: CoreConfig) -> CoreConfig:
+    """``config`` if every size in it is within ``CORE_LIMITS``; raises ``ReplayConfigError`` otherwise."""
+    for field, limit in CORE_LIMITS.items():
+        value = getattr(config, field)
+        if value > limit:
+            raise ReplayConfigError(f"{field}={value} is over replay's limit of {limit}")
+    if len(config.eos_token_ids) > MAX_EOS_TOKENS:
+        raise ReplayConfigError(f"{len(config.eos_token_ids)} eos_token_ids is over replay's limit of "
+                                f"{MAX_EOS_TOKENS}")
+    return config
+
+
 def core_config_from_header(header: LogHeader) -> CoreConfig:
-    """The ``CoreConfig`` a log was written with.
+    """The ``CoreConfig`` a log was written with, validated and within ``CORE_LIMITS``.
 
     ``header.config_json`` is either the engine configuration, a JSON object whose ``"core"`` key holds the core
     configuration, or the core configuration itself.
     """
     try:
         data = json.loads(header.config_json)
-    except json.JSONDecodeError as exc:
-        raise ReplayConfigError(f"config_json is not JSON: {exc}") from exc
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ReplayConfigError(f"config_json is not JSON: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, dict):
         raise ReplayConfigError("config_json is not a JSON object")
     core = data.get("core", data)
     if not isinstance(core, dict):
         raise ReplayConfigError('config_json["core"] is not a JSON object')
     try:
-        return CoreConfig.from_json(json.dumps(core))
-    except ConfigError as exc:
+        config = CoreConfig.from_json(json.dumps(core))
+    except (ConfigError, msgspec.MsgspecError, RecursionError) as exc:  # MsgspecError: e.g. NaN in the JSON
         raise ReplayConfigError(str(exc)) from exc
+    return check_core_limits(config)
 
 
 def digest_problem(header: LogHeader) -> str | None:

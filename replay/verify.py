@@ -13,10 +13,23 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-from engine.core import SchedulerCore
+import msgspec
+
+from engine.core import CoreConfig, SchedulerCore
 from engine.core.snapshot import CoreSnapshot, decode_snapshot, encode_snapshot
-from events import LogError, LogHeader, LogReader, RunStep, SnapshotRecord, decode_commands
+from events import (
+    Command,
+    LogCorrupt,
+    LogError,
+    LogHeader,
+    LogReader,
+    RunStep,
+    SnapshotRecord,
+    TickRecord,
+    decode_commands,
+)
 from events.codec import RawTickRecord
+from events.frames import FrameInfo
 from replay.diff import diff_commands, diff_gauges, diff_state, summarise_inputs
 from replay.header import ReplayConfigError, core_config_from_header, digest_problem
 
@@ -86,6 +99,13 @@ def _unreadable(report: ReplayReport, exc: BaseException) -> ReplayReport:
     return report
 
 
+def _bad_header(report: ReplayReport, problem: str) -> ReplayReport:
+    report.status = "unreadable"
+    report.error = f"{report.path}: the header (frame at byte offset 0): {problem}"
+    report.byte_offset = 0
+    return report
+
+
 def _with_header(report: ReplayReport, header: LogHeader) -> None:
     report.engine_version = header.engine_version
     report.schema_hash = header.schema_hash
@@ -102,15 +122,11 @@ def verify(path: str | os.PathLike[str], *, check_snapshots: bool = True) -> Rep
             _with_header(report, reader.header)
             problem = digest_problem(reader.header)
             if problem is not None:
-                report.status = "unreadable"
-                report.error = f"{report.path}: {problem}"
-                return report
+                return _bad_header(report, problem)
             try:
                 core = SchedulerCore(core_config_from_header(reader.header))
             except ReplayConfigError as exc:
-                report.status = "unreadable"
-                report.error = f"{report.path}: the header's configuration is not a valid core config: {exc}"
-                return report
+                return _bad_header(report, f"the configuration is not a valid core config: {exc}")
             _replay(reader, core, report, check_snapshots)
             if report.status == "identical":
                 report.torn_bytes = reader.tail.torn_bytes
@@ -122,12 +138,13 @@ def verify(path: str | os.PathLike[str], *, check_snapshots: bool = True) -> Rep
 
 
 def _replay(reader: LogReader, core: SchedulerCore, report: ReplayReport, check_snapshots: bool) -> None:
-    records = reader.raw_records()
+    frames = reader.raw_frames()
+    records = (record for _, record in frames)
     rows = 0
     ticks = 0
     expected_tick = 0
     tick_fn = core.tick
-    for record in records:
+    for info, record in frames:
         if type(record) is RawTickRecord:
             inputs = record.inputs
             logged = record.outputs
@@ -145,31 +162,58 @@ def _replay(reader: LogReader, core: SchedulerCore, report: ReplayReport, check_
                 _diverged(report, inputs.tick, record, None, core, records)
                 break
             if out.digest != logged.digest or out.needs_tick != logged.needs_tick:
-                report.command_diff = diff_commands(decode_commands(bytes(logged.commands)), out.commands)
+                report.command_diff = diff_commands(_logged_commands(reader, info, logged.commands), out.commands)
                 report.gauges_diff = diff_gauges(logged.gauges, out.gauges)
                 if out.needs_tick != logged.needs_tick:
                     report.needs_tick_diff = f"needs_tick: expected {logged.needs_tick}, got {out.needs_tick}"
                 _diverged(report, inputs.tick, record, out, core, records)
                 break
+            # The digest covers the commands and gauges the core produced; the log's own copies must be those.
+            if memoryview(logged.commands) != core.last_encoded_commands or logged.gauges != out.gauges:
+                raise LogCorrupt(reader.path, info.offset, info.tick,
+                                 "the logged commands or gauges do not match the logged digest")
             for command in out.commands:
                 if type(command) is RunStep:
                     rows += len(command.request_ids)
             ticks += 1
             expected_tick += 1
-        elif check_snapshots and isinstance(record, SnapshotRecord):
-            if record.tick != core.state.tick:
+        elif isinstance(record, SnapshotRecord):
+            if record.tick != core.state.tick:  # a snapshot follows the tick frame it was taken after
+                raise LogCorrupt(reader.path, info.offset, info.tick,
+                                 f"a snapshot of tick {record.tick} where the log is at tick {core.state.tick}")
+            if not check_snapshots:
                 continue
             actual = encode_snapshot(core.snapshot())
             report.snapshots_checked += 1
             if record.digest != core.state.digest or actual != record.state:
+                logged_state = _logged_snapshot(reader, info, record)
                 report.first_divergent_tick = record.tick
                 report.status = "divergent"
                 report.error = f"the replayed core state after tick {record.tick} differs from the logged snapshot"
                 report.state_tick = record.tick
-                report.state_diff = diff_state(decode_snapshot(record.state), decode_snapshot(actual))
+                report.state_diff = diff_state(logged_state, decode_snapshot(actual))
                 break
     report.ticks = ticks
     report.rows = rows
+
+
+def _logged_commands(reader: LogReader, info: FrameInfo, raw: msgspec.Raw) -> list[Command]:
+    try:
+        return decode_commands(bytes(raw))
+    except msgspec.MsgspecError as exc:
+        raise LogCorrupt(reader.path, info.offset, info.tick, f"the logged commands do not decode: {exc}") from exc
+
+
+def _logged_snapshot(reader: LogReader, info: FrameInfo, record: SnapshotRecord) -> CoreSnapshot:
+    try:
+        snapshot = decode_snapshot(record.state)
+    except msgspec.MsgspecError as exc:
+        raise LogCorrupt(reader.path, info.offset, info.tick, f"the snapshot state does not decode: {exc}") from exc
+    n = len(snapshot.seqs)
+    queues = (snapshot.waiting, snapshot.running, snapshot.preempted, snapshot.swapped)
+    if not 0 <= snapshot.live <= n or any(not 0 <= i < n for queue in queues for i in queue):
+        raise LogCorrupt(reader.path, info.offset, info.tick, "the snapshot state names sequences it does not hold")
+    return snapshot
 
 
 def _diverged(
@@ -205,15 +249,19 @@ def _diverged(
 def core_at(path: str | os.PathLike[str], tick: int) -> SchedulerCore:
     """The core as it was after ``tick``: restored from the nearest snapshot at or before it, then replayed.
 
-    Frames before the snapshot are walked by header only. Raises ``LogError`` if the log cannot be read, and
-    ``ValueError`` if it ends before ``tick``.
+    Frames before the snapshot are walked by header only. Raises ``LogError`` if the log cannot be read (a snapshot
+    that does not decode or restore is ``LogCorrupt``), ``ReplayConfigError`` if its header's configuration is not
+    a sane core configuration, and ``ValueError`` if it ends before ``tick``.
     """
     with LogReader(path) as reader:
-        snapshot, rest = reader.seek(tick)
-        if snapshot is not None:
-            core = SchedulerCore.from_snapshot(decode_snapshot(snapshot.state))
+        config = core_config_from_header(reader.header)
+        info = reader.nearest_snapshot(tick)
+        if info is not None:
+            core = _restore(reader, info, config)
+            rest: Iterator[TickRecord] = (r for r in reader.records(info.end) if isinstance(r, TickRecord))
         else:
-            core = SchedulerCore(core_config_from_header(reader.header))
+            core = SchedulerCore(config)
+            rest = reader.ticks()
         if core.state.tick >= tick:
             return core
         for record in rest:
@@ -221,6 +269,21 @@ def core_at(path: str | os.PathLike[str], tick: int) -> SchedulerCore:
             if record.inputs.tick >= tick:
                 return core
     raise ValueError(f"{os.fspath(path)}: the log ends at tick {core.state.tick}, before tick {tick}")
+
+
+def _restore(reader: LogReader, info: FrameInfo, config: CoreConfig) -> SchedulerCore:
+    """The core restored from the snapshot frame ``info``, whose configuration must be the header's."""
+    record = reader.snapshot_record(info)
+    snapshot = _logged_snapshot(reader, info, record)
+    if snapshot.config != config:
+        raise LogCorrupt(reader.path, info.offset, info.tick, "the snapshot's configuration is not the header's")
+    if snapshot.tick != record.tick:
+        raise LogCorrupt(reader.path, info.offset, info.tick, f"the snapshot state is of tick {snapshot.tick}")
+    try:
+        return SchedulerCore.from_snapshot(snapshot)
+    except Exception as exc:  # untrusted data: any failure to rebuild the state is damage at this frame
+        raise LogCorrupt(reader.path, info.offset, info.tick,
+                         f"the snapshot does not restore: {type(exc).__name__}: {exc}") from exc
 
 
 def state_at(path: str | os.PathLike[str], tick: int) -> CoreSnapshot:
@@ -258,8 +321,7 @@ def bisect(
     except LogError as exc:
         return _unreadable(report, exc)
     except ReplayConfigError as exc:
-        report.status = "unreadable"
-        report.error = f"{report.path}: the header's configuration is not a valid core config: {exc}"
+        _bad_header(report, f"the configuration is not a valid core config: {exc}")
     finally:
         report.seconds = time.perf_counter() - start
     return report

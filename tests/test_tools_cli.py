@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import EX_DATAERR, EX_USAGE, main
+from tools.cli import EX_USAGE, main
 
 
 def test_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,7 +45,7 @@ def test_log_demo_then_info(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_log_info_reports_corruption(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.tlog"
     path.write_bytes(b"garbage" * 10)
-    assert main(["log", "info", str(path)]) == EX_DATAERR
+    assert main(["log", "info", str(path)]) == 2
     assert "corrupt frame at byte offset 0" in capsys.readouterr().err
     assert main(["log", "info", str(tmp_path / "missing.tlog")]) == EX_USAGE
 

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "info",
         help="verify every frame of a log and summarise it",
         description="Verify every frame of a log (CRCs, size limit, decoding) and print its header and counts. "
-        "Exits 65 if the log is corrupt or incompatible. Never modifies the file.",
+        "Exits 2 if the log is corrupt or incompatible (naming the file and byte offset). Never modifies the file.",
     )
     info.add_argument("path", help="the log file")
     info.set_defaults(_log_run=_info)
@@ -94,7 +94,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from events import LogError, LogReader, SnapshotRecord, TickRecord
-    from tools.cli import EX_DATAERR, CliError
+    from tools.cli import CliError
 
     if not os.path.isfile(args.path):
         raise CliError(f"{args.path}: no such file")
@@ -113,7 +113,7 @@ def _info(args: argparse.Namespace) -> int:
                     snapshots += 1
             tail = reader.tail
     except LogError as exc:
-        raise CliError(str(exc), status=EX_DATAERR) from exc
+        raise CliError(str(exc), status=2) from exc
     print(f"{args.path}: format {h.format_version}, schema {h.schema_hash}, digest v{h.digest_version}")
     print(f"  engine {h.engine_version!r}, model {h.model_fingerprint!r}, device {h.device!r}, dtype {h.dtype!r}")
     print(f"  {ticks} ticks ({first}..{last}), {snapshots} snapshots, {tail.end_offset} bytes")

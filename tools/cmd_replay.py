@@ -75,16 +75,16 @@ def _json_default(value: object) -> object:
 
 def _full(args: argparse.Namespace, exact: dict[str, object]) -> int:
     from events import LogError, LogReader
-    from replay import core_config_from_header
+    from replay import ReplayConfigError, core_config_from_header
     from replay.full import load_device, verify_full
 
     try:
         with LogReader(args.log) as reader:
             header = reader.header
-    except LogError as exc:
+        config = core_config_from_header(header)
+    except (LogError, ReplayConfigError) as exc:
         print(f"unreadable: {exc}")
         return 2
-    config = core_config_from_header(header)
     device, fingerprint = load_device(args.model, config.num_blocks, config.block_size,
                                       dtype=args.dtype or header.dtype or None, device=args.device)
     note = None
