@@ -9,12 +9,23 @@
 
 The disk tier lives in a private directory (0700) whose files are 0600; each file starts with a blake2b
 checksum of its payload. The payload is safetensors (never pickle). ``close`` removes everything.
+
+A process that is killed never gets to ``close``, so the private directory's name says who owns it:
+``tickloom-spill-<host>-<pid>-<start>-<random>``. ``<host>`` is a short hash of the host name, so a directory on a
+shared file system is judged only by processes on its own host; ``<start>`` is the owner's start time (from
+``/proc``; 0 where there is none), so a pid reused by a later process, as after a container restart, does not
+keep a stale directory alive. A new store first removes every stale one in ``spill_dir``
+(``remove_stale_spill_dirs``): a directory, not a symlink, named exactly so, owned by this user, made on this
+host by a process that no longer runs. Nothing else is touched.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Callable
@@ -27,6 +38,80 @@ from engine.model.types import HostKV
 from events import Command, DropSpill, PrefetchSpill, SpillDone, SpillOut, SwapInFailed, SwapInReady
 
 _CHECKSUM = 32
+_PREFIX = "tickloom-spill-"
+_OWNED = re.compile(r"tickloom-spill-(?P<host>[0-9a-f]{8})-(?P<pid>[1-9][0-9]{0,9})-(?P<start>[0-9]{1,20})-[a-z0-9_]+")
+"""The private directory's name: host tag, owner pid and start time, and ``mkdtemp``'s random part."""
+_PROC = os.path.exists("/proc/self/stat")
+
+
+def host_tag() -> str:
+    """This host's tag in spill directory names: 8 hex digits of a hash of the host name."""
+    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, from ``/proc``); None if there is no such process.
+
+    0 where ``/proc`` is missing (not Linux): the process exists, its start time is unknown.
+    """
+    if not _PROC:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return 0  # it exists, owned by another user
+        return 0
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):  # none, or it ended while being read
+        return None
+    return int(data.rsplit(b")", 1)[1].split()[19])  # field 22; the name before ")" may hold spaces
+
+
+def owner_alive(pid: int, start: int) -> bool:
+    """Whether the process that made a spill directory (``pid``, started at ``start``) still runs."""
+    now = process_start(pid)
+    if now is None:
+        return False
+    return start == 0 or now == 0 or now == start
+
+
+def _owner_prefix() -> str:
+    """This process's spill directory names start so; the random rest follows."""
+    pid = os.getpid()
+    return f"{_PREFIX}{host_tag()}-{pid}-{process_start(pid) or 0}-"
+
+
+def remove_stale_spill_dirs(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove the private spill directories in ``directory`` that killed processes left behind; returns them.
+
+    A directory is removed only if all hold: it is a directory and not a symlink; its name matches
+    ``tickloom-spill-<host>-<pid>-<start>-<random>`` exactly; it is owned by this user; ``<host>`` is this host's
+    tag; no process ``<pid>`` that started at ``<start>`` runs. To remove it, a store first renames it to a name of
+    its own, so two stores starting at once never both remove it, and a store killed while removing leaves a
+    directory the next one removes. The removal never follows symlinks.
+    """
+    root = Path(directory)
+    tag, uid = host_tag(), os.getuid()
+    removed: list[Path] = []
+    with os.scandir(root) as entries:
+        candidates = [entry for entry in entries if _OWNED.fullmatch(entry.name)]
+    for entry in candidates:
+        match = _OWNED.fullmatch(entry.name)
+        assert match is not None
+        if match["host"] != tag or not entry.is_dir(follow_symlinks=False):
+            continue
+        if entry.stat(follow_symlinks=False).st_uid != uid or owner_alive(int(match["pid"]), int(match["start"])):
+            continue
+        claimed = root / f"{_owner_prefix()}{os.urandom(6).hex()}"
+        try:
+            os.rename(entry.path, claimed)
+        except FileNotFoundError:
+            continue  # another store starting now claimed it first; it removes it
+        shutil.rmtree(claimed)
+        removed.append(Path(entry.path))
+    return removed
 
 
 class SpillStore:
@@ -40,9 +125,12 @@ class SpillStore:
         self.disk_bytes = 0
         self.spilled_bytes = 0
         self._dir: Path | None = None
+        self.removed_stale: list[Path] = []
+        """Stale spill directories of killed processes that this store removed at start."""
         if directory is not None:
             os.makedirs(directory, exist_ok=True)
-            self._dir = Path(tempfile.mkdtemp(prefix="tickloom-spill-", dir=directory))
+            self.removed_stale = remove_stale_spill_dirs(directory)
+            self._dir = Path(tempfile.mkdtemp(prefix=_owner_prefix(), dir=directory))
             os.chmod(self._dir, 0o700)
         self._files: dict[str, Path] = {}
 
