@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Mutation testing of the scheduler core (engine/core) with mutmut; configuration: [tool.mutmut] in pyproject.toml.
+#
+#   scripts/mutate.sh                       every module of engine/core (thousands of mutants: hours on 2 cores)
+#   scripts/mutate.sh admission endgame     only these modules (engine.core.<module>.*)
+#   scripts/mutate.sh --score [module ...]  only print the scores of what has been run so far
+#
+# Environment: MUTATE_CHILDREN (default 1) parallel mutant workers.
+#
+# Each mutant runs, in a fork, only the core tests that call the mutated function (fastest first, stopping at the
+# first failure: mutmut adds -x, -p no:randomly). The tests are tests/test_core_*.py without the golden-bytes and
+# purity tests (see pyproject.toml). Results are cached in mutants/ per function: a rerun tests only functions
+# whose source changed. `.venv/bin/mutmut show <name>` prints a mutant's diff; `mutmut results` lists them.
+#
+# The score is killed / (killed + survived + timeout + suspicious + no tests), leaving out the equivalent mutants
+# listed below (a mutant no test can kill because the program behaves identically), each with its reason.
+# Mutant names are numbered within their function, so a change to a function can renumber them: recheck this list
+# with `mutmut show` when a listed function changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+score_only=0
+if [[ "${1:-}" == "--score" ]]; then
+    score_only=1
+    shift
+fi
+modules=("$@")
+
+if [[ $score_only == 0 ]]; then
+    patterns=()
+    for module in "${modules[@]}"; do
+        patterns+=("engine.core.${module}.*")
+    done
+    .venv/bin/mutmut run --max-children "${MUTATE_CHILDREN:-1}" "${patterns[@]}"
+fi
+
+# name<TAB>reason, one equivalent mutant per line.
+EQUIVALENT=$(cat <<'EOF'
+EOF
+)
+
+EQUIVALENT="$EQUIVALENT" .venv/bin/python - "${modules[@]}" <<'PY'
+import json
+import os
+import sys
+from pathlib import Path
+
+from mutmut.stats import status_by_exit_code
+
+equivalent = {}
+for line in os.environ["EQUIVALENT"].splitlines():
+    if line.strip():
+        name, _, reason = line.partition("\t")
+        equivalent[name.strip()] = reason.strip()
+
+wanted = set(sys.argv[1:])
+columns = ("killed", "survived", "timeout", "suspicious", "no tests", "not checked", "equivalent")
+totals = dict.fromkeys(columns, 0)
+survivors = []
+print(f"{'module':<12}" + "".join(f"{c:>12}" for c in columns) + f"{'score':>9}")
+for meta in sorted(Path("mutants/engine/core").glob("*.py.meta")):
+    module = meta.name.removesuffix(".py.meta")
+    if wanted and module not in wanted:
+        continue
+    counts = dict.fromkeys(columns, 0)
+    for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+        status = "equivalent" if name in equivalent else status_by_exit_code[code]
+        if status in ("segfault", "caught by type check", "skipped", "check was interrupted by user"):
+            status = "suspicious" if status == "segfault" else "not checked"
+        counts[status] += 1
+        if status in ("survived", "timeout", "suspicious", "no tests"):
+            survivors.append((status, name))
+    if not sum(counts.values()):
+        continue
+    for c in columns:
+        totals[c] += counts[c]
+    scored = counts["killed"] + counts["survived"] + counts["timeout"] + counts["suspicious"] + counts["no tests"]
+    score = f"{100 * counts['killed'] / scored:8.1f}%" if scored else "       -"
+    print(f"{module:<12}" + "".join(f"{counts[c]:>12}" for c in columns) + score)
+scored = totals["killed"] + totals["survived"] + totals["timeout"] + totals["suspicious"] + totals["no tests"]
+score = f"{100 * totals['killed'] / scored:8.1f}%" if scored else "       -"
+print(f"{'total':<12}" + "".join(f"{totals[c]:>12}" for c in columns) + score)
+for status, name in survivors:
+    print(f"  {status}: {name}")
+PY
