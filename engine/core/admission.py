@@ -2,9 +2,14 @@
 
 The gate serves the waiting queue strictly in (priority, arrival) order: if the head does not fit, nothing
 behind it is admitted (no overtaking). A request needs ``blocks(prompt + min(max_tokens, watermark))`` blocks,
-less the prefix-cache blocks it would hit. What is already promised counts against the free blocks: the
-unallocated part of every admitted sequence's reservation, and the resume needs of preempted ones. Swapped
-sequences are not counted; they return only through swap-in.
+less the prefix-cache blocks it would hit, the tokens clamped to ``max_seq_len``: no sequence ever holds more,
+and the config guarantees the pool holds one such sequence, so a reservation never exceeds what an idle pool
+has. What is already promised counts against the free blocks: the unallocated part of every admitted sequence's
+reservation, and the resume needs of preempted ones. Swapped sequences are not counted; they return only through
+swap-in.
+
+A lone request (nothing running) reserves its prompt only: the watermark keeps room for the outputs of a batch,
+and there is no batch to keep it from. So the head is never held back by its watermark while the pool idles.
 """
 
 from __future__ import annotations
@@ -36,9 +41,14 @@ def prefix_hits(state: CoreState, seq: Seq) -> list[int]:
     return state.pool.lookup(full_block_hashes(state, seq, len(seq.prompt))[:usable])
 
 
-def admission_need(state: CoreState, seq: Seq) -> int:
-    reserve = len(seq.prompt) + min(seq.params.max_tokens, state.config.admit_watermark)
-    return blocks_for(reserve, state.config.block_size)
+def admission_need(state: CoreState, seq: Seq, lone: bool = False) -> int:
+    """Blocks the gate reserves for ``seq``: its prompt plus the watermark's room, or its prompt alone if ``lone``.
+
+    The tokens are clamped to ``max_seq_len``, which the sequence never exceeds.
+    """
+    config = state.config
+    tokens = len(seq.prompt) if lone else len(seq.prompt) + min(seq.params.max_tokens, config.admit_watermark)
+    return blocks_for(min(tokens, config.max_seq_len), config.block_size)
 
 
 def admit(state: CoreState, ctx: TickContext) -> None:
@@ -55,7 +65,10 @@ def admit(state: CoreState, ctx: TickContext) -> None:
         need = admission_need(state, head)
         hits = prefix_hits(state, head)
         if not make_room(state, ctx, need - len(hits), demand, hits):
-            return
+            lone = admission_need(state, head, lone=True)
+            if active or lone == need or not make_room(state, ctx, lone - len(hits), demand, hits):
+                return
+            need = lone
         state.waiting.pop(0)
         head.status = Status.RUNNING
         head.admitted = state.next_admission
