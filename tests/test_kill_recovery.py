@@ -26,7 +26,7 @@ import trio.testing
 from engine_helpers import assert_replays, stub_config
 
 from actors.step import Delivers
-from engine import Engine, SamplingParams
+from engine import Engine, EngineError, SamplingParams
 from events import Command, EmitTokens, Finish, LogReader, recover_log
 from replay import verify
 
@@ -80,6 +80,28 @@ async def test_tokens_reach_the_retire_actor_only_after_their_frame_is_written(
                 nursery.start_soon(one, i)
     assert checked.deliveries > 0
     assert {rid: len(tokens) for rid, tokens in results.items()} == {"r0": 20, "r1": 20, "r2": 20}
+    assert_replays(log)
+
+
+async def test_a_failed_write_is_fatal_and_nothing_of_its_tick_reaches_the_client(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "run.tlog"
+    received: list[int] = []
+    with pytest.raises(EngineError, match="the log actor failed") as info:
+        async with Engine.open(stub_config(log)) as engine:
+            await engine.complete("warm", SamplingParams(max_tokens=3))
+
+            def full_disk(self: object) -> None:
+                raise OSError(28, "No space left on device")
+
+            monkeypatch.setattr("events.log.LogWriter.flush", full_disk)
+            with pytest.raises(EngineError):
+                async for out in engine.generate("go", SamplingParams(max_tokens=1000)):
+                    received += out.token_ids
+    assert info.value.actor == "log" and "No space left on device" in str(info.value)
+    assert received == [], "no token of an unwritten tick reached the client"
+    monkeypatch.undo()
+    assert recover_log(log).bytes_dropped == 0
     assert_replays(log)
 
 
