@@ -233,7 +233,7 @@ class LogReader:
         view = self._buf[info.payload_offset : info.end]
         try:
             return decode_frame(view)
-        except msgspec.MsgspecError as exc:
+        except (msgspec.MsgspecError, RecursionError) as exc:  # msgspec: RecursionError on deep nesting
             raise LogCorrupt(self.path, info.offset, info.tick, f"payload does not decode: {exc}") from exc
         finally:
             view.release()
@@ -241,7 +241,7 @@ class LogReader:
     def _decode_raw(self, info: FrameInfo) -> LogHeader | RawTickRecord | SnapshotRecord:
         try:
             return decode_frame_raw(bytes(self._buf[info.payload_offset : info.end]))
-        except msgspec.MsgspecError as exc:
+        except (msgspec.MsgspecError, RecursionError) as exc:  # msgspec: RecursionError on deep nesting
             raise LogCorrupt(self.path, info.offset, info.tick, f"payload does not decode: {exc}") from exc
 
     def frames(self, start_offset: int | None = None) -> Iterator[FrameInfo]:

@@ -200,14 +200,14 @@ def _replay(reader: LogReader, core: SchedulerCore, report: ReplayReport, check_
 def _logged_commands(reader: LogReader, info: FrameInfo, raw: msgspec.Raw) -> list[Command]:
     try:
         return decode_commands(bytes(raw))
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, RecursionError) as exc:  # msgspec: RecursionError on deep nesting
         raise LogCorrupt(reader.path, info.offset, info.tick, f"the logged commands do not decode: {exc}") from exc
 
 
 def _logged_snapshot(reader: LogReader, info: FrameInfo, record: SnapshotRecord) -> CoreSnapshot:
     try:
         snapshot = decode_snapshot(record.state)
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, RecursionError) as exc:  # msgspec: RecursionError on deep nesting
         raise LogCorrupt(reader.path, info.offset, info.tick, f"the snapshot state does not decode: {exc}") from exc
     n = len(snapshot.seqs)
     queues = (snapshot.waiting, snapshot.running, snapshot.preempted, snapshot.swapped)
