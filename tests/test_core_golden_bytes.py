@@ -115,11 +115,11 @@ WORKLOADS: dict[str, Callable[[], str]] = {
 }
 
 EXPECTED: dict[str, str] = {
-    'blast-2601-d1-spill-cache-24': '1505:158904863f573b5d7fd79cb38d5b93ad',
-    'blast-2602-d2-spill-cache-24-shutdown': '1501:a73ddac6860080ad2b7ad1716e4eae37',
-    'blast-2603-d2-cache-20': '1515:e17a5b1bd3ea050d6ae3974b03edb1d4',
-    'blast-2605-d2-spill-nocache-32': '1220:5067f7e95a030e5d2a7f7e94e0e17ffc',
-    'blast-2606-d1-nocache-16': '1001:45342e2a2f8ca5924571016ae9a76a88',
+    'blast-2601-d1-spill-cache-24': '1500:3e8a7b8d63c41a99191bc209e0cd7c98',
+    'blast-2602-d2-spill-cache-24-shutdown': '1501:5762aa9af1972f47133c8b740c8488f8',
+    'blast-2603-d2-cache-20': '1324:2282e14e8a0b51756bfc1666a41ea8af',
+    'blast-2605-d2-spill-nocache-32': '1251:08acf9f9631c58aadb180fc0b428b550',
+    'blast-2606-d1-nocache-16': '1001:f8e7006657aa1d696a004b3a1d9c3f56',
     'random-2700': '401:3a4dff2a7e50896246bae588b9495c9a',
     'random-2701': '400:9136fd0d3555b923840ba80420b38ea4',
     'random-2705': '400:39a79fca8fa8cc912fccb4bff2f58494',

@@ -64,12 +64,15 @@ def test_c12_deadline_during_decode_times_out_with_tokens_delivered() -> None:
 
 
 def test_c12_blocks_fenced_until_the_in_flight_step_settles() -> None:
-    h = Harness(CoreConfig(num_blocks=16, block_size=16, max_seq_len=128))
-    h.step(arrival("r", 20, 50, deadline_ns=3_500_000))
-    for _ in range(3):
+    # The device lags a tick, so r's step planned at tick 2 is still in flight when r times out at tick 3. (An
+    # expired request is never planned, so the step must be one planned before the deadline passed.)
+    h = Harness(CoreConfig(num_blocks=16, block_size=16, max_seq_len=128), device_lag=1)
+    h.step(arrival("r", 20, 50, deadline_ns=2_500_000))
+    for _ in range(2):
         h.step()
-    out = h.step()  # now 4 ms: this tick planned a step with r, then the sweep timed r out
+    out = h.step()  # now 3 ms: the step planned at tick 2 references r's blocks, then r timed out
     assert any(isinstance(c, Finish) and c.reason == "timeout" for c in out.commands)
+    assert not any(isinstance(c, RunStep) for c in out.commands)
     state = h.core.state
     assert state.fences and state.fences[0][1] == "r", "the step just planned still references r's blocks"
     h.step()

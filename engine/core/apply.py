@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from engine.core.context import TickContext
 from engine.core.errors import InvariantViolation
 from engine.core.lane import hand_tokens
-from engine.core.lifecycle import mark_finish, release_fences, stop_rule
+from engine.core.lifecycle import mark_finish, release_fences, track_stops
 from engine.core.state import CoreState, InflightStep, Seq, Status, ends_in_thinking
 from events import (
     ClientGone,
@@ -132,7 +132,7 @@ def arrive(state: CoreState, ctx: TickContext, msg: RequestArrived) -> None:
               msg.deadline_ns, msg.cache_salt)
     seq.thinking = ends_in_thinking(seq.prompt, state.config.think_start_token, state.config.think_end_token)
     state.seqs[msg.request_id] = seq
-    state.stop_tokens.update(stop_rule(state.config, seq)[0])
+    track_stops(state, seq)
     key = (seq.priority, seq.arrival)
     waiting = state.waiting
     i = len(waiting)

@@ -1,4 +1,6 @@
-"""Phase 4 of a tick, in the seed's order: deadline sweep, fences, retirement, swap-in, resume.
+"""The end of a tick, in the seed's order: fences, retirement, swap-in, resume; and the deadline sweep, which
+``SchedulerCore.tick`` runs before admission (so an expired request is never planned), and the compaction of
+the deadline heap after retirement.
 
 Swap-in and resume run on every tick, including ticks with nothing active, so a parked sequence never waits
 for an unrelated arrival (C11).
@@ -16,6 +18,7 @@ from engine.core.lifecycle import (
     mark_finish,
     release_blocks,
     resume_blocks,
+    untrack_stops,
 )
 from engine.core.state import CoreState, Seq, Status, ends_in_thinking
 from events import DropSpill, Finish, ReleaseRequest, SwapIn, UnwatchDeadline, Usage
@@ -34,6 +37,39 @@ def sweep_deadlines(state: CoreState) -> None:
         seq = state.seqs.get(request_id)
         if seq is not None and seq.arrival == arrival:
             mark_finish(state, seq, "timeout", len(seq.outputs) - 1)
+
+
+DEADLINE_SLACK = 64
+"""Dead heap entries tolerated beyond the live requests' count before ``compact_deadlines`` rebuilds the heap."""
+
+
+def live_deadlines(state: CoreState) -> list[tuple[int, int, str]]:
+    """The heap entries of live requests, one per request (its earliest), sorted: itself a valid heap.
+
+    An entry is live while its request is (the same arrival: a request id may be reused after it finishes). A
+    ``DeadlineReached`` adds a second entry for its request, due at once; the later one is dropped.
+    """
+    seqs = state.seqs
+    live = sorted(entry for entry in state.deadlines
+                  if (seq := seqs.get(entry[2])) is not None and seq.arrival == entry[1])
+    seen: set[str] = set()
+    kept = []
+    for entry in live:
+        if entry[2] not in seen:
+            seen.add(entry[2])
+            kept.append(entry)
+    return kept
+
+
+def compact_deadlines(state: CoreState) -> None:
+    """Drop the entries of finished requests once they could outnumber the live ones (after retirement).
+
+    Popping still skips dead entries; this only bounds the heap's size by the live requests. The rebuild costs
+    O(heap) and leaves at most one entry per live request, so it runs only after as many entries died or were
+    added, which keeps it amortised O(1) per request. Pop order is unchanged: entries are distinct tuples.
+    """
+    if len(state.deadlines) > 2 * len(state.seqs) + DEADLINE_SLACK:
+        state.deadlines = live_deadlines(state)
 
 
 def fence_finished(state: CoreState) -> list[Seq]:
@@ -61,6 +97,7 @@ def retire_finished(state: CoreState, ctx: TickContext, finished: list[Seq]) -> 
             cache_full_blocks(state, seq, min(seq.kv_settled, seq.num_tokens))
         release_blocks(state, ctx, seq)
         del state.seqs[seq.request_id]
+        untrack_stops(state, seq)
 
 
 def _reasoning_tokens(state: CoreState, seq: Seq) -> int:

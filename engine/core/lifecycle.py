@@ -49,6 +49,28 @@ def stop_rule(config: CoreConfig, seq: Seq) -> tuple[frozenset[int], int]:
     return rule
 
 
+def track_stops(state: CoreState, seq: Seq) -> None:
+    """Count a new live request's stop tokens into ``state.stop_tokens``."""
+    refs = state.stop_refs
+    for token in stop_rule(state.config, seq)[0]:
+        count = refs.get(token, 0)
+        if not count:
+            state.stop_tokens.add(token)
+        refs[token] = count + 1
+
+
+def untrack_stops(state: CoreState, seq: Seq) -> None:
+    """Uncount a retired request's stop tokens: a token no live request stops on leaves ``state.stop_tokens``."""
+    refs = state.stop_refs
+    for token in stop_rule(state.config, seq)[0]:
+        count = refs[token] - 1
+        if count:
+            refs[token] = count
+        else:
+            del refs[token]
+            state.stop_tokens.discard(token)
+
+
 def is_settled(state: CoreState, seq: Seq) -> bool:
     """No unsettled step references the sequence's blocks."""
     return seq.last_step <= state.settled_step

@@ -6,10 +6,14 @@ in the seed system's order; each is a function named after what it does:
 
 1. ``apply_inputs``: arrivals, cancellations, step results, spill and swap-in completions, stop matches,
    deadline notices, shutdown;
-2. ``admit``: the KV gate, FCFS by (priority, arrival);
-3. ``plan_step``: decode rows, prefill chunks, KV exhaustion;
-4. ``sweep_deadlines``, ``fence_finished``, ``retire_finished``, ``swap_in``, ``resume_preempted``, then the
-   planned ``RunStep`` is emitted last.
+2. ``sweep_deadlines``: the seed sweeps at the end of the tick, after planning, so a request already past its
+   deadline was admitted and given a row (a wasted prefill, and blocks a live head could not have). Here it runs
+   before admission. Nothing between it and retirement commits a token or reads the clock, so it times out the
+   same requests, at the same token, as the seed's sweep; they are merely never planned;
+3. ``admit``: the KV gate, FCFS by (priority, arrival);
+4. ``plan_step``: decode rows, prefill chunks, KV exhaustion;
+5. ``fence_finished``, ``retire_finished``, ``swap_in``, ``resume_preempted``, then the planned ``RunStep`` is
+   emitted last.
 
 In the steady state most steps are planned by ``lane.plan_lane_decode``, which derives the decode rows from
 the previous step's in bulk; ``planner`` is the general plan and the specification it must match.
@@ -21,7 +25,14 @@ from engine.core.admission import admit
 from engine.core.apply import apply_inputs
 from engine.core.config import CoreConfig
 from engine.core.context import TickContext
-from engine.core.endgame import fence_finished, resume_preempted, retire_finished, swap_in, sweep_deadlines
+from engine.core.endgame import (
+    compact_deadlines,
+    fence_finished,
+    resume_preempted,
+    retire_finished,
+    swap_in,
+    sweep_deadlines,
+)
 from engine.core.errors import InvariantViolation
 from engine.core.invariants import check_invariants
 from engine.core.planner import plan_step
@@ -54,14 +65,15 @@ class SchedulerCore:
         ctx = TickContext(tick_inputs.now_ns)
 
         apply_inputs(state, ctx, tick_inputs.inputs)
+        sweep_deadlines(state)
         admit(state, ctx)
         step = plan_step(state, ctx)
-        sweep_deadlines(state)
         retire_finished(state, ctx, fence_finished(state))
         swap_in(state, ctx)
         resume_preempted(state, ctx)
         if state.finishing:  # resume_preempted may end a sequence that can never fit
             retire_finished(state, ctx, fence_finished(state))
+        compact_deadlines(state)
         if step is not None:
             ctx.commands.append(step)
         ctx.commands += ctx.releases

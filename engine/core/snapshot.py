@@ -12,7 +12,8 @@ import msgspec
 
 from engine.core.blocks import BlockPool
 from engine.core.config import CoreConfig
-from engine.core.lifecycle import stop_rule
+from engine.core.endgame import live_deadlines
+from engine.core.lifecycle import stop_rule, track_stops
 from engine.core.state import CoreState, InflightStep, Seq, Status
 
 
@@ -53,6 +54,7 @@ class CoreSnapshot(msgspec.Struct, frozen=True):
     steps: list[StepSnapshot]
     fences: list[tuple[int, str, list[int]]]
     deadlines: list[tuple[int, int, str]]
+    """The live requests' deadline entries (one each, sorted, so a valid heap); finished ones are left out."""
     pool: PoolSnapshot
     next_step_id: int
     settled_step: int
@@ -108,7 +110,7 @@ def take_snapshot(state: CoreState) -> CoreSnapshot:
         swapped=swapped,
         steps=steps,
         fences=[(step, rid, list(blocks)) for step, rid, blocks in state.fences],
-        deadlines=list(state.deadlines),
+        deadlines=live_deadlines(state),
         pool=PoolSnapshot(list(pool.ref), list(pool.hash_of), list(pool.free), list(pool.cached)),
         next_step_id=state.next_step_id,
         settled_step=state.settled_step,
@@ -152,8 +154,8 @@ def restore_state(snapshot: CoreSnapshot) -> CoreState:
     state.preempted = [seqs[i] for i in snap.preempted]
     state.swapped = [seqs[i] for i in snap.swapped]
     state.steps = deque(_restore_step(config, s, seqs) for s in snap.steps)
-    for seq in seqs:
-        state.stop_tokens.update(stop_rule(config, seq)[0])
+    for seq in state.seqs.values():
+        track_stops(state, seq)
     state.fences = deque((step, rid, list(blocks)) for step, rid, blocks in snap.fences)
     state.deadlines = list(snap.deadlines)
     state.tick = snap.tick

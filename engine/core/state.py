@@ -220,7 +220,9 @@ class CoreState:
     """(step id, request id, blocks): blocks of retired sequences, released when that step settles."""
     steps: deque[InflightStep] = attrs.Factory(deque)
     deadlines: list[tuple[int, int, str]] = attrs.Factory(list)
-    """Heap of (deadline_ns, arrival, request id); stale entries are skipped."""
+    """Heap of (deadline_ns, arrival, request id). Entries of finished requests are skipped when popped, and
+    compacted away (``endgame.compact_deadlines``) once they outnumber the live ones, so the heap stays bounded
+    by the live requests."""
     tick: int = -1
     now_ns: int = 0
     next_step_id: int = 0
@@ -230,7 +232,10 @@ class CoreState:
     digest: bytes = GENESIS_DIGEST
     shut_down: bool = False
     stop_tokens: set[int] = attrs.Factory(set)
-    """Every token that may stop some request (a superset): a step whose tokens miss it stops nothing."""
+    """Every token that may stop some live request: a step whose tokens miss it stops nothing. Kept exact by
+    ``stop_refs`` (``lifecycle.track_stops`` / ``untrack_stops``), so finished requests do not widen it."""
+    stop_refs: dict[int, int] = attrs.Factory(dict)
+    """Token -> how many live requests it may stop (the keys are ``stop_tokens``)."""
     lane: DecodeLane | None = None
     """The steady-state fast path's view of the newest step (``engine.core.lane``); None when it must stand
     down. Derived state, never snapshotted: a restored core plans its first step the general way."""
