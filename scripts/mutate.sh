@@ -26,18 +26,41 @@ if [[ "${1:-}" == "--score" ]]; then
 fi
 modules=("$@")
 
-if [[ $score_only == 0 ]]; then
-    patterns=()
-    for module in "${modules[@]}"; do
-        patterns+=("engine.core.${module}.*")
-    done
-    .venv/bin/mutmut run --max-children "${MUTATE_CHILDREN:-1}" "${patterns[@]}"
-fi
-
 # name<TAB>reason, one equivalent mutant per line.
 EQUIVALENT=$(cat <<'EOF'
+engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 EOF
 )
+
+if [[ $score_only == 0 ]]; then
+    # mutmut reruns every mutant named on its command line, and skips those with a result otherwise. So: the first
+    # time, name the modules; after that, name only the mutants not yet killed (a survivor is retested, as a new
+    # test may kill it; a mutant whose function changed has lost its result and is tested again).
+    if [[ -e mutants/mutmut-stats.json ]]; then
+        mapfile -t names < <(EQUIVALENT="$EQUIVALENT" .venv/bin/python - "${modules[@]}" <<'PY'
+import json, os, sys
+from pathlib import Path
+equivalent = {line.split("\t")[0].strip() for line in os.environ["EQUIVALENT"].splitlines() if line.strip()}
+wanted = set(sys.argv[1:])
+for meta in sorted(Path("mutants/engine/core").glob("*.py.meta")):
+    if wanted and meta.name.removesuffix(".py.meta") not in wanted:
+        continue
+    for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+        if code not in (1, 3) and name not in equivalent:
+            print(name)
+PY
+        )
+        if [[ ${#names[@]} -gt 0 ]]; then
+            .venv/bin/mutmut run --max-children "${MUTATE_CHILDREN:-1}" "${names[@]}"
+        fi
+    else
+        patterns=()
+        for module in "${modules[@]}"; do
+            patterns+=("engine.core.${module}.*")
+        done
+        .venv/bin/mutmut run --max-children "${MUTATE_CHILDREN:-1}" "${patterns[@]}"
+    fi
+fi
 
 EQUIVALENT="$EQUIVALENT" .venv/bin/python - "${modules[@]}" <<'PY'
 import json

@@ -14,6 +14,7 @@ from core_state import add_seq, cache_unrelated, hold_blocks, make_core
 
 from engine.core import CoreConfig, SchedulerCore
 from engine.core.blocks import BlockPool
+from engine.core.lifecycle import choose_victim
 from engine.core.oracle import OracleExecutor
 from engine.core.snapshot import CoreSnapshot
 from engine.core.state import Seq, Status
@@ -437,3 +438,31 @@ def test_c20_thinking_state_survives_a_swap() -> None:
         assert out[30] == THINK_END and THINK_END not in out[:30], "the budget held across the swap"
         assert pressed.reasoning[rid] == [True] * 31 + [False] * 9
         assert pressed.finishes[rid].usage.reasoning_tokens == 31
+
+
+# -- C06: where immunity ends ----------------------------------------------------------------------------------
+
+
+def test_c06_immunity_ends_after_exactly_preempt_immunity_tokens() -> None:
+    core = make_core(num_blocks=64, max_seq_len=256, preempt_immunity_tokens=64)
+    state = core.state
+    resumed = add_seq(state, "resumed", 10, outputs=2 + 63)
+    resumed.immune_until = 2 + 64  # resumed with 2 outputs; 63 generated since
+    add_seq(state, "other", 10, outputs=100)
+    victim = choose_victim(state, 0)
+    assert victim is not None and victim.request_id == "other", "63 tokens after resuming: still immune"
+    resumed.outputs.append(1)
+    victim = choose_victim(state, 0)
+    assert victim is not None and victim.request_id == "resumed", "64 tokens after resuming: fewest outputs again"
+
+
+@pytest.mark.parametrize(("since_resume", "swapped"), [(63, "other"), (64, "resumed")])
+def test_c03_c06_admission_swap_out_immunity_boundary(since_resume: int, swapped: str) -> None:
+    core = make_core(num_blocks=14, block_size=16, max_seq_len=128, spill_enabled=True, preempt_immunity_tokens=64)
+    state = core.state
+    resumed = add_seq(state, "resumed", 10, outputs=3 + since_resume)  # resumed with 3 outputs
+    hold_blocks(state, resumed, 5)
+    resumed.immune_until = 3 + 64
+    hold_blocks(state, add_seq(state, "other", 30, outputs=3), 3)
+    out = _tick(core, arrival("head", 100, 4))  # 7 blocks, 6 free
+    assert [c.request_id for c in _of(out, SpillOut)] == [swapped], "immune for exactly 64 tokens"
