@@ -197,10 +197,10 @@ THINK, END = 5, 6
 
 
 def _thinking(budget: int | None, depth: int = 1, prompt_thinks: bool = True,
-              script: dict[int, int] | None = None) -> Harness:
+              script: dict[int, int] | None = None, lag: int = 0) -> Harness:
     config = CoreConfig(num_blocks=32, block_size=16, max_seq_len=64, think_start_token=THINK,
                         think_end_token=END, pipeline_depth=depth)
-    h = Harness(config, steps_per_tick=depth)
+    h = Harness(config, steps_per_tick=depth, device_lag=lag)
     prompt = [*range(100, 113), *([THINK] if prompt_thinks else [])]
     if script:
         h.oracle.scripted["a"] = script
@@ -236,10 +236,29 @@ def test_thinking_budget_zero_allows_no_thinking_token() -> None:
 
 
 def test_thinking_budget_zero_after_a_sampled_think_start() -> None:
-    h = _thinking(0, prompt_thinks=False, script={2: THINK})
-    out = h.output("a")
-    assert out[2] == THINK and out[3] == END
-    assert _thinking_tokens(h, prompt_thinks=False) == 0
+    # At depth 2 with the device a tick behind, output 3's row is run ahead before think-start (output 2) is
+    # known: the budget then forces that row's output to think-end (it used to fail the step-result check).
+    outputs = []
+    for depth, lag in ((1, 0), (2, 0), (2, 1)):
+        h = _thinking(0, depth, prompt_thinks=False, script={2: THINK}, lag=lag)
+        out = h.output("a")
+        assert out[2] == THINK and out[3] == END, (depth, lag)
+        assert _thinking_tokens(h, prompt_thinks=False) == 0
+        assert h.reasoning["a"][2:5] == [True, True, False]
+        outputs.append(out)
+    assert outputs[0] == outputs[1] == outputs[2], "the output does not depend on running ahead"
+
+
+def test_spent_budget_and_a_second_thinking_section_run_ahead() -> None:
+    # Budget 2 spent in a first section; a second think-start sampled while the next row is run ahead.
+    outputs = []
+    for depth, lag in ((1, 0), (2, 1)):
+        h = _thinking(2, depth, prompt_thinks=False, script={1: THINK, 6: THINK}, lag=lag)
+        out = h.output("a")
+        assert out[1] == THINK and out[4] == END and out[6] == THINK and out[7] == END, (depth, lag)
+        assert _thinking_tokens(h, prompt_thinks=False) == 2
+        outputs.append(out)
+    assert outputs[0] == outputs[1]
 
 
 def test_thinking_budget_zero_with_max_tokens_one() -> None:

@@ -126,8 +126,8 @@ EXPECTED: dict[str, str] = {
     'random-2710': '402:8e3223d70bd4184ecab1667a004bb583',
     'bench-n16-d1': '400:3addec806c75ea7c09c24eb3758fe668',
     'bench-n48-d2': '300:023e745c8671760fd3f27eba9e3a8a73',
-    'thinking-d1': '300:0dec27729eb76c5f012c5ff0c6fa72f0',
-    'thinking-d2': '300:1d0a73a53d1f1d5393883737cf79f755',
+    'thinking-d1': '300:52f1e6bd4ac44c310dc8295178d326ff',
+    'thinking-d2': '300:dee85fb808106f1bc518602ee57d0a18',
 }
 
 

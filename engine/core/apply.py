@@ -143,6 +143,12 @@ def arrive(state: CoreState, ctx: TickContext, msg: RequestArrived) -> None:
         ctx.commands.append(WatchDeadline(msg.request_id, msg.deadline_ns))
         heapq.heappush(state.deadlines, (msg.deadline_ns, arrival, msg.request_id))
     ctx.unblocked = True
+    end = state.config.think_end_token
+    if seq.thinking and msg.params.thinking_budget == 0 and end is not None:
+        # The prompt leaves the model thinking and the budget allows no thinking token: think-end is output 0,
+        # forced as ``commit_token`` forces it after B tokens. The prefill then samples nothing, and think-end is
+        # fed as the next input (as after a requeue, the history's last token is pending).
+        commit_token(state, ctx, seq, end, None)
 
 
 def cancel(state: CoreState, request_id: str) -> None:
@@ -266,8 +272,18 @@ def _apply_stop_rules(state: CoreState, seq: Seq, token: int, index: int) -> Non
 
 
 def commit_token(state: CoreState, ctx: TickContext, seq: Seq, token: int, logprob: float | None) -> None:
-    """Append one sampled token, stream it, and apply the stop rules and the thinking budget."""
+    """Append one sampled token, stream it, and apply the stop rules and the thinking budget.
+
+    Once the budget is spent, think-end is forced as the next output instead of sampling one. If a row of the
+    sequence is in flight, run ahead before the budget ran out (a think-start sampled in the step it is fed
+    from), that row's output is the one forced: its sampled token is replaced by think-end when it settles. The
+    KV stays consistent either way, since the forced token is fed as the next input.
+    """
     config = state.config
+    end = config.think_end_token
+    budget = seq.params.thinking_budget
+    if seq.thinking and budget is not None and seq.thinking_tokens >= budget and end is not None and token != end:
+        token, logprob = end, None
     outputs = seq.outputs
     outputs.append(token)
     index = len(outputs) - 1
@@ -275,21 +291,21 @@ def commit_token(state: CoreState, ctx: TickContext, seq: Seq, token: int, logpr
     if config.think_start_token is not None:
         if token == config.think_start_token:
             seq.thinking = reasoning = True
-        elif token == config.think_end_token:
+        elif token == end:
             seq.thinking = False
         elif reasoning:
             seq.thinking_tokens += 1
     ctx.emit(seq.request_id, token, index, reasoning, logprob)
     _apply_stop_rules(state, seq, token, index)
-    budget = seq.params.thinking_budget
     if (
         seq.thinking
         and budget is not None
         and seq.thinking_tokens >= budget
         and seq.status is Status.RUNNING
-        and config.think_end_token is not None
+        and seq.inflight == 0
+        and end is not None
     ):
-        commit_token(state, ctx, seq, config.think_end_token, None)
+        commit_token(state, ctx, seq, end, None)
 
 
 def fail_step(state: CoreState, ctx: TickContext, msg: StepFailed) -> None:

@@ -295,9 +295,7 @@ def _claim_prefix(state: CoreState, seq: Seq) -> None:
         return
     state.pool.claim(hits)
     seq.block_ids = list(hits)
-    seq.num_computed = seq.kv_settled = len(hits) * state.config.block_size
-    if not seq.outputs:
-        seq.cached_prompt_tokens = seq.num_computed
+    seq.num_computed = seq.kv_settled = seq.cached_prompt_tokens = len(hits) * state.config.block_size
 
 
 def _unclaim_prefix(state: CoreState, seq: Seq) -> None:
