@@ -191,11 +191,14 @@ class LogReader:
     def __init__(self, path: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.path = os.fspath(path)
         self.max_frame_bytes = max_frame_bytes
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            self._mmap: mmap.mmap | None = (
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-            )
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._mmap: mmap.mmap | None = (
+                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                )
+        except OSError as exc:  # missing, a directory, no permission: nothing was read, at byte offset 0
+            raise LogError(f"{self.path}: cannot read the log (at byte offset 0): {exc}") from exc
         self._buf: memoryview = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
         self.tail = TailInfo()
         try:

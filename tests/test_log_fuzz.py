@@ -409,3 +409,24 @@ def test_a_lying_length_mid_file_is_corruption_and_recovery_keeps_the_frames(bas
     with pytest.raises(LogCorrupt, match=f"byte offset {mid.offset}"):
         recover_log(path)
     assert path.read_bytes() == data
+
+
+def test_a_frame_header_must_agree_with_its_payload(base: Base, tmp_path: Path) -> None:
+    frame = base.of(MAGIC["tick"])[3]
+    path = tmp_path / "retagged.tlog"
+    path.write_bytes(_replace(base.data, frame, _frame(frame.magic, frame.tick + 1, frame.payload)))
+    for argv in (["log", "info", str(path)], ["replay", str(path)], ["inspect", str(path)]):
+        status, text = _cli(argv)
+        assert status == 2 and f"byte offset {frame.offset}" in text and "frame header tick" in text, text
+
+
+def test_a_misplaced_snapshot_is_corruption(base: Base, tmp_path: Path) -> None:
+    """A snapshot follows the tick it was taken after; one anywhere else is not skipped but reported."""
+    snap = base.of(MAGIC["snapshot"])[0]
+    later = next(f for f in base.frames if f.magic == MAGIC["tick"] and f.tick == snap.tick + 2)
+    whole = base.data[snap.offset : snap.end]
+    moved = base.data[: snap.offset] + base.data[snap.end : later.end] + whole + base.data[later.end :]
+    path = tmp_path / "moved.tlog"
+    path.write_bytes(moved)
+    status, text = _cli(["replay", str(path)])
+    assert status == 2 and f"a snapshot of tick {snap.tick} where the log is at tick {snap.tick + 2}" in text, text
