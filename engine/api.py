@@ -19,7 +19,16 @@ from msgspec import Meta
 from actors.outputs import RequestOutput, RequestUsage
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineOverloaded, RequestRejected
-from engine.params import INT32_MAX, INT32_MIN, INT64_MAX, SamplingParams, TokenId, checked, encodable
+from engine.params import (
+    INT32_MAX,
+    INT32_MIN,
+    INT64_MAX,
+    SamplingParams,
+    TokenId,
+    checked,
+    encodable,
+    unencodable,
+)
 from engine.runtime import Runtime, build_runtime
 from events import RequestArrived, RequestCancelled
 
@@ -268,10 +277,9 @@ def _chat_message(index: int, message: dict[Any, Any]) -> dict[str, Any]:
     if bad_key is not None:
         raise RequestRejected(f"{what} has a non-str key {bad_key!r}")
     checked({"role": message["role"], "content": message["content"]}, _ChatMessage, what)
-    for key, value in message.items():
-        encodable(key, f"{what} key")
-        if isinstance(value, str):
-            encodable(value, f"{what}.{key}")
+    bad = unencodable(message)
+    if bad is not None:
+        raise RequestRejected(f"{what}{bad} is not encodable as UTF-8 (a lone surrogate)")
     return dict(message)
 
 

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from engine.core import ConfigError
-from engine.params import FLOAT_MAX, INT64_MAX, TokenId, checked, encodable
+from engine.params import FLOAT_MAX, INT64_MAX, TokenId, checked
 
 Positive = Annotated[int, Meta(ge=1, le=2**24)]
 """Sizes and counts: at least 1, and small enough that the lists and tensors they size stay allocatable."""
@@ -91,10 +91,6 @@ class EngineConfig(_EngineFields, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         fields: _EngineFields = checked(msgspec.structs.asdict(self), _EngineFields, "EngineConfig", ConfigError)
-        for name in ("model", "spill_dir", "log_path"):
-            value = getattr(fields, name)
-            if value is not None:
-                encodable(value, f"EngineConfig.{name}", ConfigError)
         if (fields.think_start_token is None) != (fields.think_end_token is None):
             raise ConfigError(f"EngineConfig.think_start_token={fields.think_start_token} and "
                               f"think_end_token={fields.think_end_token} must be set together")

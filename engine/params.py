@@ -48,6 +48,9 @@ def checked(value: Any, type_: type[T] | Any, what: str, error: type[ValueError]
     The message starts with ``what`` (the parameter or struct) and keeps msgspec's path, e.g.
     ``SamplingParams: Expected `int` >= 1 - at `$.max_tokens```.
     """
+    bad = unencodable(value, "")
+    if bad is not None:  # msgspec.convert itself raises UnicodeEncodeError on a lone surrogate
+        raise error(f"{what}{bad} is not encodable as UTF-8 (a lone surrogate)")
     try:
         result: T = msgspec.convert(value, type_)
     except msgspec.ValidationError as exc:
@@ -57,6 +60,33 @@ def checked(value: Any, type_: type[T] | Any, what: str, error: type[ValueError]
             raise error(f"{what}.{name}={_short(value[name])}: {exc}") from None
         raise error(f"{what}: {exc}") from None
     return result
+
+
+def unencodable(value: Any, path: str = "", depth: int = 0) -> str | None:
+    """The path (``.field``, ``[i]``) of the first string in ``value`` that UTF-8 cannot encode, if any.
+
+    Containers deeper than any accepted type are not searched: msgspec rejects their shape first.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if depth >= 8:
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = f".{key}" if isinstance(key, str) and path == "" and key.isidentifier() else f"[{key!r}]"
+            found = unencodable(key, path + sub, depth + 1) or unencodable(item, path + sub, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for i, item in enumerate(value):
+            found = unencodable(item, f"{path}[{i}]", depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 _PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")

@@ -220,6 +220,7 @@ def test_a_str_stop_is_one_stop_string() -> None:
     ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [2**31]), ("stop_token_ids", 3),
     ("include_stop_str", 1), ("ignore_eos", "yes"), ("logprobs", None), ("top_logprobs", 21),
     ("thinking_budget", -1), ("skip_special_tokens", 0),
+    ("max_tokens", "\ud800"), ("stop_token_ids", ["\udc00"]), ("seed", {"\ud800": 1}),  # msgspec would raise
 ])
 def test_each_bad_field_is_rejected_naming_it(field: str, value: Any) -> None:
     with pytest.raises(RequestRejected, match=field):
@@ -259,6 +260,9 @@ async def test_request_arguments_are_checked(tmp_path: Path, autojump_clock: tri
             ("prompt", {}, [{"role": "user"}]), ("prompt", {}, [{"content": "hi"}]),
             ("prompt", {}, [{"role": "user", "content": None}]), ("prompt", {}, [{"role": 1, "content": "x"}]),
             ("prompt", {}, [{"role": "user", "content": "\ud800"}]), ("prompt", {}, "x" * 100),
+            ("prompt", {}, [{"role": "user", "content": "hi", "name": ["\ud800"]}]),
+            ("prompt", {}, [{"role": "user", "content": "hi", "\ud800": 1}]), ("prompt", {}, ["\ud800"]),
+            ("priority", {"priority": "\ud800"}, "hi"), ("deadline", {"deadline": ["\ud800"]}, "hi"),
         ]
         for name, kwargs, prompt in bad:
             with pytest.raises(RequestRejected, match=name):
