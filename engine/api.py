@@ -139,9 +139,10 @@ class Engine:
 
     async def drain(self, timeout: float = math.inf) -> bool:
         """Stop admitting and let running requests finish; True if all finished within ``timeout`` seconds."""
+        seconds: float = checked(timeout, Annotated[float, Meta(ge=0.0)], "drain timeout")  # inf waits for all
         self._draining = True
         rt = self.runtime
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(seconds):
             while rt.live:
                 await rt.live_changed.wait()
             return True

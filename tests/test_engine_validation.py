@@ -332,3 +332,18 @@ def test_config_cross_checks_and_fault_plans() -> None:
         FaultPlan(report_delay=math.nan)
     config = EngineConfig(model="stub", stub_step_time=0, faults={"fail_steps": (3,)})  # type: ignore[arg-type]
     assert config.faults == FaultPlan(fail_steps=[3]) and type(config.stub_step_time) is float
+
+
+CONFIG_FIELDS = [f.name for f in msgspec.structs.fields(EngineConfig)]
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.sampled_from(CONFIG_FIELDS), wild | st.integers(-2, 5000) | st.floats(-1, 10) | st.text(max_size=6))
+def test_arbitrary_config_values_are_a_config_error_naming_the_field_or_encode(field: str, value: Any) -> None:
+    try:
+        config = EngineConfig(**{field: value})
+    except ConfigError as exc:
+        assert field in str(exc), str(exc)
+        return
+    msgspec.json.encode(config)  # the log header holds it
+    assert EngineConfig(**msgspec.structs.asdict(config)) == config
