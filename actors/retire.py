@@ -225,6 +225,14 @@ class RetireActor:
             if match is not None:
                 self._report(StopMatched(rid, match))
 
+    def abandon(self, request_id: str) -> None:
+        """Drop a stream whose arrival never reached the core (its submit was cancelled); nothing is reported."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.closed = True
+            stream.frames.clear()
+            stream.lot.unpark_all()
+
     def fail_all(self, error: BaseException) -> None:
         """A fatal engine error: every open stream (and every stream opened later) raises ``error``."""
         self._fatal = error

@@ -238,9 +238,14 @@ class Engine:
             arrival = RequestArrived(arrival.request_id, arrival.prompt_token_ids, arrival.params, arrival.seed,
                                      arrival.priority, deadline_ns, arrival.cache_salt)
         stream = rt.open_stream(arrival)
-        # Shielded: once the stream is open the arrival must reach the core, or its slot and id would leak.
-        with trio.CancelScope(shield=True):
+        try:
             await rt.client.send(arrival)
+        except BaseException:
+            # Not sent (a cancelled send sends nothing): the core never saw it, so free its stream, id and slot
+            # here, without a ClientGone that could hit a later request reusing the id.
+            rt.retire.abandon(arrival.request_id)
+            rt.finished(arrival.request_id)
+            raise
         return stream
 
 

@@ -299,6 +299,25 @@ async def test_request_arguments_are_checked(tmp_path: Path, autojump_clock: tri
     assert_replays(log)
 
 
+async def test_a_submit_cancelled_before_the_arrival_is_sent_leaks_nothing(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "run.tlog"
+    async with Engine.open(stub_config(log)) as engine:
+        rt = engine.runtime
+        real_send = rt.client.send
+        monkeypatch.setattr(rt.client, "send", lambda _msg: trio.sleep_forever())  # an inbox that stays full
+        with trio.move_on_after(1.0) as scope:
+            async with engine.stream("hi", SamplingParams(max_tokens=3), request_id="stuck"):
+                pytest.fail("the submit cannot finish")
+        assert scope.cancelled_caught
+        assert not rt.live and rt.free_slots == rt.core_config.max_waiting and rt.retire.open_streams == 0
+        monkeypatch.setattr(rt.client, "send", real_send)
+        out = await engine.complete("hi", SamplingParams(max_tokens=3), request_id="stuck")
+        assert out.finish_reason == "length", "the id is free again, and no stale ClientGone cancels it"
+        await _at_baseline(engine)
+    assert_replays(log)
+
+
 async def test_a_chat_template_error_is_a_rejection(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     async with Engine.open(stub_config(tmp_path / "run.tlog")) as engine:
         with pytest.raises(RequestRejected, match="prompt"):
