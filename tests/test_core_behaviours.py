@@ -10,11 +10,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 from core_harness import Harness, arrival
-from core_state import add_seq, cache_unrelated, hold_blocks, make_core
+from core_state import add_seq, cache_unrelated, context, hold_blocks, make_core
 
 from engine.core import CoreConfig, SchedulerCore
 from engine.core.blocks import BlockPool
-from engine.core.lifecycle import choose_victim
+from engine.core.lifecycle import choose_victim, preempt
 from engine.core.oracle import OracleExecutor
 from engine.core.snapshot import CoreSnapshot
 from engine.core.state import Seq, Status
@@ -187,7 +187,9 @@ def test_c06_immunity_re_armed_after_swap_in() -> None:
     back.immune_until = -1  # whatever it was when it was swapped out
     out = _tick(core)
     assert [(c.request_id, c.block_ids) for c in _of(out, SwapIn)] == [("back", [3, 4])]
-    assert _snap_seq(core.snapshot(), "back").immune_until == 5 + 64
+    resumed = _snap_seq(core.snapshot(), "back")
+    assert resumed.immune_until == 5 + 64 and resumed.status is Status.RUNNING
+    assert not resumed.swap_ready, "its readiness was used up: a later swap-out waits for a new SwapInReady"
     [step] = _of(out, RunStep)
     assert step.request_ids == ["other"]
     # Next tick: other needs a fourth block and none is free. ``back`` has the fewest tokens, but it is immune.
@@ -466,3 +468,36 @@ def test_c03_c06_admission_swap_out_immunity_boundary(since_resume: int, swapped
     hold_blocks(state, add_seq(state, "other", 30, outputs=3), 3)
     out = _tick(core, arrival("head", 100, 4))  # 7 blocks, 6 free
     assert [c.request_id for c in _of(out, SpillOut)] == [swapped], "immune for exactly 64 tokens"
+
+
+# -- C09: which victims are swapped, which requeued ------------------------------------------------------------
+
+
+def test_c09_a_victim_still_re_prefilling_its_history_is_requeued_not_swapped() -> None:
+    core = make_core(num_blocks=16, block_size=16, max_seq_len=128, spill_enabled=True)
+    state = core.state
+    victim = add_seq(state, "v", 30, outputs=5)  # resumed after a requeue: 34 history tokens to re-prefill
+    hold_blocks(state, victim, 3)
+    victim.num_computed = victim.kv_settled = 16  # one chunk of its history is back
+    ctx = context()
+    preempt(state, ctx, victim)
+    assert ctx.commands == [Preempted("v", "requeue")], "little KV to save: no SpillOut"
+    snap = core.snapshot()
+    parked = _snap_seq(snap, "v")
+    assert parked.status is Status.PREEMPTED and [snap.seqs[i].request_id for i in snap.preempted] == ["v"]
+    assert (parked.num_computed, parked.kv_settled, parked.block_ids) == (0, 0, []), "its KV is dropped"
+    assert len(snap.pool.free) == 16 - 1 and len(snap.pool.cached) == 1, "its one settled full block is cached"
+
+
+def test_c09_a_decoding_victim_is_swapped_with_its_settled_kv() -> None:
+    core = make_core(num_blocks=16, block_size=16, max_seq_len=128, spill_enabled=True)
+    state = core.state
+    victim = add_seq(state, "v", 30, outputs=5)
+    hold_blocks(state, victim, 3)
+    blocks = list(victim.block_ids)
+    ctx = context()
+    preempt(state, ctx, victim)
+    assert ctx.commands == [Preempted("v", "swap"), SpillOut("v", blocks, 34)]
+    parked = _snap_seq(core.snapshot(), "v")
+    assert parked.status is Status.SWAPPING and parked.spill_tokens == 34 and not parked.swap_ready
+    assert (parked.num_computed, parked.kv_settled, parked.block_ids) == (0, 0, [])
