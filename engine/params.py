@@ -159,10 +159,10 @@ class SamplingParams(_SamplingFields, frozen=True, kw_only=True):
         if fields.min_tokens > fields.max_tokens:
             raise RequestRejected(f"SamplingParams.min_tokens={fields.min_tokens} must not exceed "
                                   f"max_tokens={fields.max_tokens}")
-        for field in msgspec.structs.fields(_SamplingFields):
-            value = stop if field.name == "stop" else getattr(fields, field.name)
-            if getattr(self, field.name) is not value:
-                msgspec.structs.force_setattr(self, field.name, value)
+        for name in _SamplingFields.__struct_fields__:  # not msgspec.structs.fields: it re-evaluates annotations
+            value = stop if name == "stop" else getattr(fields, name)
+            if getattr(self, name) is not value:
+                msgspec.structs.force_setattr(self, name, value)
 
     def to_spec(self) -> SamplingSpec:
         """The logged wire form (the seed travels separately, in the arrival).
