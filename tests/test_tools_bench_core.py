@@ -37,3 +37,25 @@ def test_bench_core_reports_its_best_round(capsys: pytest.CaptureFixture[str]) -
 def test_bench_core_rejects_zero_rounds(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "core", "--rounds", "0"]) == 64
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_bench_core_cancel_case_prints_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "core", "--cases", "cancel", "--cancel-waiting", "20", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "mass cancel" in out and "W=10 " in out and "W=20 " in out and "x the time for 2x" in out
+    assert "N=" not in out, "the steady case runs only when asked for"
+
+
+def test_bench_core_cancel_case_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "core", "--json", "--cases", "steady", "cancel", "--batches", "4", "--ticks", "2",
+            "--warmup", "2", "--depths", "1", "--cancel-waiting", "10", "30"]
+    assert main(args) == 0
+    steady, cancel = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert steady["bench"] == "core" and steady["batch"] == 4
+    assert cancel["bench"] == "core-cancel" and cancel["waiting"] == [10, 30] and cancel["size_ratio"] == 3.0
+    assert cancel["rounds"] == 5 and len(cancel["ms"]) == 2 and cancel["time_ratio"] > 0
+
+
+def test_bench_core_rejects_an_empty_cancel_queue(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "core", "--cases", "cancel", "--cancel-waiting", "0"]) == 64
+    assert "--cancel-waiting" in capsys.readouterr().err

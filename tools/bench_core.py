@@ -18,6 +18,13 @@ core rather than its neighbours. Every round's median is printed too, so the spr
 Reference: vLLM 0.33's V1 scheduler measured about 11.5 µs per request per step on this machine (a recorded
 figure: vLLM is not installable here, so it is not re-measured). The goal is a ratio of at most 0.13 to it at
 N = 256, about 1.5 µs.
+
+``--cases cancel`` times a mass cancel instead (or as well, with ``--cases steady cancel``): W requests wait
+behind a full batch and are all cancelled in one tick, newest first (the order in which removing each from a
+list scans the whole queue). It runs at each W of ``--cancel-waiting`` (default 1,000 and 10,000) and prints
+the ratio of the largest W's time to the smallest's: linear work gives about the ratio of the W's. Each
+timed tick is the best of ``--rounds`` (at least 5), and as in ``timeit`` the garbage collector runs before it
+and is paused during it: a full collection costs time in proportion to the whole heap, wherever it falls.
 """
 
 from __future__ import annotations
@@ -50,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and prompts")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the timed part of the steady ticks (cProfile; the first batch and depth)")
+    parser.add_argument("--cases", nargs="+", choices=["steady", "cancel"], default=["steady"],
+                        help="steady: decode ticks per request (default); cancel: a waiting queue cancelled at once")
+    parser.add_argument("--cancel-waiting", type=int, nargs="+", default=[1000, 10_000], metavar="W",
+                        help="waiting requests cancelled in one tick by the cancel case (default 1000 10000)")
 
 
 class _Workload:
@@ -176,11 +187,85 @@ def measure(
     }
 
 
+def _waiting_core(waiting: int) -> Any:
+    """A core whose one batch slot is taken, with ``waiting`` requests queued behind it."""
+    from engine.core import CoreConfig, SchedulerCore
+    from events import RequestArrived, SamplingSpec, TickInputs
+
+    config = CoreConfig(num_blocks=64, block_size=16, max_seq_len=512, max_batch_size=1, max_waiting=waiting + 1)
+    core = SchedulerCore(config)
+    core.tick(TickInputs(0, 0, [RequestArrived("hold", [1] * 16, SamplingSpec(max_tokens=400), seed=1)]))
+    rng = random.Random(waiting)
+    core.tick(TickInputs(1, 1, [
+        RequestArrived(f"w{i}", [rng.randrange(2, 32000) for _ in range(16)], SamplingSpec(max_tokens=16), seed=i)
+        for i in range(waiting)
+    ]))
+    return core
+
+
+def measure_cancel(waiting: int, rounds: int) -> dict[str, Any]:
+    """The best time of a tick that cancels ``waiting`` queued requests, newest first (``TickInputs``,
+    ``core.tick`` and the frame encode, as in the steady case)."""
+    import gc
+
+    from events import Finish, Input, RequestCancelled, TickInputs, encode_tick
+
+    best = None
+    for _ in range(rounds):
+        core = _waiting_core(waiting)
+        cancels: list[Input] = [RequestCancelled(f"w{i}") for i in reversed(range(waiting))]
+        gc.collect()
+        gc.disable()
+        try:
+            t0 = time.perf_counter_ns()
+            tick_inputs = TickInputs(2, 2, cancels)
+            outputs = core.tick(tick_inputs)
+            encode_tick(tick_inputs, outputs, core.last_encoded_commands)
+            elapsed = time.perf_counter_ns() - t0
+        finally:
+            gc.enable()
+        finished = sum(1 for c in outputs.commands if isinstance(c, Finish) and c.reason == "cancelled")
+        if finished != waiting or core.gauges().waiting:
+            raise AssertionError(f"cancelled {finished} of {waiting} waiting requests")
+        best = elapsed if best is None else min(best, elapsed)
+    assert best is not None
+    return {"waiting": waiting, "ms": best / 1e6, "us_per_request": best / 1e3 / waiting}
+
+
+def run_cancel(args: argparse.Namespace) -> None:
+    rounds = max(args.rounds, 5)
+    results = [measure_cancel(w, rounds) for w in sorted(args.cancel_waiting)]
+    small, large = results[0], results[-1]
+    line: dict[str, Any] = {
+        "bench": "core-cancel", "waiting": [r["waiting"] for r in results], "ms": [r["ms"] for r in results],
+        "us_per_request": [r["us_per_request"] for r in results], "rounds": rounds,
+        "size_ratio": large["waiting"] / small["waiting"], "time_ratio": large["ms"] / small["ms"],
+    }
+    if args.json:
+        print(json.dumps(line))
+        return
+    print(f"tickloom bench core, mass cancel: W waiting requests (behind a full batch) cancelled in one tick, newest "
+          f"first; best of {rounds} rounds, GC paused as in timeit")
+    for r in results:
+        print(f"  W={r['waiting']:<6} {r['ms']:8.2f} ms/tick ({r['us_per_request']:.2f} µs/request)")
+    print(f"  ratio: {line['time_ratio']:.1f}x the time for {line['size_ratio']:.0f}x the waiting requests")
+
+
 def run(args: argparse.Namespace) -> int:
     from tools.cli import CliError
 
     if min(args.batches) < 1 or args.ticks < 1 or args.rounds < 1 or args.warmup < 0:
         raise CliError("--batches, --ticks and --rounds must be at least 1, --warmup at least 0")
+    if min(args.cancel_waiting) < 1:
+        raise CliError("--cancel-waiting must be at least 1")
+    if "steady" in args.cases:
+        run_steady(args)
+    if "cancel" in args.cases:
+        run_cancel(args)
+    return 0
+
+
+def run_steady(args: argparse.Namespace) -> None:
     if not args.json:
         print(f"tickloom bench core: 128-token prompts, mixed lengths, {args.warmup} warm-up ticks, "
               f"median of {args.ticks} steady ticks, best of {args.rounds} rounds; "
@@ -219,4 +304,3 @@ def run(args: argparse.Namespace) -> int:
                 f"{result['us_per_tick']:7.1f} µs/tick, {result['rows_per_tick']:.0f} rows/step; "
                 f"ratio to vLLM {ratio:.3f}x{goal}"
             )
-    return 0

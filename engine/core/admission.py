@@ -60,8 +60,11 @@ def admit(state: CoreState, ctx: TickContext) -> None:
     if active >= config.max_batch_size:
         return
     demand = in_flight_demand(state)
-    while state.waiting and active < config.max_batch_size:
-        head = state.waiting[0]
+    waiting = state.waiting
+    while active < config.max_batch_size:
+        head = waiting.head()
+        if head is None:
+            return
         need = admission_need(state, head)
         hits = prefix_hits(state, head)
         if not make_room(state, ctx, need - len(hits), demand, hits):
@@ -69,7 +72,7 @@ def admit(state: CoreState, ctx: TickContext) -> None:
             if active or lone == need or not make_room(state, ctx, lone - len(hits), demand, hits):
                 return
             need = lone
-        state.waiting.pop(0)
+        waiting.pop_head()
         head.status = Status.RUNNING
         head.admitted = state.next_admission
         state.next_admission += 1

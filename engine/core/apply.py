@@ -14,7 +14,7 @@ from engine.core.context import TickContext
 from engine.core.errors import InvariantViolation
 from engine.core.lane import hand_tokens
 from engine.core.lifecycle import mark_finish, release_fences, track_stops
-from engine.core.state import CoreState, InflightStep, Seq, Status, ends_in_thinking
+from engine.core.state import CoreState, InflightStep, Seq, Status, WaitingQueue, ends_in_thinking
 from events import (
     ClientGone,
     DeadlineReached,
@@ -133,12 +133,7 @@ def arrive(state: CoreState, ctx: TickContext, msg: RequestArrived) -> None:
     seq.thinking = ends_in_thinking(seq.prompt, state.config.think_start_token, state.config.think_end_token)
     state.seqs[msg.request_id] = seq
     track_stops(state, seq)
-    key = (seq.priority, seq.arrival)
-    waiting = state.waiting
-    i = len(waiting)
-    while i > 0 and (waiting[i - 1].priority, waiting[i - 1].arrival) > key:
-        i -= 1
-    waiting.insert(i, seq)
+    state.waiting.insert(seq)
     if msg.deadline_ns is not None:
         ctx.commands.append(WatchDeadline(msg.request_id, msg.deadline_ns))
         heapq.heappush(state.deadlines, (msg.deadline_ns, arrival, msg.request_id))
@@ -377,6 +372,11 @@ def shut_down(state: CoreState, msg: Shutdown) -> None:
     }
     for seq in list(state.seqs.values()):
         if seq.status is not Status.FINISHED:
-            mark_finish(state, seq, "error", len(seq.outputs) - 1, f"{msg.reason}{where[seq.status]}")
+            mark_finish(state, seq, "error", len(seq.outputs) - 1, f"{msg.reason}{where[seq.status]}",
+                        dequeue=False)
+    # Every parked request has just finished: empty the queues at once rather than one removal per request.
+    state.waiting = WaitingQueue()
+    state.preempted = []
+    state.swapped = []
     # No step is planned after a shutdown, and ``plan_step`` is where finished rows usually leave ``running``.
     state.prune_running()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from engine.core.errors import InvariantViolation
-from engine.core.state import CoreState, Status
+from engine.core.state import CoreState, Seq, Status
 
 _QUEUES = {
     Status.WAITING: "waiting",
@@ -91,13 +91,24 @@ def check_fences(state: CoreState) -> None:
 
 def check_queues(state: CoreState) -> None:
     """Each live request is in exactly the queue its status names."""
-    for name in ("waiting", "preempted", "swapped"):
-        for seq in getattr(state, name):
+    counts: Counter[str] = Counter()  # by request id: each queued sequence is checked to be the live one
+    for name in ("waiting", "running", "preempted", "swapped"):
+        queue: list[Seq] = list(getattr(state, name))
+        for seq in queue:
+            if name == "running" and seq.status is not Status.RUNNING:
+                continue  # finished, pruned at the next plan
             if _QUEUES.get(seq.status) != name or state.seqs.get(seq.request_id) is not seq:
                 raise InvariantViolation("queues", f"{seq.request_id!r} ({seq.status.name}) is in {name}")
+            counts[seq.request_id] += 1
+        if name == "waiting":
+            if len(state.waiting) != len(queue):
+                raise InvariantViolation("queues", f"the waiting queue counts {len(state.waiting)} but holds "
+                                         f"{len(queue)}")
+            keys = [(seq.priority, seq.arrival) for seq in queue]
+            if keys != sorted(keys):
+                raise InvariantViolation("queues", "the waiting queue is out of (priority, arrival) order")
     for seq in state.seqs.values():
-        queue = _QUEUES.get(seq.status)
-        if queue is None or sum(1 for s in getattr(state, queue) if s is seq) != 1:
+        if counts[seq.request_id] != 1:
             raise InvariantViolation("queues", f"{seq.request_id!r} ({seq.status.name}) is not queued once")
     if state.finishing:
         raise InvariantViolation("endings", "finished requests were left unretired at the end of a tick")

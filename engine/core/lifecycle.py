@@ -8,29 +8,36 @@ from engine.core.context import TickContext
 from engine.core.state import FINISH_RANK, CoreState, Seq, Status
 from events import FinishReason, Preempted, SpillOut
 
-_QUEUE_OF = {Status.WAITING: "waiting", Status.PREEMPTED: "preempted", Status.SWAPPING: "swapped",
-             Status.SWAPPED: "swapped"}
+_QUEUE_OF = {Status.PREEMPTED: "preempted", Status.SWAPPING: "swapped", Status.SWAPPED: "swapped"}
 
 
-def mark_finish(state: CoreState, seq: Seq, reason: FinishReason, index: int, error: str = "") -> bool:
+def mark_finish(
+    state: CoreState, seq: Seq, reason: FinishReason, index: int, error: str = "", dequeue: bool = True
+) -> bool:
     """Finish ``seq`` at output ``index`` (-1: before any output); True if this reason is the one that stands.
 
     Several reasons may arrive in one tick. The earliest token index wins, as the client's stream ends at the
     first terminal condition; at the same index, precedence decides (timeout > cancelled > stop > length >
-    error). The sequence stops being scheduled at once and is retired at the end of the tick.
+    error). The sequence stops being scheduled at once and is retired at the end of the tick. With ``dequeue``
+    False a parked sequence is left in its queue, for a caller that empties every queue itself (shutdown).
     """
     if seq.finish_reason is not None:
         current = (seq.finish_index, -FINISH_RANK[seq.finish_reason])
         if (index, -FINISH_RANK[reason]) >= current:
             return False
     else:
-        if seq.status is Status.RUNNING:
+        status = seq.status
+        seq.status = Status.FINISHED
+        if status is Status.RUNNING:
             state.stale.append(seq)  # it stays in ``running`` until the next prune
+        elif not dequeue:
+            pass
+        elif status is Status.WAITING:
+            state.waiting.discard(seq)  # a tombstone: O(1), so a mass cancel is linear
         else:
-            queue = _QUEUE_OF.get(seq.status)
+            queue = _QUEUE_OF.get(status)
             if queue is not None:
                 getattr(state, queue).remove(seq)
-        seq.status = Status.FINISHED
         state.finishing.append(seq)
     seq.finish_reason = reason
     seq.finish_index = index

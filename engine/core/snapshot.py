@@ -14,7 +14,7 @@ from engine.core.blocks import BlockPool
 from engine.core.config import CoreConfig
 from engine.core.endgame import live_deadlines
 from engine.core.lifecycle import stop_rule, track_stops
-from engine.core.state import CoreState, InflightStep, Seq, Status
+from engine.core.state import CoreState, InflightStep, Seq, Status, WaitingQueue
 
 
 class StepSnapshot(msgspec.Struct, frozen=True, array_like=True):
@@ -147,7 +147,7 @@ def restore_state(snapshot: CoreSnapshot) -> CoreState:
     )
     state = CoreState(config=config, pool=pool)
     state.seqs = {seq.request_id: seq for seq in seqs[: snap.live]}
-    state.waiting = [seqs[i] for i in snap.waiting]
+    state.waiting = WaitingQueue(seqs[i] for i in snap.waiting)
     state.running = [seqs[i] for i in snap.running]
     state.stale = [seq for seq in state.running if seq.status is not Status.RUNNING]
     state.reserving = [s for s in state.running if s.status is Status.RUNNING and s.reserve > len(s.block_ids)]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
+from collections.abc import Iterable, Iterator
 from enum import IntEnum
+from itertools import islice
 from operator import attrgetter
 
 import attrs
@@ -121,6 +123,84 @@ class Seq:
 
 
 _RUN_ORDER = attrgetter("_run_order")
+_QUEUE_KEY = attrgetter("priority", "arrival")
+
+
+class WaitingQueue:
+    """The waiting queue: sequences by (priority, arrival), first come first served, every operation cheap.
+
+    One list sorted by (priority, arrival) holds the queue from ``_head`` on. Admission takes the head by moving
+    ``_head``; a request that leaves from elsewhere (cancel, time-out, shutdown) stays behind as a tombstone,
+    recognised by its status no longer being ``WAITING``, and is skipped. Arrivals go in by binary search (an
+    append in the usual FCFS case). Once the consumed head and the tombstones outnumber the live entries the list
+    is rebuilt, so removals are amortised O(1) and a mass cancel of W requests costs O(W), not O(W^2).
+
+    It reads like the list it replaces: ``len``, truth, iteration in queue order (live entries only), and
+    ``append`` (which inserts in order).
+    """
+
+    __slots__ = ("_dead", "_head", "_items")
+
+    def __init__(self, seqs: Iterable[Seq] = ()) -> None:
+        self._items: list[Seq] = sorted(seqs, key=_QUEUE_KEY)
+        self._head = 0
+        self._dead = 0
+
+    def __len__(self) -> int:
+        return len(self._items) - self._head - self._dead
+
+    def __bool__(self) -> bool:
+        return len(self._items) - self._head > self._dead
+
+    def __iter__(self) -> Iterator[Seq]:
+        waiting = Status.WAITING
+        return (seq for seq in islice(self._items, self._head, None) if seq.status is waiting)
+
+    def __repr__(self) -> str:
+        return f"WaitingQueue({[seq.request_id for seq in self]!r})"
+
+    def insert(self, seq: Seq) -> None:
+        """Queue a waiting sequence behind every one that comes before it by (priority, arrival)."""
+        items = self._items
+        key = (seq.priority, seq.arrival)
+        if len(items) == self._head or _QUEUE_KEY(items[-1]) < key:
+            items.append(seq)
+        else:
+            items.insert(bisect_right(items, key, self._head, key=_QUEUE_KEY), seq)
+
+    append = insert
+
+    def head(self) -> Seq | None:
+        """The first live sequence, or None; tombstones before it are dropped."""
+        items = self._items
+        waiting = Status.WAITING
+        while self._head < len(items):
+            seq = items[self._head]
+            if seq.status is waiting:
+                return seq
+            self._head += 1
+            self._dead -= 1
+        return None
+
+    def pop_head(self) -> Seq:
+        """Remove and return the head (``head()`` must have returned it)."""
+        seq = self._items[self._head]
+        self._head += 1
+        self._compact()
+        return seq
+
+    def discard(self, seq: Seq) -> None:
+        """Note that ``seq``, queued here, has left with another status: it is skipped from now on."""
+        assert seq.status is not Status.WAITING, "a sequence leaves the waiting queue with its new status set"
+        self._dead += 1
+        self._compact()
+
+    def _compact(self) -> None:
+        gone = self._head + self._dead
+        if gone > 32 and 2 * gone > len(self._items):
+            waiting = Status.WAITING
+            self._items = [seq for seq in islice(self._items, self._head, None) if seq.status is waiting]
+            self._head = self._dead = 0
 
 
 def find_in_run_order(seqs: list[Seq], seq: Seq) -> int:
@@ -200,7 +280,7 @@ class CoreState:
     config: CoreConfig
     pool: BlockPool
     seqs: dict[str, Seq] = attrs.Factory(dict)
-    waiting: list[Seq] = attrs.Factory(list)
+    waiting: WaitingQueue = attrs.Factory(WaitingQueue)
     """By (priority, arrival); only the head may be admitted (no overtaking)."""
     running: list[Seq] = attrs.Factory(list)
     """Admitted sequences in admission order. Finished ones linger until ``plan_step`` prunes them (the seed's
