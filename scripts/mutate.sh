@@ -29,6 +29,14 @@ modules=("$@")
 # name<TAB>reason, one equivalent mutant per line.
 EQUIVALENT=$(cat <<'EOF'
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
+engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
+engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
+engine.core.lifecycle.x_full_block_hashes__mutmut_14	+= becomes =: seq.hashes stays empty, every call rehashes from the root; same hashes, slower
+engine.core.lifecycle.x_preempt__mutmut_1	the victims-are-settled assert weakened: callers only pass settled victims (choose_victim, make_room)
+engine.core.lifecycle.x_preempt__mutmut_8	the assert's message: the assert never fires
+engine.core.lifecycle.x_preempt__mutmut_9	the assert's message: the assert never fires
+engine.core.lifecycle.x_preempt__mutmut_69	reserve left 1: only RUNNING sequences count in demand, and every way back sets reserve itself
+engine.core.lifecycle.x_preempt__mutmut_67	first_planned left True: every way back (resume_preempted, swap_in) sets it True itself
 EOF
 )
 

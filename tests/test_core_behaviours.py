@@ -501,3 +501,37 @@ def test_c09_a_decoding_victim_is_swapped_with_its_settled_kv() -> None:
     parked = _snap_seq(core.snapshot(), "v")
     assert parked.status is Status.SWAPPING and parked.spill_tokens == 34 and not parked.swap_ready
     assert (parked.num_computed, parked.kv_settled, parked.block_ids) == (0, 0, [])
+
+
+# -- C20: what counts as reasoning ----------------------------------------------------------------------------
+
+
+def _thinking_config() -> CoreConfig:
+    return CoreConfig(num_blocks=16, max_seq_len=128, think_start_token=THINK_START, think_end_token=THINK_END)
+
+
+def test_c20_no_reasoning_without_think_markers() -> None:
+    h = Harness(CoreConfig(num_blocks=16, max_seq_len=128))
+    h.step(arrival("r", [*range(100, 110), THINK_START], 4))  # the id means nothing when no markers are set
+    h.run()
+    assert h.finishes["r"].usage.reasoning_tokens == 0 and h.reasoning["r"] == [False] * 4
+
+
+def test_c20_a_prompt_that_closes_its_thinking_section_starts_outside_it() -> None:
+    config = _thinking_config()
+    h = Harness(config)
+    h.step(arrival("r", [100, THINK_START, 101, 102, THINK_END, 103], 4))
+    h.run()
+    assert h.finishes["r"].usage.reasoning_tokens == 0 and h.reasoning["r"] == [False] * 4
+
+
+def test_c20_thinking_opened_and_closed_by_the_model_counts_its_markers() -> None:
+    config = _thinking_config()
+    oracle = OracleExecutor(config.vocab_size, avoid=(THINK_START, THINK_END),
+                            scripted={"r": {1: THINK_START, 3: THINK_END}})
+    h = Harness(config, oracle=oracle)
+    h.step(arrival("r", 20, 6))
+    h.run()
+    assert h.output("r")[1] == THINK_START and h.output("r")[3] == THINK_END
+    assert h.reasoning["r"] == [False, True, True, True, False, False]
+    assert h.finishes["r"].usage.reasoning_tokens == 3, "think-start, one thought, think-end"
