@@ -19,7 +19,8 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_batch_tokens: int = 4096
     """All tokens per step: prefill chunks plus one per decode row."""
     admit_watermark: int = 0
-    """Admission reserves room for ``min(max_tokens, admit_watermark)`` output tokens beyond the prompt."""
+    """Admission reserves room for ``min(max_tokens, admit_watermark)`` output tokens beyond the prompt (never
+    beyond ``max_seq_len``; a request admitted while nothing runs reserves its prompt only)."""
     pipeline_depth: int = 1
     spill_enabled: bool = False
     preempt_immunity_tokens: int = 64
