@@ -9,10 +9,6 @@
 
 from __future__ import annotations
 
-import gc
-import time
-from collections.abc import Callable
-
 from core_harness import Harness, arrival
 from core_state import add_seq, make_core
 
@@ -288,47 +284,39 @@ def _waiting_core(waiting: int, *, priorities: bool = False, deadline_ns: int | 
     return core
 
 
-def _cost(run: Callable[[int], float], sizes: tuple[int, int] = (500, 5000)) -> float:
-    """Best-of-three time at the larger size over best-of-five at the smaller one."""
-    small = min(run(sizes[0]) for _ in range(5))
-    large = min(run(sizes[1]) for _ in range(3))
-    return large / small
+# How the cost grows with the queue is a speed goal, so it is measured, not asserted: `tickloom bench core --cases
+# cancel` times W = 1,000 and 10,000 side by side (the quadratic paths cost 55-75x for 10x the requests; now about
+# 11-14x). These tests pin what the linear paths must still get right at scale.
 
 
-def _timed(tick: Callable[[], object]) -> float:
-    """The time of ``tick()``, with the garbage collector run before and paused during it, as ``timeit`` does:
-    a full collection costs time in proportion to the whole heap, wherever it happens to fall."""
-    gc.collect()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        tick()
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
+def test_a_mass_cancel_of_a_long_waiting_queue_ends_each_request_once() -> None:
+    n = 5000
+    core = _waiting_core(n)
+    out = core.tick(TickInputs(2, 2, [RequestCancelled(f"w{i}") for i in reversed(range(n))]))
+    ended = [c.request_id for c in out.commands if isinstance(c, Finish)]
+    assert sorted(ended) == sorted(f"w{i}" for i in range(n)) and len(set(ended)) == n
+    assert all(c.reason == "cancelled" for c in out.commands if isinstance(c, Finish))
+    assert len(core.state.waiting) == 0 and [s.request_id for s in core.state.running] == ["hold"]
+    core.check_invariants()
 
 
-def test_mass_cancel_timeout_and_shutdown_of_a_long_waiting_queue_are_linear() -> None:
-    def cancel(n: int) -> float:  # newest first: each cancel used to scan the whole queue
-        core = _waiting_core(n)
-        cancels: list[Input] = [RequestCancelled(f"w{i}") for i in reversed(range(n))]
-        return _timed(lambda: core.tick(TickInputs(2, 2, cancels)))
+def test_a_mass_time_out_and_a_shutdown_of_a_long_waiting_queue() -> None:
+    n = 3000
+    core = _waiting_core(n, priorities=True, deadline_ns=100)
+    out = core.tick(TickInputs(2, 200, []))
+    assert sorted(c.request_id for c in out.commands if isinstance(c, Finish) and c.reason == "timeout") == sorted(
+        f"w{i}" for i in range(n))
+    core = _waiting_core(n, priorities=True)
+    out = core.tick(TickInputs(2, 2, [Shutdown()]))
+    assert len({c.request_id for c in out.commands if isinstance(c, Finish)}) == n + 1, "every request ends once"
+    assert not core.state.seqs
 
-    def time_out(n: int) -> float:  # in arrival order, which is the queue's order reversed
-        core = _waiting_core(n, priorities=True, deadline_ns=100)
-        return _timed(lambda: core.tick(TickInputs(2, 200, [])))
 
-    def shut_down(n: int) -> float:
-        core = _waiting_core(n, priorities=True)
-        return _timed(lambda: core.tick(TickInputs(2, 2, [Shutdown()])))
-
-    def arrive(n: int) -> float:  # each arrival more important than the last: inserted at the head
-        return _timed(lambda: _waiting_core(n, priorities=True))
-
-    # Linear work gives a ratio near 10 (10 to 15 measured); the quadratic paths gave 60 to 100.
-    for name, run in (("cancel", cancel), ("timeout", time_out), ("shutdown", shut_down), ("arrive", arrive)):
-        ratio = _cost(run)
-        assert ratio < 25, f"{name}: 10x the waiting requests cost {ratio:.1f}x the time"
+def test_priority_arrivals_inserted_at_the_head_keep_their_order() -> None:
+    n = 3000
+    core = _waiting_core(n, priorities=True)  # each arrival more important than the last
+    assert [s.request_id for s in core.state.waiting][:3] == [f"w{n - 1}", f"w{n - 2}", f"w{n - 3}"]
+    assert [s.request_id for s in core.state.waiting][-1] == "w0"
 
 
 def test_waiting_queue_keeps_fcfs_by_priority_and_arrival_through_removals() -> None:
