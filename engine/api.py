@@ -120,17 +120,21 @@ class Engine:
         """Run a request to the end; one ``RequestOutput`` with every token id and the whole text."""
         tokens: list[int] = []
         text, reasoning = [], []
+        logprobs: list[float] = []
+        any_logprobs = False
         last: RequestOutput | None = None
         async with self.stream(prompt, params, **kw) as stream:
             async for out in stream:
                 tokens += out.token_ids
                 text.append(out.text_delta)
                 reasoning.append(out.reasoning_delta)
+                any_logprobs = any_logprobs or out.logprobs is not None
+                logprobs += out.logprobs if out.logprobs is not None else [math.nan] * len(out.token_ids)
                 last = out
         assert last is not None and last.finished
         return RequestOutput(request_id=last.request_id, token_ids=tokens, text_delta="".join(text),
                              reasoning_delta="".join(reasoning), finished=True, finish_reason=last.finish_reason,
-                             usage=last.usage, error=last.error)
+                             usage=last.usage, error=last.error, logprobs=logprobs if any_logprobs else None)
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request: it finishes ``cancelled`` with the tokens delivered so far."""

@@ -1,0 +1,386 @@
+"""The Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+
+It runs in the engine's own trio run (hypercorn's trio worker), so handlers call the engine directly. One OpenAI
+request of ``p`` prompts and ``n`` choices is ``p * n`` engine requests (ids ``<response id>-<choice index>``),
+seeded ``seed + j`` for choice ``j`` of a prompt when the request has a seed; all are checked before any is
+submitted. A client that disconnects cancels every request it opened (they finish ``cancelled`` in the log).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine import Engine, EngineError, EngineOverloaded, RequestOutput, RequestRejected, RequestStream
+from engine.api import Prompt
+from tools.serve import translate
+from tools.serve.metrics import Metrics
+from tools.serve.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    decode_request,
+)
+from tools.serve.sse import DONE, EventSink, SSEResponse, event, watch_disconnect
+from tools.serve.translate import Choice, OpenAIRequest
+
+log = logging.getLogger("tickloom.serve")
+
+T = TypeVar("T")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for ``/v1/completions``; chat defaults to what ``max_seq_len`` leaves."""
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    model_name: str
+    request_timeout: float | None = None
+    metrics: Metrics = field(init=False)
+    draining: bool = False
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.engine.stats)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.engine.runtime.tokenizer.decode([token_id], False)
+        return text
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status, media_type="application/json")
+
+
+def error_response(err: OpenAIError) -> Response:
+    return Response(err.body(), status_code=err.status, media_type="application/json")
+
+
+def engine_error(exc: Exception) -> OpenAIError:
+    """``EngineOverloaded`` is 503, ``EngineError`` 500."""
+    if isinstance(exc, EngineOverloaded):
+        return OpenAIError(503, str(exc), type="server_error", code="engine_overloaded")
+    return OpenAIError(500, str(exc), type="server_error", code="engine_error")
+
+
+async def run_until_disconnect(receive: Receive, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+    """Run ``fn``; cancel it if the client disconnects. Returns (disconnected, result). ``fn``'s exception is
+    raised as itself (not in an exception group)."""
+    result: list[T] = []
+    failure: list[Exception] = []
+    gone = [False]
+    async with trio.open_nursery() as nursery:
+
+        def disconnected() -> None:
+            gone[0] = True
+            nursery.cancel_scope.cancel()
+
+        async def body() -> None:
+            try:
+                result.append(await fn())
+            except Exception as exc:  # re-raised below, outside the nursery's exception group
+                failure.append(exc)
+            finally:
+                nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch_disconnect, receive, disconnected)
+        nursery.start_soon(body)
+    if failure:
+        raise failure[0]
+    return gone[0], result[0] if result else None
+
+
+class Group:
+    """The engine requests of one OpenAI request: started together, cancelled together if unfinished."""
+
+    def __init__(self, streams: Sequence[RequestStream], n: int) -> None:
+        self.streams = list(streams)
+        self.n = n
+        self.choices = [Choice(i) for i in range(len(streams))]
+        self.errors: list[EngineError] = []
+
+    async def start(self) -> None:
+        try:
+            for s in self.streams:
+                await s.start()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        for s in self.streams:
+            await s.aclose()
+
+    async def pump(self, on_frame: Callable[[int, RequestOutput], Awaitable[None]] | None,
+                   metrics: Metrics) -> None:
+        """Feed every stream's frames into its ``Choice`` (and to ``on_frame``, one at a time, in arrival order).
+
+        An ``EngineError`` from a stream is kept in ``errors`` (each stream raises the same crash)."""
+        send, receive = trio.open_memory_channel[tuple[int, RequestOutput]](0)
+
+        async def one(i: int, stream: RequestStream, ch: trio.MemorySendChannel[tuple[int, RequestOutput]]) -> None:
+            async with ch:
+                try:
+                    async for out in stream:
+                        await ch.send((i, out))
+                except EngineError as exc:
+                    self.errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            async with send:
+                for i, s in enumerate(self.streams):
+                    nursery.start_soon(one, i, s, send.clone())
+            async with receive:
+                async for i, out in receive:
+                    self.choices[i].add(out)
+                    if out.finished:
+                        metrics.observe_finish(out.finish_reason, out.usage)
+                    if on_frame is not None:
+                        await on_frame(i, out)
+
+
+def build_app(state: ServerState) -> Starlette:
+    engine = state.engine
+
+    async def health(request: Request) -> Response:
+        if state.draining:
+            return json_response({"status": "draining"}, 503)
+        return json_response({"status": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def models(request: Request) -> Response:
+        return json_response(ModelList(data=[ModelCard(id=state.model_name)]))
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def generate(request: Request, *, chat: bool) -> Response:
+        started = time.monotonic()
+        endpoint = request.url.path
+        req: OpenAIRequest = decode_request(await request.body(),
+                                                      ChatCompletionRequest if chat else CompletionRequest)
+        if req.model != state.model_name:
+            raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {state.model_name!r}",
+                              param="model", code="model_not_found")
+        translate.check_supported(req)
+        if state.draining:
+            raise OpenAIError(503, "the server is draining: no new requests", type="server_error",
+                              code="engine_overloaded")
+        prompts: list[Prompt]
+        if isinstance(req, ChatCompletionRequest):
+            prompts = [translate.chat_messages(req)]
+            default_max = engine.config.max_seq_len
+        else:
+            prompts = list(req.prompts())
+            default_max = COMPLETION_DEFAULT_MAX_TOKENS
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        deadline = req.timeout if req.timeout is not None else state.request_timeout
+        try:
+            streams = [engine.generate(prompt, translate.sampling_params(req, j, default_max), deadline=deadline,
+                                       request_id=f"{rid}-{k * req.n + j}", priority=req.priority)
+                       for k, prompt in enumerate(prompts) for j in range(req.n)]
+        except RequestRejected as exc:
+            raise translate.rejected(exc, req) from None
+        group = Group(streams, req.n)
+        created = int(time.time())
+        writer = _ChunkWriter(state, req, rid, created)
+        try:
+            gone, _ = await run_until_disconnect(request.receive, group.start)
+        except RequestRejected as exc:
+            raise translate.rejected(exc, req) from None
+        except (EngineOverloaded, EngineError) as exc:
+            raise engine_error(exc) from None
+        if gone:
+            state.metrics.disconnects.inc()
+            return Response(status_code=499)
+        if req.stream:
+            async def produce(sink: EventSink) -> None:
+                await writer.start(sink, len(streams))
+                await group.pump(lambda i, out: writer.frame(sink, group.choices[i], out), state.metrics)
+                await writer.end(sink, group)
+
+            async def cleanup() -> None:
+                await group.aclose()
+                state.metrics.duration.labels(endpoint).observe(time.monotonic() - started)
+
+            return SSEResponse(produce, state.metrics.disconnects.inc, cleanup)
+        try:
+            gone, _ = await run_until_disconnect(request.receive, lambda: group.pump(None, state.metrics))
+        finally:
+            with trio.CancelScope(shield=True):
+                await group.aclose()
+        state.metrics.duration.labels(endpoint).observe(time.monotonic() - started)
+        if gone:
+            state.metrics.disconnects.inc()
+            return Response(status_code=499)
+        if group.errors:
+            raise engine_error(group.errors[0])
+        failed = next((c for c in group.choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise OpenAIError(500, f"choice {failed.index} failed: {failed.error}", type="server_error",
+                              code="request_failed")
+        return json_response(writer.whole(group))
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+
+    async def openai_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(OpenAIError(exc.status_code, str(exc.detail), type=kind))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises the exception after this response, so it is still logged with its traceback.
+        return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    app = Starlette(routes=routes, exception_handlers={OpenAIError: openai_error, HTTPException: http_error,
+                                                      Exception: internal_error})
+    return app
+
+
+def with_status_counts(app: ASGIApp, metrics: Metrics) -> ASGIApp:
+    """Count HTTP responses by path and status."""
+
+    async def counted(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def send_counting(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                metrics.http_requests.labels(scope["path"], str(message["status"])).inc()
+            await send(message)
+
+        await app(scope, receive, send_counting)
+
+    return counted
+
+
+class _ChunkWriter:
+    """Builds the chunks of a streamed answer and the body of a whole one."""
+
+    def __init__(self, state: ServerState, req: OpenAIRequest, rid: str, created: int) -> None:
+        self.state = state
+        self.req = req
+        self.chat = isinstance(req, ChatCompletionRequest)
+        self.rid = rid
+        self.created = created
+        self.want_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs
+        options = req.stream_options
+        self.include_usage = options is not None and options.include_usage
+        self.offsets: dict[int, int] = {}
+
+    def _chat_chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.rid, object="chat.completion.chunk", created=self.created,
+                                   model=self.state.model_name, choices=choices)
+
+    async def start(self, sink: EventSink, count: int) -> None:
+        if self.chat:
+            first = [ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""), logprobs=None,
+                                     finish_reason=None) for i in range(count)]
+            await sink.write(event(self._chat_chunk(first)))
+
+    async def frame(self, sink: EventSink, choice: Choice, out: RequestOutput) -> None:
+        logprobs = translate.frame_logprobs(out) if self.want_logprobs and out.token_ids else None
+        if not (out.text_delta or out.reasoning_delta or out.finished or logprobs):
+            return
+        finish = out.finish_reason if out.finished else None
+        decode = self.state.token_text
+        if self.chat:
+            delta = Delta(content=out.text_delta or None, reasoning_content=out.reasoning_delta or None)
+            lp = None if logprobs is None else translate.chat_logprobs(out.token_ids, logprobs, decode)
+            chunk: Any = self._chat_chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lp,
+                                                           finish_reason=finish)])
+        else:
+            offset = self.offsets.get(choice.index, 0)
+            clp = None if logprobs is None else translate.completion_logprobs(out.token_ids, logprobs, decode,
+                                                                               offset)
+            self.offsets[choice.index] = offset + len(out.text_delta)
+            chunk = Completion(id=self.rid, object="text_completion", created=self.created,
+                               model=self.state.model_name, usage=None,
+                               choices=[CompletionChoice(index=choice.index, text=out.text_delta, logprobs=clp,
+                                                         finish_reason=finish)])
+        await sink.write(event(chunk))
+        if finish == "error":
+            await sink.write(event(OpenAIError(500, f"choice {choice.index} failed: {out.error}",
+                                               type="server_error", code="request_failed").body_struct()))
+
+    async def end(self, sink: EventSink, group: Group) -> None:
+        if group.errors:
+            exc = group.errors[0]
+            log.error("a streamed request ended with an engine error: %s", exc)
+            await sink.write(event(engine_error(exc).body_struct()))
+            await sink.write(DONE)
+            return
+        if self.include_usage:
+            usage = translate.usage(group.choices, group.n)
+            if self.chat:
+                chunk: Any = ChatCompletionChunk(id=self.rid, object="chat.completion.chunk", created=self.created,
+                                                 model=self.state.model_name, choices=[], usage=usage)
+            else:
+                chunk = Completion(id=self.rid, object="text_completion", created=self.created,
+                                   model=self.state.model_name, choices=[], usage=usage)
+            await sink.write(event(chunk))
+        await sink.write(DONE)
+
+    def whole(self, group: Group) -> ChatCompletion | Completion:
+        usage = translate.usage(group.choices, group.n)
+        decode = self.state.token_text
+        if self.chat:
+            choices = []
+            for c in group.choices:
+                reasoning = "".join(c.reasoning)
+                lp = translate.chat_logprobs(c.token_ids, c.logprobs, decode) if self.want_logprobs else None
+                message = AssistantMessage(content="".join(c.text), reasoning_content=reasoning or None)
+                choices.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=c.finish_reason))
+            return ChatCompletion(id=self.rid, object="chat.completion", created=self.created,
+                                  model=self.state.model_name, choices=choices, usage=usage)
+        cchoices = []
+        for c in group.choices:
+            clp = translate.completion_logprobs(c.token_ids, c.logprobs, decode, 0) if self.want_logprobs else None
+            cchoices.append(CompletionChoice(index=c.index, text="".join(c.text), logprobs=clp,
+                                             finish_reason=c.finish_reason))
+        return Completion(id=self.rid, object="text_completion", created=self.created, model=self.state.model_name,
+                          choices=cchoices, usage=usage)

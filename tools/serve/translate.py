@@ -1,0 +1,192 @@
+"""Between the OpenAI schema and the engine: requests to ``SamplingParams``, the engine's ``RequestRejected`` to an
+OpenAI error naming the request's field, and ``RequestOutput`` frames to choices, logprobs and usage."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import RequestOutput, RequestRejected, SamplingParams
+from tools.serve.openai_types import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionTokensDetails,
+    OpenAIError,
+    PromptTokensDetails,
+    TokenLogprob,
+    Usage,
+)
+
+Decode = Callable[[int], str]
+"""One token id's text (special tokens included), for logprobs."""
+
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
+
+
+def check_supported(req: OpenAIRequest) -> None:
+    """Refuse what this server does not do, naming the field (rather than ignoring it)."""
+    if req.logit_bias:
+        raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        if req.suffix:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError(400, "best_of other than n is not supported", param="best_of")
+    else:
+        if req.tools:
+            raise OpenAIError(400, "tools are not supported", param="tools")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise OpenAIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise OpenAIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the engine takes them: text content (text parts joined), ``developer`` as ``system``."""
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        if m.content is None:
+            raise OpenAIError(400, "a message needs content", param=f"messages[{i}].content")
+        if isinstance(m.content, str):
+            text = m.content
+        else:
+            parts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise OpenAIError(400, f"content part type {part.type!r} is not supported (text only)",
+                                      param=f"messages[{i}].content[{j}]")
+                parts.append(part.text)
+            text = "".join(parts)
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return messages
+
+
+def sampling_params(req: OpenAIRequest, choice: int, default_max_tokens: int) -> SamplingParams:
+    """The params of choice ``choice`` (seed + choice when seeded). ``RequestRejected`` names the engine's field."""
+    kw: dict[str, Any] = {}
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    kw["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                 "repetition_penalty", "min_tokens", "stop", "stop_token_ids"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    if req.seed is not None:
+        kw["seed"] = req.seed + choice
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            kw["logprobs"] = True
+            kw["top_logprobs"] = req.logprobs
+    elif req.logprobs:
+        kw["logprobs"] = True
+        kw["top_logprobs"] = req.top_logprobs or 0
+    return SamplingParams(ignore_eos=req.ignore_eos, include_stop_str=req.include_stop_str_in_output,
+                          skip_special_tokens=req.skip_special_tokens, **kw)
+
+
+_FIELD = re.compile(r"^(SamplingParams|request)(?:\.(\w+)|: .*at `\$\.(\w+))")
+_RENAMED = {"include_stop_str": "include_stop_str_in_output", "deadline": "timeout"}
+
+
+def rejected(exc: RequestRejected, req: OpenAIRequest) -> OpenAIError:
+    """The engine's refusal as a 400 whose ``param`` is the request's name for the field the engine named."""
+    message = str(exc)
+    prompt_field = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    param: str | None = None
+    found = _FIELD.search(message)
+    if found is not None:
+        name = found.group(2) or found.group(3)
+        param = _RENAMED.get(name, name)
+        if name == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+            param = "max_completion_tokens"
+        elif name == "top_logprobs" and isinstance(req, CompletionRequest):
+            param = "logprobs"
+    elif re.match(r"^(the )?prompt\b", message):
+        param = prompt_field
+    return OpenAIError(400, message, param=param)
+
+
+# -- outputs -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    """One choice's state as its frames arrive."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    error: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text_delta)
+        self.reasoning.append(out.reasoning_delta)
+        self.token_ids += out.token_ids
+        self.logprobs += frame_logprobs(out)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.error = out.error
+            if out.usage is not None:
+                self.prompt_tokens = out.usage.prompt_tokens
+                self.cached_tokens = out.usage.cached_prompt_tokens
+                self.completion_tokens = out.usage.completion_tokens
+                self.reasoning_tokens = out.usage.reasoning_tokens
+
+
+def frame_logprobs(out: RequestOutput) -> list[float | None]:
+    """A frame's logprob per token: None where the engine has none (NaN, or no logprobs at all)."""
+    if out.logprobs is None:
+        return [None] * len(out.token_ids)
+    return [None if lp != lp else lp for lp in out.logprobs]
+
+
+def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float | None], decode: Decode) -> ChatLogprobs:
+    """OpenAI's chat form. ``top_logprobs`` is empty: the engine's frames carry the sampled token's logprob only."""
+    content = []
+    for tid, lp in zip(token_ids, logprobs, strict=True):
+        text = decode(tid)
+        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")), top_logprobs=[]))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float | None], decode: Decode,
+                        offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy form, ``text_offset`` counted from ``offset`` (the choice's text so far)."""
+    tokens = [decode(t) for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=None, text_offset=offsets)
+
+
+def usage(choices: Sequence[Choice], n: int) -> Usage:
+    """Prompt tokens once per prompt (choices ``k*n .. k*n+n-1`` share prompt ``k``), completion tokens summed."""
+    prompt = cached = completion = reasoning = 0
+    for k in range(0, len(choices), n):
+        group = choices[k : k + n]
+        prompt += group[0].prompt_tokens
+        cached += max(c.cached_tokens for c in group)
+    for c in choices:
+        completion += c.completion_tokens
+        reasoning += c.reasoning_tokens
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                 completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning))
