@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from core_harness import arrival
-from core_state import add_seq, hold_blocks, make_core
+from core_state import add_seq, cache_prefix_of, cache_unrelated, hold_blocks, make_core
 
 from engine.core import SchedulerCore
 from engine.core.lifecycle import cache_full_blocks
@@ -18,6 +18,8 @@ from events import (
     Command,
     Input,
     RunStep,
+    SamplingSpec,
+    SpillOut,
     TickInputs,
     TickOutputs,
 )
@@ -90,25 +92,104 @@ def test_c03_demand_adds_up_reservations_and_every_parked_sequence(head_prompt: 
 # -- C03 / C18: the prefix hits the gate discounts --------------------------------------------------------------
 
 
-def _sharing_core(free: int) -> tuple[SchedulerCore, list[int]]:
-    """``a`` runs a 64-token prompt whose 4 full blocks are registered in the cache; ``free`` blocks are free."""
+def _sharing_core(prompt_len: int, free: int) -> tuple[SchedulerCore, list[int]]:
+    """``a`` runs a ``prompt_len``-token prompt whose full blocks are registered in the cache (in use by ``a``,
+    so nothing is reclaimable); ``free`` blocks are free."""
     core = make_core(num_blocks=20, block_size=16, max_seq_len=128)
     state = core.state
-    a = add_seq(state, "a", 64, outputs=1)
+    a = add_seq(state, "a", prompt_len, outputs=1)
     hold_blocks(state, a, 5)
-    assert len(cache_full_blocks(state, a, 64)) == 4
+    assert len(cache_full_blocks(state, a, prompt_len)) == 4
     hold_blocks(state, add_seq(state, "filler", 10, outputs=1), 15 - free)
     return core, list(a.prompt)
 
 
-@pytest.mark.parametrize(("free", "admitted"), [(2, True), (1, False)])
-def test_c03_c18_the_gate_discounts_hits_but_never_the_last_prompt_token(free: int, admitted: bool) -> None:
-    # The same 64-token prompt: blocks(64) = 5. Its 4th full block holds the last prompt token, which is always
-    # recomputed, so only 3 blocks hit (in use by ``a``, nothing to reclaim): the head needs 2 free blocks.
-    core, prompt = _sharing_core(free)
+@pytest.mark.parametrize(("prompt_len", "free", "admitted"), [(64, 2, True), (64, 1, False), (65, 1, True)])
+def test_c03_c18_the_gate_discounts_hits_but_never_the_last_prompt_token(
+    prompt_len: int, free: int, admitted: bool
+) -> None:
+    # blocks(64) = blocks(65) = 5. A 64-token prompt's 4th full block holds its last token, which is always
+    # recomputed: 3 blocks hit and the head needs 2 free. A 65-token prompt's 4 full blocks all hit: it needs 1.
+    core, prompt = _sharing_core(prompt_len, free)
     out = _tick(core, arrival("head", prompt, 4))
     assert (_bound(out) == ["head"]) is admitted
     if admitted:
         [step] = _of(out, RunStep)
         i = step.request_ids.index("head")
-        assert step.positions[i] == 48 and step.num_tokens[i] == 16, "it computes from its 4th block on"
+        hit = 16 * ((prompt_len - 1) // 16)
+        assert step.positions[i] == hit and step.num_tokens[i] == prompt_len - hit, "it computes after its hits"
+
+
+def test_c03_c18_admission_reclaim_never_evicts_the_heads_own_hits() -> None:
+    core = make_core(num_blocks=20, block_size=16, max_seq_len=128)
+    state = core.state
+    hold_blocks(state, add_seq(state, "holder", 100, outputs=1), 14)
+    template = Seq("t", 99, 0, [100 + i for i in range(65)], SamplingSpec(max_tokens=4), 0, None, "")
+    own = cache_prefix_of(state, template, 64)  # the head's 4 full blocks, least recently used
+    cache_unrelated(state, 2)
+    unrelated = list(state.pool.cached)[4:]
+    assert state.pool.num_free == 0
+    out = _tick(core, arrival("head", template.prompt, 4))  # blocks(65) = 5, 4 hit: short by 1
+    assert _bound(out) == ["head"]
+    [step] = _of(out, RunStep)
+    i = step.request_ids.index("head")
+    assert (step.positions[i], step.num_tokens[i]) == (64, 1), "all 4 hits survived the reclaim"
+    head = _snap_seq(core.snapshot(), "head")
+    assert head.block_ids[:4] == own and head.block_ids[4] == unrelated[0], "the oldest unrelated block was evicted"
+
+
+# -- C03: swap-out at admission (spill store) ------------------------------------------------------------------
+
+
+def _swap_core(free: int, *victims: int) -> SchedulerCore:
+    """Spill on; ``big`` (immune) holds the rest; each of ``victims`` is a settled, decoding, non-immune sequence
+    holding that many blocks, ``v0`` admitted first."""
+    core = make_core(num_blocks=24, block_size=16, max_seq_len=128, spill_enabled=True)
+    state = core.state
+    big = add_seq(state, "big", 100, outputs=5)
+    hold_blocks(state, big, 24 - free - sum(victims))
+    big.immune_until = 5 + 64
+    for i, n in enumerate(victims):
+        hold_blocks(state, add_seq(state, f"v{i}", 16 * n - 2, outputs=1), n)
+    return core
+
+
+@pytest.mark.parametrize(("victim", "admitted"), [(4, True), (3, False)])
+def test_c03_admission_swaps_only_when_every_candidate_would_cover_the_shortfall(victim: int, admitted: bool) -> None:
+    core = _swap_core(3, victim)
+    out = _tick(core, arrival("head", 100, 4))  # blocks(100) = 7, 3 free: short by 4
+    spilled = [c.request_id for c in _of(out, SpillOut)]
+    assert spilled == (["v0"] if admitted else []), "a swap that cannot make the head fit is not made"
+    assert (_bound(out) == ["head"]) is admitted
+
+
+def test_c03_admission_swaps_until_the_head_fits() -> None:
+    core = _swap_core(2, 4, 2)
+    out = _tick(core, arrival("head", 100, 4))  # short by 5: v0 (4 blocks) leaves it short by 1, then v1
+    assert [c.request_id for c in _of(out, SpillOut)] == ["v0", "v1"]
+    assert _bound(out) == ["head"]
+    snap = core.snapshot()
+    assert len(_snap_seq(snap, "head").block_ids) == 7 and len(snap.pool.free) == 1
+
+
+def test_c03_admission_shared_blocks_swapped_out_free_nothing() -> None:
+    # v0 and v1 share a registered 2-block prefix: swapping both frees 2 + 2 = 4 blocks, not the 6 they hold.
+    core = make_core(num_blocks=24, block_size=16, max_seq_len=128, spill_enabled=True)
+    state = core.state
+    big = add_seq(state, "big", 100, outputs=5)
+    hold_blocks(state, big, 18)
+    big.immune_until = 5 + 64
+    v0 = add_seq(state, "v0", 40, outputs=1)
+    hold_blocks(state, v0, 3)
+    assert len(cache_full_blocks(state, v0, 32)) == 2
+    v1 = add_seq(state, "v1", 40, outputs=1)
+    v1.prompt = list(v0.prompt)
+    [own] = state.pool.allocate(1)
+    state.pool.claim(v0.block_ids[:2])
+    v1.block_ids, v1.sent_blocks, v1.num_computed, v1.kv_settled = [*v0.block_ids[:2], own], 3, 40, 40
+    v1.first_planned, v1.reserve = True, 3
+    assert state.pool.num_free == 2
+    out = _tick(core, arrival("head", 100, 4))  # 7 blocks, 2 free: short by 5 < 6 held, but only 4 come free
+    assert [c.request_id for c in _of(out, SpillOut)] == ["v1", "v0"], "most blocks, then latest admitted"
+    assert _bound(out) == [], "still short after swapping every candidate: the head waits"
+    assert _waiting_ids(core.snapshot()) == ["head"]
