@@ -34,6 +34,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "tools.cmd_generate",
     "tools.cmd_chat",
     "tools.cmd_models",
+    "tools.cmd_serve",
 )
 """Modules that each add one subcommand, in ``--help`` order. Add yours here."""
 

@@ -119,9 +119,11 @@ async def run_until_disconnect(receive: Receive, fn: Callable[[], Awaitable[T]])
 class Group:
     """The engine requests of one OpenAI request: started together, cancelled together if unfinished."""
 
-    def __init__(self, streams: Sequence[RequestStream], n: int) -> None:
+    def __init__(self, streams: Sequence[RequestStream], n: int, metrics: Metrics) -> None:
         self.streams = list(streams)
         self.n = n
+        self.metrics = metrics
+        self.started = 0
         self.choices = [Choice(i) for i in range(len(streams))]
         self.errors: list[EngineError] = []
 
@@ -129,17 +131,21 @@ class Group:
         try:
             for s in self.streams:
                 await s.start()
+                self.started += 1
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.aclose()
             raise
 
     async def aclose(self) -> None:
-        for s in self.streams:
+        """Cancel what is unfinished (counted as ``cancelled``: its final frame is never read)."""
+        for s, choice in zip(self.streams[: self.started], self.choices, strict=False):
             await s.aclose()
+            if choice.finish_reason is None:
+                choice.finish_reason = "cancelled"
+                self.metrics.observe_finish("cancelled", None)
 
-    async def pump(self, on_frame: Callable[[int, RequestOutput], Awaitable[None]] | None,
-                   metrics: Metrics) -> None:
+    async def pump(self, on_frame: Callable[[int, RequestOutput], Awaitable[None]] | None) -> None:
         """Feed every stream's frames into its ``Choice`` (and to ``on_frame``, one at a time, in arrival order).
 
         An ``EngineError`` from a stream is kept in ``errors`` (each stream raises the same crash)."""
@@ -161,7 +167,7 @@ class Group:
                 async for i, out in receive:
                     self.choices[i].add(out)
                     if out.finished:
-                        metrics.observe_finish(out.finish_reason, out.usage)
+                        self.metrics.observe_finish(out.finish_reason, out.usage)
                     if on_frame is not None:
                         await on_frame(i, out)
 
@@ -214,7 +220,7 @@ def build_app(state: ServerState) -> Starlette:
                        for k, prompt in enumerate(prompts) for j in range(req.n)]
         except RequestRejected as exc:
             raise translate.rejected(exc, req) from None
-        group = Group(streams, req.n)
+        group = Group(streams, req.n, state.metrics)
         created = int(time.time())
         writer = _ChunkWriter(state, req, rid, created)
         try:
@@ -229,7 +235,7 @@ def build_app(state: ServerState) -> Starlette:
         if req.stream:
             async def produce(sink: EventSink) -> None:
                 await writer.start(sink, len(streams))
-                await group.pump(lambda i, out: writer.frame(sink, group.choices[i], out), state.metrics)
+                await group.pump(lambda i, out: writer.frame(sink, group.choices[i], out))
                 await writer.end(sink, group)
 
             async def cleanup() -> None:
@@ -238,7 +244,7 @@ def build_app(state: ServerState) -> Starlette:
 
             return SSEResponse(produce, state.metrics.disconnects.inc, cleanup)
         try:
-            gone, _ = await run_until_disconnect(request.receive, lambda: group.pump(None, state.metrics))
+            gone, _ = await run_until_disconnect(request.receive, lambda: group.pump(None))
         finally:
             with trio.CancelScope(shield=True):
                 await group.aclose()

@@ -222,7 +222,7 @@ class Completion(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
-class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None

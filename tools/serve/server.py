@@ -7,6 +7,7 @@ A second signal skips the rest of the drain.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -131,7 +132,7 @@ async def _on_signals(nursery: trio.Nursery, drainer: _Drainer, out: TextIO | No
 
 def run(config: EngineConfig, options: ServeOptions) -> None:
     """Blocking entry point for the CLI: one trio run, signals handled."""
-    trio.run(serve, config, options, None, sys.stderr)
+    trio.run(functools.partial(serve, config, options, out=sys.stderr))
 
 
 __all__ = ["ServeOptions", "default_log_path", "run", "serve"]
