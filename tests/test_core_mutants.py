@@ -193,3 +193,19 @@ def test_c03_admission_shared_blocks_swapped_out_free_nothing() -> None:
     assert [c.request_id for c in _of(out, SpillOut)] == ["v1", "v0"], "most blocks, then latest admitted"
     assert _bound(out) == [], "still short after swapping every candidate: the head waits"
     assert _waiting_ids(core.snapshot()) == ["head"]
+
+
+@pytest.mark.parametrize(("parked_prompt", "admitted"), [(20, True), (100, False)])
+def test_c03_a_lone_head_reserves_its_prompt_only_if_that_fits(parked_prompt: int, admitted: bool) -> None:
+    # Nothing runs. The head wants blocks(127 + 16) = 9 with the watermark, blocks(127) = 8 alone, of 12 blocks
+    # less what the parked sequence is promised: a 32-token history wants 4 (8 left: the prompt alone fits), a
+    # 112-token one wants 9 (3 left: not even the prompt fits).
+    core = make_core(num_blocks=12, block_size=16, max_seq_len=128, admit_watermark=16)
+    add_seq(core.state, "parked", parked_prompt, outputs=13, status=Status.PREEMPTED)
+    out = _tick(core, arrival("head", 127, 100))
+    snap = core.snapshot()
+    if admitted:
+        assert _bound(out) == ["head"] and _snap_seq(snap, "head").reserve == 8, "the watermark is waived alone"
+    else:
+        assert _bound(out) == [] and _waiting_ids(snap) == ["head"]
+    assert _snap_seq(snap, "parked").status is Status.RUNNING, "the parked one resumed at the end of the tick"
