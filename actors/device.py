@@ -4,7 +4,7 @@
 (device to host) and swap in (host to device) execute in command order, and with ``pipeline_depth = 2`` the
 next step is already queued when the current one ends. ``StubDevice`` is its trio-native twin for tests under
 ``MockClock``: a step takes ``await trio.sleep(step_time)``, so virtual time never jumps while a thread
-computes, and tokens come from the core's oracle.
+computes, and tokens come from the oracle (``events.oracle``).
 
 A ``RunStep`` row fed from step t takes the token that t sampled for its request.
 
@@ -28,7 +28,7 @@ import trio
 
 from actors.mailbox import ChannelOverflow, Outbox
 from actors.spill import SpillActor
-from engine.core.oracle import oracle_token
+from events.oracle import oracle_token
 from engine.model.types import HostKV, SamplingSpecLike, StepResult
 from events import (
     NO_SAMPLE,

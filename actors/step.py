@@ -31,23 +31,15 @@ from actors.mailbox import Envelope
 from engine.core import SchedulerCore
 from engine.core.snapshot import encode_snapshot
 from events import (
-    BindRequest,
     Command,
-    DropSpill,
     EmitTokens,
-    Finish,
     Input,
     Preempted,
-    PrefetchSpill,
-    ReleaseRequest,
     RunStep,
     SnapshotRecord,
-    SpillOut,
-    SwapIn,
     TickInputs,
-    UnwatchDeadline,
-    WatchDeadline,
 )
+from events.routing import ROUTES, Actor
 
 
 class Submits(Protocol):
@@ -150,32 +142,34 @@ class StepActor:
         return outputs.needs_tick
 
     def dispatch(self, commands: list[Command]) -> None:
-        """Hand each command to its actor. Never blocks: every hand-off is ``*_nowait`` into a bounded buffer."""
+        """Hand each command to its actors, by the one routing table (``events.routing.ROUTES``). Never blocks: every
+        hand-off is ``*_nowait`` into a bounded buffer. Tokens and finishes are held back to the end of the tick (see
+        ``_flush_for_clients``)."""
         to_retire: list[Command] = []
+        stats = self.stats
         for command in commands:
-            if isinstance(command, RunStep | BindRequest | ReleaseRequest | SpillOut | SwapIn):
-                self._device.submit_nowait(command)
-                if isinstance(command, SpillOut):
+            for actor in ROUTES[type(command)]:
+                if actor is Actor.DEVICE:
+                    self._device.submit_nowait(command)
+                elif actor is Actor.RETIRE:
+                    to_retire.append(command)
+                elif actor is Actor.SPILL:
+                    # A SpillOut reaches the store after the device queue: before the device can hand the copy over.
                     assert self._spill is not None
-                    self._spill.submit_nowait(command)  # before the device can hand the copy over
-                if isinstance(command, RunStep):
-                    self.stats.steps += 1
-                    self.stats.rows += len(command.request_ids)
-            elif isinstance(command, EmitTokens | Finish):
-                to_retire.append(command)
-                if isinstance(command, EmitTokens):
-                    self.stats.tokens += len(command.token_ids)
-            elif isinstance(command, WatchDeadline | UnwatchDeadline):
-                self._deadlines.submit_nowait(command)
-            elif isinstance(command, PrefetchSpill):
-                assert self._swap_in is not None
-                self._swap_in.submit_nowait(command)
-            elif isinstance(command, DropSpill):
-                assert self._spill is not None
-                self._spill.submit_nowait(command)
+                    self._spill.submit_nowait(command)
+                elif actor is Actor.DEADLINES:
+                    self._deadlines.submit_nowait(command)
+                elif actor is Actor.SWAP_IN:
+                    assert self._swap_in is not None
+                    self._swap_in.submit_nowait(command)
+            if isinstance(command, RunStep):
+                stats.steps += 1
+                stats.rows += len(command.request_ids)
+            elif isinstance(command, EmitTokens):
+                stats.tokens += len(command.token_ids)
             elif isinstance(command, Preempted):
-                self.stats.preemptions += 1
-                self.stats.swaps += command.mode == "swap"
+                stats.preemptions += 1
+                stats.swaps += command.mode == "swap"
         if to_retire:
             self._flush_for_clients()
             self._retire.deliver_nowait(to_retire)

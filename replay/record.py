@@ -1,8 +1,8 @@
 """Record a log by driving a ``SchedulerCore`` with a scripted workload: the engine's stand-in for tests and benches.
 
-``record_core_run`` plays every actor around the core, as the step actor will: the device (any object with
-``handle(commands) -> inputs``, e.g. ``OracleExecutor``, run in command order like the device thread's FIFO), the
-spill store (``SpillDone`` when the device has run the ``SpillOut``), the swap-in prefetcher (``SwapInReady``), the
+``record_core_run`` is the simulator (``replay/sim.py``) under a fixed policy, playing every actor as the engine
+does: the device (any ``Device``, e.g. ``OracleExecutor``, run in command order like the device thread's FIFO), the
+spill store (``SpillDone`` once the device has run the ``SpillOut``), the swap-in prefetcher (``SwapInReady``), the
 deadline actor (``DeadlineReached`` once ``now_ns`` reaches a watched deadline) and the retire actor (a
 ``StopMatched`` when a scripted stop index is streamed). It writes the log exactly as the engine will: a header whose
 ``config_json`` holds the core configuration under ``"core"``, one frame per tick with the core's encoded commands,
@@ -12,57 +12,40 @@ and a snapshot after every ``snapshot_every`` ticks.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import json
 import os
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
 
 from engine.core import CoreConfig, SchedulerCore
-from engine.core.oracle import OracleExecutor
-from engine.core.snapshot import encode_snapshot
 from events import (
     DIGEST_VERSION,
     FORMAT_VERSION,
     SCHEMA_HASH,
-    BindRequest,
-    Command,
-    DeadlineReached,
-    DropSpill,
-    EmitTokens,
     Input,
     LogHeader,
     LogWriter,
-    PrefetchSpill,
-    ReleaseRequest,
     RequestArrived,
+    RequestCancelled,
     RunStep,
     SamplingSpec,
-    SnapshotRecord,
-    SpillDone,
-    SpillOut,
-    SwapIn,
-    SwapInReady,
     TickInputs,
     TickOutputs,
-    UnwatchDeadline,
-    WatchDeadline,
 )
+from events.routing import Actor, routed_to
+from replay.oracle import OracleExecutor
+from replay.policy import Policy
+from replay.sim import TICK_NS, Device, Simulator
+
+__all__ = [
+    "DEVICE_COMMANDS", "ENGINE_VERSION", "TICK_NS", "Device", "RecordResult", "Scenario", "arrival",
+    "everything_scenario", "header_for", "record_core_run", "steady_scenario",
+]
 
 ENGINE_VERSION = "tickloom-record/0.1"
 """``engine_version`` of logs written by ``record_core_run``."""
 
-TICK_NS = 1_000_000
-
-DEVICE_COMMANDS = (BindRequest, RunStep, SwapIn, ReleaseRequest, SpillOut, DropSpill)
-"""Commands the device thread executes, in order."""
-
-
-class Device(Protocol):
-    """Plays the device executor: runs commands in order and returns the inputs they produce."""
-
-    def handle(self, commands: Iterable[Command]) -> list[Input]: ...
+DEVICE_COMMANDS = routed_to(Actor.DEVICE, Actor.SPILL)
+"""Commands a ``Device`` that also keeps the spilled copies (``replay.full.ModelDevice``) executes, in order."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,6 +76,14 @@ def header_for(config: CoreConfig, *, snapshot_every: int = 0, engine_version: s
     )
 
 
+def default_device(config: CoreConfig) -> OracleExecutor:
+    """The oracle for ``config``: it never produces EOS or a think marker unless scripted."""
+    avoid = tuple(config.eos_token_ids) + tuple(
+        t for t in (config.think_start_token, config.think_end_token) if t is not None
+    )
+    return OracleExecutor(config.vocab_size, avoid=avoid)
+
+
 def record_core_run(
     path: str | os.PathLike[str],
     config: CoreConfig,
@@ -115,82 +106,25 @@ def record_core_run(
     tick's inputs and outputs in the result.
     """
     core = SchedulerCore(config)
-    if device is None:
-        avoid = tuple(config.eos_token_ids) + tuple(
-            t for t in (config.think_start_token, config.think_end_token) if t is not None
-        )
-        device = OracleExecutor(config.vocab_size, avoid=avoid)
-    fails = set(spill_fails)
-    stops = dict(stop_at or {})
+    policy = Policy(device_lag=device_lag, steps_per_tick=steps_per_tick, spill_after_device=True,
+                    spill_fails=frozenset(spill_fails), report_deadlines=True)
     last_scripted = max(script, default=-1)
-    queue: deque[tuple[int, Command]] = deque()
-    pending: list[Input] = []
-    deadlines: list[tuple[int, str]] = []
-    watched: dict[str, int] = {}
     result = RecordResult(os.fspath(path), 0, 0, core, [], [])
     header = header_for(config, snapshot_every=snapshot_every, model_fingerprint=model_fingerprint)
     with LogWriter(path, header) as writer:
-        needs_tick = False
+        sim = Simulator(core, device or default_device(config), policy, check_clients=False, keep=keep,
+                        writer=writer, snapshot_every=snapshot_every, stop_at=dict(stop_at or {}), tick_ns=tick_ns,
+                        record_decisions=False)
         for tick in range(max_ticks):
-            if tick > last_scripted and not (pending or queue or needs_tick or watched):
+            if tick > last_scripted and not (sim.busy or sim.deadlines.watched):
                 break
-            now = tick * tick_ns
-            while deadlines and deadlines[0][0] <= now:
-                deadline, rid = heapq.heappop(deadlines)
-                if watched.get(rid) == deadline:
-                    del watched[rid]
-                    pending.append(DeadlineReached(rid, deadline))
-            tick_inputs = TickInputs(tick, now, [*pending, *script.get(tick, ())])
-            pending = []
-            out = core.tick(tick_inputs)
-            writer.append_tick(tick_inputs, out, core.last_encoded_commands)
-            if snapshot_every > 0 and (tick + 1) % snapshot_every == 0:
-                writer.append_snapshot(SnapshotRecord(tick, out.digest, encode_snapshot(core.snapshot())))
-            if tick % 64 == 63:
-                writer.flush()
-            if keep:
-                result.inputs.append(tick_inputs)
-                result.outputs.append(out)
+            out = sim.step(*script.get(tick, ()))
             result.ticks += 1
-            needs_tick = out.needs_tick
-            for command in out.commands:
-                if isinstance(command, DEVICE_COMMANDS):
-                    queue.append((tick, command))
-                    result.rows += len(command.request_ids) if isinstance(command, RunStep) else 0
-                elif isinstance(command, PrefetchSpill):
-                    pending.append(SwapInReady(command.request_id))
-                elif isinstance(command, WatchDeadline):
-                    watched[command.request_id] = command.deadline_ns
-                    heapq.heappush(deadlines, (command.deadline_ns, command.request_id))
-                elif isinstance(command, UnwatchDeadline):
-                    watched.pop(command.request_id, None)
-                elif isinstance(command, EmitTokens):
-                    for rid, index in zip(command.request_ids, command.token_indices, strict=True):
-                        if stops.get(rid) == index:
-                            del stops[rid]
-                            pending.append(_stop_matched(rid, index))
-            steps = 0
-            due = tick - device_lag
-            while queue and queue[0][0] <= due:
-                command = queue[0][1]
-                if isinstance(command, RunStep):
-                    if steps >= steps_per_tick:
-                        break
-                    steps += 1
-                queue.popleft()
-                pending += device.handle([command])
-                if isinstance(command, SpillOut):
-                    ok = command.request_id not in fails
-                    pending.append(SpillDone(command.request_id, ok, "" if ok else "disk full", 0))
+            result.rows += sum(len(c.request_ids) for c in out.commands if isinstance(c, RunStep))
         else:
             raise RuntimeError(f"record_core_run: still busy after {max_ticks} ticks")
+    result.inputs, result.outputs = sim.inputs, sim.outputs
     return result
-
-
-def _stop_matched(request_id: str, index: int) -> Input:
-    from events import StopMatched
-
-    return StopMatched(request_id, index)
 
 
 def arrival(request_id: str, prompt_len: int, max_tokens: int, **kw: object) -> RequestArrived:
@@ -241,7 +175,7 @@ def everything_scenario() -> Scenario:
         if i == 11:
             kw["priority"] = -1
         script.setdefault(i // 2, []).append(arrival(rid, 8 + (i * 5) % 13, 24 + (i * 7) % 17, **kw))
-    script.setdefault(9, []).append(_cancel("r12"))
+    script.setdefault(9, []).append(RequestCancelled("r12"))
     return Scenario(
         config=config,
         script=script,
@@ -251,12 +185,6 @@ def everything_scenario() -> Scenario:
         scripted={"r09": {5: 2}},
         device_lag=1,
     )
-
-
-def _cancel(request_id: str) -> Input:
-    from events import RequestCancelled
-
-    return RequestCancelled(request_id)
 
 
 def steady_scenario(batch: int, decode_tokens: int, prompt_len: int = 32) -> Scenario:

@@ -15,7 +15,7 @@ from core_state import add_seq, cache_unrelated, context, hold_blocks, make_core
 from engine.core import CoreConfig, SchedulerCore
 from engine.core.blocks import BlockPool
 from engine.core.lifecycle import choose_victim, preempt
-from engine.core.oracle import OracleExecutor
+from replay.oracle import OracleExecutor
 from engine.core.snapshot import CoreSnapshot
 from engine.core.state import Seq, Status
 from events import (

@@ -1,18 +1,20 @@
 """C26: random blast. Seeded random workloads drive the core through every actor's event, checking it each tick.
 
-``BlastHarness`` plays every actor at random, from one seeded ``random.Random``:
+``BlastHarness`` is the simulator (``replay.sim``) under ``replay.policy.RandomPolicy``: every actor acts at random,
+from one seeded ``random.Random``:
 
-- clients: arrivals (shared prefixes, cache salts, priorities, deadlines, min_tokens, stop token ids, EOS
-  scripted at random indices), cancellations, client gone, stop-string matches at a streamed token index;
+- clients (this module): arrivals (shared prefixes, cache salts, priorities, deadlines, min_tokens, stop token
+  ids, EOS scripted at random indices), cancellations, client gone, stop-string matches at a streamed token index;
 - the deadline actor: ``DeadlineReached`` at about the deadline (sometimes early, as its clock may lead the
-  core's ``now_ns``, sometimes never, so only ``now_ns`` passing times the request out);
+  core's ``now_ns``, sometimes never, so only ``now_ns`` passing times the request out). Clients announce a
+  deadline to it when they submit;
 - the device: a FIFO that completes 0, 1 or 2 ``RunStep``\\ s per tick (so two steps stay in flight at
-  ``pipeline_depth`` 2) and fails scripted steps;
+  ``pipeline_depth`` 2) and fails random steps;
 - the spill store: ``SpillDone`` after a random delay, sometimes failed, then ``SwapInReady`` (or rarely
   ``SwapInFailed``) after another random delay;
 - sometimes a ``Shutdown`` at the end.
 
-Every tick: ``check_invariants()`` and the client-visible rules (``Harness``), and liveness. At the end, after
+Every tick: ``check_invariants()`` and the client-visible rules (``Simulator``), and liveness. At the end, after
 draining: every request ended exactly once with one of the five reasons, its tokens are the oracle's, its usage
 adds up, and no block leaked (C21). A failure message names the seed; ``run_blast(seed, ...)`` replays it.
 """
@@ -20,40 +22,32 @@ adds up, and no block leaked (C21). A failure message names the seed; ``run_blas
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Iterable
 
 import pytest
 from core_harness import Harness
 
 from engine.core import CoreConfig
-from engine.core.oracle import OracleExecutor, oracle_token
 from engine.core.state import Status
 from events import (
     FINISH_REASONS,
     NO_SAMPLE,
     BindRequest,
     ClientGone,
-    Command,
-    DeadlineReached,
     EmitTokens,
     Finish,
     Input,
-    PrefetchSpill,
-    ReleaseRequest,
     RequestArrived,
     RequestCancelled,
     RunStep,
     SamplingSpec,
     Shutdown,
-    SpillDone,
-    SpillOut,
     StopMatched,
     SwapIn,
-    SwapInFailed,
-    SwapInReady,
     TickOutputs,
 )
+from replay.oracle import OracleExecutor, oracle_token
+from replay.policy import RandomPolicy
 
 EOS = 1
 STOP_TOKEN = 2
@@ -66,67 +60,32 @@ class BlastHarness(Harness):
     def __init__(self, config: CoreConfig, seed: int, *, fail_rate: float = 0.004) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
-        oracle = OracleExecutor(config.vocab_size, avoid=(EOS, STOP_TOKEN))
-        oracle.fail_steps = frozenset(i for i in range(200_000) if self.rng.random() < fail_rate)
-        super().__init__(config, oracle=oracle, auto_swap_ready=False)
-        self.fifo: deque[Command] = deque()
-        """The device's own FIFO (independent of how ``Harness`` keeps its device)."""
-        self.delayed: list[tuple[int, Input]] = []
-        """(tick it is delivered in, input) for the spill store's and swap-in actor's answers."""
-        self.max_steps_per_tick = config.pipeline_depth
-        self.drained = True
-        """Whether the device completed every step it held when the actors last played."""
-        self.seeds: dict[str, int] = {}
+        self.random_policy = RandomPolicy(
+            rng=self.rng, fail_rate=fail_rate,
+            step_choices=(0, 1, 1, 1, 2, 2) if config.pipeline_depth == 2 else (0, 1, 1, 1, 1),
+        )
+        super().__init__(config, oracle=OracleExecutor(config.vocab_size, avoid=(EOS, STOP_TOKEN)),
+                         policy=self.random_policy)
         self.arrived: dict[str, RequestArrived] = {}
-        self.watch: dict[str, int] = {}
-        """Live requests with a deadline whose ``DeadlineReached`` the deadline actor has not sent yet."""
         self.stop_sent: set[str] = set()
         self.next_id = 0
         self.prefixes = [[self.rng.randrange(3, VOCAB) for _ in range(96)] for _ in range(3)]
-        self.draining = False
 
-    def _play_actors(self, commands: list[Command]) -> None:
-        rng = self.rng
-        for command in commands:
-            if isinstance(command, BindRequest | RunStep | SwapIn | ReleaseRequest):
-                self.fifo.append(command)
-            elif isinstance(command, SpillOut):
-                ok = rng.random() >= 0.15
-                answer = SpillDone(command.request_id, ok, "" if ok else "disk full", 4096 * len(command.block_ids))
-                self._later(answer, 0 if self.draining else rng.choice((0, 0, 1, 2, 5)))
-            elif isinstance(command, PrefetchSpill):
-                swap: Input = SwapInReady(command.request_id)
-                if rng.random() < 0.03:
-                    swap = SwapInFailed(command.request_id, "checksum mismatch")
-                self._later(swap, 0 if self.draining else rng.choice((0, 0, 1, 3, 8)))
-        choices = (0, 1, 1, 1, 2, 2) if self.max_steps_per_tick == 2 else (0, 1, 1, 1, 1)
-        steps = self.steps_per_tick if self.draining else rng.choice(choices)
-        done = 0
-        fifo = self.fifo
-        while fifo and done < steps:
-            command = fifo.popleft()
-            self.pending += self.oracle.handle([command])
-            done += isinstance(command, RunStep)
-        while fifo and not isinstance(fifo[0], RunStep):
-            self.pending += self.oracle.handle([fifo.popleft()])
-        self.drained = not fifo
-        due = [item for item in self.delayed if item[0] <= self.tick + 1]
-        self.delayed = [item for item in self.delayed if item[0] > self.tick + 1]
-        for _, msg in due:  # any interleaving with the device's results, which keep their order, is legal
-            self.pending.insert(rng.randint(0, len(self.pending)), msg)
+    @property
+    def draining(self) -> bool:
+        """Draining: the actors answer at once and the device runs one step per tick."""
+        return self.random_policy.draining
 
-    def _later(self, msg: Input, delay: int) -> None:
-        self.delayed.append((self.tick + 1 + delay, msg))
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.random_policy.draining = value
 
-    def _observe(self, out: TickOutputs) -> None:
-        super()._observe(out)
-        for command in out.commands:
-            if isinstance(command, BindRequest):
-                self.seeds[command.request_id] = command.seed
-            elif isinstance(command, Finish):
-                self.watch.pop(command.request_id, None)
+    @property
+    def seeds(self) -> dict[str, int]:
+        """Each request's sampling seed, as bound on the device."""
+        return {c.request_id: c.seed for _, c in self.commands(BindRequest) if isinstance(c, BindRequest)}
 
-    # -- the clients and the deadline actor ------------------------------------------------------------------
+    # -- the clients -----------------------------------------------------------------------------------------
     def live(self) -> list[str]:
         return [rid for rid in self.arrived if rid not in self.finishes]
 
@@ -165,10 +124,11 @@ class BlastHarness(Harness):
         )
         self.arrived[rid] = msg
         if deadline is not None:
-            self.watch[rid] = deadline
+            self.deadlines.watch(rid, deadline)  # announced at submit: a rejected request is watched too
         return msg
 
     def client_inputs(self, arrival_rate: float) -> list[Input]:
+        """This tick's client inputs; the simulator adds the deadline reports and shuffles them all."""
         rng = self.rng
         inputs: list[Input] = []
         if rng.random() < arrival_rate:
@@ -185,12 +145,6 @@ class BlastHarness(Harness):
             if streamed and rid not in self.stop_sent:
                 self.stop_sent.add(rid)
                 inputs.append(StopMatched(rid, rng.randrange(streamed)))
-        for rid, deadline in list(self.watch.items()):
-            early = rng.choice((0, 0, 0, 1, 2)) * 1_000_000
-            if self.now_ns + early >= deadline and rng.random() < 0.7:
-                del self.watch[rid]
-                inputs.append(DeadlineReached(rid, deadline))
-        rng.shuffle(inputs)
         return inputs
 
 
@@ -219,8 +173,9 @@ def _work_queued(h: BlastHarness) -> bool:
 
 
 def _tick(h: BlastHarness, inputs: Iterable[Input], stall: int) -> int:
-    """One tick plus the liveness check; returns the new count of ticks without progress."""
-    drained_before = h.drained and not any(due <= h.tick for due, _ in h.delayed)
+    """One tick plus the liveness check; returns the new count of ticks without progress. ``inputs`` are the
+    clients' (shuffled with the deadline reports); anything that must come first is in ``h.pending``."""
+    drained_before = not h.queue and not any(c.due <= h.tick for c in h.schedule)
     preempted = len(h.core.state.preempted)
     out = h.step(*inputs)
     depth = h.core.config.pipeline_depth
@@ -248,10 +203,11 @@ def run_blast(seed: int, ticks: int, config: CoreConfig, *, shutdown: bool = Fal
         if shutdown and rng.random() < 0.5:
             final.append(h.new_arrival())  # after the shutdown: rejected
         for _ in range(5_000):
-            if not (h.pending or h.fifo or h.needs_tick or h.delayed or final or h.core.state.seqs):
+            if not (h.busy or final or h.core.state.seqs):
                 break
-            h.delayed = [(min(due, h.tick + 1), msg) for due, msg in h.delayed]
-            stall = _tick(h, final + h.client_inputs(0.0), stall)
+            h.expedite()
+            h.pending += final  # before the clients' inputs, unshuffled
+            stall = _tick(h, h.client_inputs(0.0), stall)
             final = []
         else:
             raise AssertionError(f"seed {seed}: still busy after draining for 5000 ticks")

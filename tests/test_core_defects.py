@@ -13,7 +13,7 @@ from core_harness import Harness, arrival
 from core_state import add_seq, make_core
 
 from engine.core import CoreConfig, SchedulerCore
-from engine.core.oracle import OracleExecutor
+from replay.oracle import OracleExecutor
 from engine.core.state import Status
 from events import (
     BindRequest,

@@ -21,7 +21,7 @@ from core_harness import Harness
 from test_core_blast import blast_config, random_config, run_blast
 
 from engine.core import CoreConfig
-from engine.core.oracle import OracleExecutor
+from replay.oracle import OracleExecutor
 from events import Command, Input, RequestArrived, SamplingSpec, StepDone, TickInputs, TickOutputs, encode
 
 

@@ -7,7 +7,7 @@ from core_harness import Harness, arrival
 from core_state import add_seq, hold_blocks, make_core
 
 from engine.core import CoreConfig
-from engine.core.oracle import OracleExecutor
+from replay.oracle import OracleExecutor
 from engine.core.state import Status
 from events import (
     BindRequest,

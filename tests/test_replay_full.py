@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.core.oracle import OracleExecutor
+from replay.oracle import OracleExecutor
 from events import LogReader, StepFailed
 from replay.full import verify_full
 from replay.record import everything_scenario, record_core_run

@@ -30,6 +30,7 @@ and is paused during it: a full collection costs time in proportion to the whole
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -63,12 +64,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="waiting requests cancelled in one tick by the cancel case (default 1000 10000)")
 
 
+@functools.cache
+def _timed_simulator() -> Any:
+    """The simulator class whose ``run_core`` is timed (built on first use: ``tickloom --help`` imports no engine)."""
+    from events import Input, TickInputs, TickOutputs, encode_tick
+    from replay.sim import Simulator
+
+    class TimedSimulator(Simulator):
+        """Times ``run_core`` (TickInputs + ``core.tick`` + the frame encode) and nothing else."""
+
+        timed: list[int] | None = None
+        profiler: Any = None
+
+        def run_core(self, inputs: list[Input]) -> tuple[TickInputs, TickOutputs]:
+            core = self.core
+            profiler = self.profiler
+            if profiler is not None:
+                profiler.enable()
+            t0 = time.perf_counter_ns()
+            tick_inputs = TickInputs(self.tick, self.now_ns, inputs)
+            outputs = core.tick(tick_inputs)
+            encode_tick(tick_inputs, outputs, core.last_encoded_commands)
+            t1 = time.perf_counter_ns()
+            if profiler is not None:
+                profiler.disable()
+            if self.timed is not None:
+                self.timed.append(t1 - t0)
+            return tick_inputs, outputs
+
+    return TimedSimulator
+
+
 class _Workload:
-    """N sequences kept running: each ``Finish`` is answered by a fresh arrival in the next tick."""
+    """N sequences kept running: each ``Finish`` is answered by a fresh arrival in the next tick.
+
+    The actors are the simulator's (``replay.sim``) under a fixed policy: the device completes one step per tick,
+    20 ms apart; no client-view checks, no kept history, no decision record (none of it is timed anyway).
+    """
 
     def __init__(self, batch: int, depth: int, seed: int) -> None:
         from engine.core import CoreConfig, SchedulerCore
-        from engine.core.oracle import OracleExecutor
+        from replay.oracle import OracleExecutor
+        from replay.policy import Policy
 
         self.rng = random.Random(seed)
         self.batch = batch
@@ -87,11 +124,9 @@ class _Workload:
         )
         self.core = SchedulerCore(config)
         self.oracle = OracleExecutor(config.vocab_size)
+        self.sim = _timed_simulator()(self.core, self.oracle, Policy(), tick_ns=20_000_000, check_clients=False,
+                                   keep=False, record_decisions=False)
         self.next_id = 0
-        self.tick = 0
-        self.now_ns = 0
-        self.device: list[Any] = []
-        self.results: list[Any] = []
         # The first population starts "mid-flight": lengths spread over [1, max], so finishes are even at once.
         self.arrivals: list[Any] = [self._arrival(self.rng.randint(1, self.max_len)) for _ in range(batch)]
 
@@ -105,24 +140,12 @@ class _Workload:
 
     def step(self, timed: list[int] | None, profiler: Any = None) -> int:
         """One tick; appends its time (ns) to ``timed`` if given. Returns the rows of the step it planned."""
-        from events import Finish, RunStep, TickInputs, encode_tick
+        from events import Finish, RunStep
 
-        core = self.core
-        inputs = self.results + self.arrivals
-        if profiler is not None:
-            profiler.enable()
-        t0 = time.perf_counter_ns()
-        tick_inputs = TickInputs(self.tick, self.now_ns, inputs)
-        outputs = core.tick(tick_inputs)
-        encode_tick(tick_inputs, outputs, core.last_encoded_commands)
-        t1 = time.perf_counter_ns()
-        if profiler is not None:
-            profiler.disable()
-        if timed is not None:
-            timed.append(t1 - t0)
-        # The actors, outside the timer: the device runs one step per tick, clients replace finished requests.
-        self.tick += 1
-        self.now_ns += 20_000_000
+        sim = self.sim
+        sim.timed, sim.profiler = timed, profiler
+        outputs = sim.step(*self.arrivals)
+        # The clients, outside the timer: each finished request is replaced.
         rows = 0
         self.arrivals = []
         for command in outputs.commands:
@@ -130,15 +153,6 @@ class _Workload:
                 self.arrivals.append(self._arrival(self.rng.randint(self.max_len // 4, self.max_len)))
             elif isinstance(command, RunStep):
                 rows = len(command.request_ids)
-        self.device += outputs.commands
-        self.results = []
-        while self.device:
-            command = self.device.pop(0)
-            self.results += self.oracle.handle([command])
-            if isinstance(command, RunStep):
-                break
-        while self.device and not isinstance(self.device[0], RunStep):
-            self.results += self.oracle.handle([self.device.pop(0)])
         return rows
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.core.oracle import oracle_token
+from events.oracle import oracle_token
 from engine.model.tables import BoundRequests
 from engine.model.types import HostKV, SamplingSpecLike, StepResult
 
 
 def token_for(seed: int, output_index: int, vocab_size: int = 32000) -> int:
-    """The stub's token for output ``output_index`` of a request with ``seed``: the core's oracle, so a run on
-    this executor and a run of the core's tests agree token for token."""
+    """The stub's token for output ``output_index`` of a request with ``seed``: the oracle's (``events.oracle``), so
+    a run on this executor and a run of the core's tests agree token for token."""
     return oracle_token(seed, output_index, vocab_size)
 
 

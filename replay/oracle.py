@@ -1,16 +1,16 @@
-"""A torch-free token oracle: the model that the core's tests and ``tickloom bench core`` run against.
+"""A torch-free token oracle: the model that the simulator, the core's tests and ``tickloom bench core`` run against.
 
 A token is a stable function of (request seed, output index), exactly like the real sampler's counter-based
 noise, so a request's output is the same alone or batched, preempted, swapped or run ahead. Scripts add EOS at
 chosen indices and failing steps. ``OracleExecutor`` plays the device executor: it takes the core's commands and
 returns the inputs the device would send back (``StepDone`` / ``StepFailed``), checking on the way that every
-row is well formed.
+row is well formed. It is a test double, so it lives with the simulator, not in the core; the token function itself
+is ``events.oracle.oracle_token``, which the stub executor and the stub device share.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 
 import attrs
 
@@ -26,15 +26,9 @@ from events import (
     StepFailed,
     SwapIn,
 )
+from events.oracle import oracle_token
 
-
-def oracle_token(seed: int, index: int, vocab_size: int, avoid: Collection[int] = ()) -> int:
-    """The oracle's token for output ``index`` of a request with ``seed``; never one of ``avoid``."""
-    raw = hashlib.blake2b(seed.to_bytes(8, "little", signed=True) + index.to_bytes(8, "little"), digest_size=8)
-    token = int.from_bytes(raw.digest(), "little") % vocab_size
-    while token in avoid:
-        token = (token + 1) % vocab_size
-    return token
+__all__ = ["OracleExecutor", "oracle_token"]
 
 
 @attrs.define(slots=True, eq=False)

@@ -1,0 +1,338 @@
+"""The one sans-I/O simulator: a ``SchedulerCore`` with every actor around it played in memory, tick by tick.
+
+The core tests' ``Harness``, the C26 blast, ``record_core_run`` and ``tickloom bench core`` all drive this class;
+what differs between them is a ``Policy`` (``replay/policy.py``) and what they feed it. One tick, ``step(*inputs)``:
+
+1. The deadline actor reports the watched deadlines its policy calls due (``DeadlineReached``).
+2. The tick's inputs: what the actors delivered (``pending``), then the new inputs (the clients' and the deadline
+   reports, in the policy's order). ``core.tick`` runs; the frame is logged if there is a log.
+3. Dispatch: each command goes to its actors by the one routing table, ``events.routing.ROUTES``:
+
+   - device: a FIFO of ``(tick dispatched, command)``; ``SpillOut`` goes there and then to the spill store;
+   - spill store: ``SpillDone`` (the policy decides ok/failed), either at once or once the device has run the
+     ``SpillOut`` (``Policy.spill_after_device``); ``DropSpill`` forgets the copy;
+   - swap-in prefetcher: ``SwapInReady`` / ``SwapInFailed``, or no answer;
+   - deadline actor: a watch table, honouring ``UnwatchDeadline`` and re-watches; a finish ends a watch too;
+   - retire (the clients' view): tokens and finishes per request, checked (exactly one finish, no token after it,
+     indices in order), and a ``StopMatched`` when a scripted stop index is streamed.
+
+4. ``core.check_invariants()`` if asked.
+5. The device runs the commands that have waited ``device_lag`` ticks, up to ``device_steps`` ``RunStep``\\ s (and the
+   other commands around them), through the ``Device`` (``handle(commands) -> inputs``: ``OracleExecutor``, or
+   ``replay.full.ModelDevice`` around a real model).
+6. What is delivered in the next tick: the device's results (in FIFO order) and every scheduled completion now due,
+   merged in the policy's order, become ``pending``.
+
+Every answer of the policy is recorded in ``decisions`` (unless turned off), so ``ReplayPolicy`` re-plays a run.
+Causality holds by construction: a completion is scheduled only once its cause exists, at ``caused_at + 1 + delay``
+or later, and device results leave in FIFO order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+from engine.core import SchedulerCore
+from engine.core.snapshot import encode_snapshot
+from events import (
+    Command,
+    DeadlineReached,
+    DropSpill,
+    EmitTokens,
+    Finish,
+    Input,
+    LogWriter,
+    PrefetchSpill,
+    RunStep,
+    SnapshotRecord,
+    SpillDone,
+    SpillOut,
+    StepDone,
+    StepFailed,
+    StopMatched,
+    SwapInFailed,
+    SwapInReady,
+    TickInputs,
+    TickOutputs,
+    UnwatchDeadline,
+    WatchDeadline,
+)
+from events.routing import ROUTES, Actor
+from replay.policy import Completion, Decision, Kind, Policy, Value
+
+TICK_NS = 1_000_000
+FLUSH_EVERY = 64
+"""Ticks between the log writer's flushes (as the engine's log actor would)."""
+
+V = TypeVar("V", bound=Value)
+
+
+class Device(Protocol):
+    """Plays the device executor: runs commands in order and returns the inputs they produce."""
+
+    def handle(self, commands: Iterable[Command]) -> list[Input]: ...
+
+
+class Deadlines:
+    """The deadline actor's watch table: request -> deadline, in the order the watches began."""
+
+    def __init__(self) -> None:
+        self.watched: dict[str, int] = {}
+
+    def watch(self, request_id: str, deadline_ns: int) -> None:
+        """Start (or move) a watch; a re-watch keeps the request's place in the table."""
+        self.watched[request_id] = deadline_ns
+
+    def unwatch(self, request_id: str) -> None:
+        self.watched.pop(request_id, None)
+
+
+class Simulator:
+    """Drives ``core`` with simulated actors; see the module docstring.
+
+    ``check_invariants``: run ``core.check_invariants()`` after every tick. ``check_clients``: keep the clients'
+    view (``tokens``, ``reasoning``, ``finishes``) and check it. ``keep``: keep every tick's ``inputs`` and
+    ``outputs``. ``writer``: log every tick (and a snapshot after every ``snapshot_every`` ticks). ``stop_at``:
+    request -> the output index at which the retire actor reports a stop-string match. ``record_decisions``: keep
+    the policy's answers in ``decisions``.
+    """
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        device: Device,
+        policy: Policy,
+        *,
+        check_invariants: bool = False,
+        check_clients: bool = True,
+        keep: bool = True,
+        writer: LogWriter | None = None,
+        snapshot_every: int = 0,
+        stop_at: dict[str, int] | None = None,
+        tick_ns: int = TICK_NS,
+        record_decisions: bool = True,
+    ) -> None:
+        self.core = core
+        self.device = device
+        self.policy = policy
+        self.check_invariants = check_invariants
+        self.check_clients = check_clients
+        self.keep = keep
+        self.writer = writer
+        self.snapshot_every = snapshot_every
+        self.stop_at = dict(stop_at or {})
+        self.tick_ns = tick_ns
+        self.tick = 0
+        self.now_ns = 0
+        self.needs_tick = False
+        self.pending: list[Input] = []
+        """Inputs delivered in the next tick, before that tick's new inputs (tests may append to it)."""
+        self.queue: deque[tuple[int, Command]] = deque()
+        """The device's FIFO: (tick dispatched, command)."""
+        self.schedule: list[Completion] = []
+        """Completions on their way, in the order they were scheduled."""
+        self.deadlines = Deadlines()
+        self.spilled: set[str] = set()
+        """Requests whose spilled copy the spill store holds."""
+        self.inputs: list[TickInputs] = []
+        self.outputs: list[TickOutputs] = []
+        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.reasoning: dict[str, list[bool]] = defaultdict(list)
+        self.finishes: dict[str, Finish] = {}
+        self.decisions: list[Decision] | None = [] if record_decisions else None
+        self._seq = 0
+
+    # -- driving ---------------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether anything is pending, queued on the device, scheduled, or asked for by the core."""
+        return bool(self.pending or self.queue or self.schedule or self.needs_tick)
+
+    def step(self, *inputs: Input, advance_ns: int | None = None) -> TickOutputs:
+        """One tick: ``pending``, then ``inputs`` and the deadline reports in the policy's order; then the actors."""
+        fired = self._poll_deadlines()
+        new: list[Input] = [*inputs, *fired]
+        if new:
+            new = [new[i] for i in self._decide("arrange", self.policy.arrange(inputs, fired))]
+        tick_inputs, out = self.run_core([*self.pending, *new])
+        self.pending = []
+        if self.writer is not None:
+            self._log(tick_inputs, out)
+        if self.keep:
+            self.inputs.append(tick_inputs)
+            self.outputs.append(out)
+        self.needs_tick = out.needs_tick
+        self._dispatch(out.commands)
+        if self.check_invariants:
+            self.core.check_invariants()
+        device = self._run_device()
+        self._deliver(device)
+        self.tick += 1
+        self.now_ns += self.tick_ns if advance_ns is None else advance_ns
+        return out
+
+    def run_core(self, inputs: list[Input]) -> tuple[TickInputs, TickOutputs]:
+        """``core.tick`` on this tick's inputs: the one place a subclass may time (``tickloom bench core`` does)."""
+        tick_inputs = TickInputs(self.tick, self.now_ns, inputs)
+        return tick_inputs, self.core.tick(tick_inputs)
+
+    def run(self, max_ticks: int = 10_000) -> None:
+        """Tick until nothing is pending, in flight, scheduled or asked for."""
+        for _ in range(max_ticks):
+            if not self.busy:
+                return
+            self.step()
+        raise AssertionError(f"still busy after {max_ticks} ticks")
+
+    def send(self, msg: Input, kind: Kind = Kind.CLIENT) -> None:
+        """An input from outside the core's commands (a client's cancel, a disconnect), delivered when the policy's
+        ``delay`` says, from the next tick on."""
+        self._schedule(msg, kind, self.tick)
+
+    def expedite(self) -> None:
+        """Deliver every scheduled completion in the next tick at the latest (a driver draining the run)."""
+        for completion in self.schedule:
+            completion.due = min(completion.due, self.tick + 1)
+
+    # -- the actors ------------------------------------------------------------------------------------------
+    def _dispatch(self, commands: list[Command]) -> None:
+        tick = self.tick
+        for command in commands:
+            for actor in ROUTES[type(command)]:
+                if actor is Actor.DEVICE:
+                    self.queue.append((tick, command))
+                elif actor is Actor.RETIRE:
+                    self._retire(command)
+                elif actor is Actor.SPILL:
+                    if isinstance(command, SpillOut):
+                        self.spilled.add(command.request_id)
+                        if not self.policy.spill_after_device:
+                            self._spill_done(command, tick)
+                    elif isinstance(command, DropSpill):
+                        self.spilled.discard(command.request_id)
+                elif actor is Actor.SWAP_IN:
+                    assert isinstance(command, PrefetchSpill)
+                    ready = self._decide("swap_in", self.policy.swap_in(command))
+                    if ready is not None:
+                        answer: Input = (SwapInReady(command.request_id) if ready
+                                         else SwapInFailed(command.request_id, "checksum mismatch"))
+                        self._schedule(answer, Kind.SWAP_IN, tick)
+                elif actor is Actor.DEADLINES:
+                    if isinstance(command, WatchDeadline):
+                        self.deadlines.watch(command.request_id, command.deadline_ns)
+                    elif isinstance(command, UnwatchDeadline):
+                        self.deadlines.unwatch(command.request_id)
+
+    def _retire(self, command: Command) -> None:
+        """The clients' view: what each client received, checked; and the scripted stop-string matches."""
+        if isinstance(command, EmitTokens):
+            if self.check_clients:
+                for rid, token, index, reasoning in zip(
+                    command.request_ids, command.token_ids, command.token_indices, command.reasoning, strict=True
+                ):
+                    assert rid not in self.finishes, f"token for {rid} after its finish"
+                    assert index == len(self.tokens[rid]), f"{rid}: token index {index} streamed out of order"
+                    self.tokens[rid].append(token)
+                    self.reasoning[rid].append(reasoning)
+            stops = self.stop_at
+            if stops:
+                for rid, index in zip(command.request_ids, command.token_indices, strict=True):
+                    if stops.get(rid) == index:
+                        del stops[rid]
+                        self._schedule(StopMatched(rid, index), Kind.STOP, self.tick)
+        elif isinstance(command, Finish):
+            if self.check_clients:
+                assert command.request_id not in self.finishes, f"{command.request_id} finished twice"
+                self.finishes[command.request_id] = command
+            # A finished request needs no timer. The core unwatches it in the same tick anyway; this also ends a
+            # watch a driver began at submit for a request the core rejected (the blast's deadline actor).
+            self.deadlines.unwatch(command.request_id)
+
+    def _spill_done(self, command: SpillOut, tick: int) -> None:
+        ok = self._decide("spill_ok", self.policy.spill_ok(command))
+        nbytes = self.policy.spill_block_bytes * len(command.block_ids)
+        self._schedule(SpillDone(command.request_id, ok, "" if ok else "disk full", nbytes), Kind.SPILL, tick)
+
+    def _poll_deadlines(self) -> list[DeadlineReached]:
+        fired: list[DeadlineReached] = []
+        watched = self.deadlines.watched
+        for rid, deadline in list(watched.items()):
+            if self._decide("deadline_due", self.policy.deadline_due(rid, deadline, self.now_ns)):
+                del watched[rid]
+                fired.append(DeadlineReached(rid, deadline))
+        return fired
+
+    def _run_device(self) -> list[Completion]:
+        """The device's share of this tick: the due commands in FIFO order, up to ``device_steps`` ``RunStep``\\ s
+        (every other command before the next ``RunStep`` runs too: copies and releases never wait on a step)."""
+        results: list[Completion] = []
+        limit = self._decide("device_steps", self.policy.device_steps(self.tick))
+        due = self.tick - self.policy.device_lag
+        queue = self.queue
+        steps = 0
+        while queue and queue[0][0] <= due:
+            dispatched, command = queue[0]
+            if isinstance(command, RunStep):
+                if steps >= limit:
+                    break
+                steps += 1
+            queue.popleft()
+            for result in self.device.handle([command]):
+                if isinstance(result, StepDone) and self._decide("step_fails", self.policy.step_fails(result.step_id)):
+                    result = StepFailed(result.step_id, "scripted failure")
+                results.append(Completion(result, Kind.DEVICE, dispatched, self._next_seq(), self.tick + 1))
+            if isinstance(command, SpillOut) and self.policy.spill_after_device:
+                self._spill_done(command, self.tick)  # the device has handed the copy over
+        return results
+
+    def _deliver(self, device: list[Completion]) -> None:
+        """``pending`` for the next tick: the device's results and the scheduled completions now due."""
+        upto = self.tick + 1
+        due = [c for c in self.schedule if c.due <= upto]
+        if due:
+            self.schedule = [c for c in self.schedule if c.due > upto]
+        both = [*device, *due]
+        if both:
+            self.pending += [both[i].input for i in self._decide("merge", self.policy.merge(device, due))]
+
+    def _schedule(self, msg: Input, kind: Kind, caused_at: int) -> None:
+        completion = Completion(msg, kind, caused_at, self._next_seq())
+        completion.due = caused_at + 1 + self._decide("delay", self.policy.delay(completion))
+        self.schedule.append(completion)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _decide(self, what: str, value: V) -> V:
+        if self.decisions is not None:
+            self.decisions.append(Decision(self.tick, what, value))
+        return value
+
+    def _log(self, tick_inputs: TickInputs, out: TickOutputs) -> None:
+        writer = self.writer
+        assert writer is not None
+        tick = tick_inputs.tick
+        writer.append_tick(tick_inputs, out, self.core.last_encoded_commands)
+        if self.snapshot_every > 0 and (tick + 1) % self.snapshot_every == 0:
+            writer.append_snapshot(SnapshotRecord(tick, out.digest, encode_snapshot(self.core.snapshot())))
+        if tick % FLUSH_EVERY == FLUSH_EVERY - 1:
+            writer.flush()
+
+    # -- what the clients saw --------------------------------------------------------------------------------
+    def commands(self, kind: type | None = None) -> list[tuple[int, Command]]:
+        """(tick, command) for every command so far, optionally of one type (needs ``keep``)."""
+        return [
+            (out.tick, c) for out in self.outputs for c in out.commands if kind is None or isinstance(c, kind)
+        ]
+
+    def output(self, request_id: str) -> list[int]:
+        """The client's tokens: what was streamed, truncated to the finish's completion count."""
+        finish = self.finishes[request_id]
+        return self.tokens[request_id][: finish.usage.completion_tokens]
+
+    def reason(self, request_id: str) -> str:
+        return self.finishes[request_id].reason
+
