@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "log": "tools.bench_log",
     "replay": "tools.bench_replay",
     "engine": "tools.bench_engine",
+    "serve": "tools.bench_serve",
 }
 """Benchmark name -> module (imported when the parser is built). ``model`` is in ``ROW_BENCHES``."""
 

@@ -50,40 +50,49 @@ def default_log_path(directory: str = ".") -> str:
 async def serve(config: EngineConfig, options: ServeOptions, *, shutdown: trio.Event | None = None,
                 out: TextIO | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until ``shutdown`` is set or a signal arrives (with ``handle_signals``); report the bound addresses
-    through ``task_status`` (``nursery.start(serve, ...)`` returns them, e.g. ``["http://127.0.0.1:8000"]``)."""
+    """Open an engine and serve it until ``shutdown`` is set or a signal arrives (with ``handle_signals``); report
+    the bound addresses through ``task_status`` (``nursery.start(serve, ...)`` returns them, e.g.
+    ``["http://127.0.0.1:8000"]``)."""
     async with Engine.open(config) as engine:
-        state = ServerState(engine, options.model_name or config.model, options.request_timeout)
-        app = with_status_counts(build_app(state), state.metrics)
-        hconfig = HypercornConfig()
-        hconfig.bind = [f"[{options.host}]:{options.port}" if ":" in options.host
-                        else f"{options.host}:{options.port}"]
-        hconfig.accesslog = None
-        hconfig.errorlog = None
-        hconfig.graceful_timeout = options.graceful_timeout
-        stop = trio.Event()
-        drainer = _Drainer(state, engine, stop, options.drain_timeout, out)
+        await serve_engine(engine, options, shutdown=shutdown, out=out, task_status=task_status)
 
-        async with trio.open_nursery() as nursery:
 
-            async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-                await hypercorn_serve(app, hconfig, shutdown_trigger=stop.wait,  # type: ignore[arg-type]
-                                      task_status=task_status)
-                nursery.cancel_scope.cancel()
+async def serve_engine(engine: Engine, options: ServeOptions, *, shutdown: trio.Event | None = None,
+                       out: TextIO | None = None,
+                       task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve an open engine (as ``serve``); shutting down drains it."""
+    config = engine.config
+    state = ServerState(engine, options.model_name or config.model, options.request_timeout)
+    app = with_status_counts(build_app(state), state.metrics)
+    hconfig = HypercornConfig()
+    hconfig.bind = [f"[{options.host}]:{options.port}" if ":" in options.host
+                    else f"{options.host}:{options.port}"]
+    hconfig.accesslog = None
+    hconfig.errorlog = None
+    hconfig.graceful_timeout = options.graceful_timeout
+    stop = trio.Event()
+    drainer = _Drainer(state, engine, stop, options.drain_timeout, out)
 
-            binds: list[str] = await nursery.start(run_http)
-            if out is not None:
-                print(f"tickloom serve: model {state.model_name!r} on {', '.join(binds)}; log "
-                      f"{config.log_path or 'none'}", file=out, flush=True)
-            if options.handle_signals:
-                nursery.start_soon(_on_signals, nursery, drainer, out)
-            if shutdown is not None:
-                async def on_shutdown() -> None:
-                    await shutdown.wait()
-                    await drainer.run()
+    async with trio.open_nursery() as nursery:
 
-                nursery.start_soon(on_shutdown)
-            task_status.started(binds)
+        async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+            await hypercorn_serve(app, hconfig, shutdown_trigger=stop.wait,  # type: ignore[arg-type]
+                                  task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+        binds: list[str] = await nursery.start(run_http)
+        if out is not None:
+            print(f"tickloom serve: model {state.model_name!r} on {', '.join(binds)}; log "
+                  f"{config.log_path or 'none'}", file=out, flush=True)
+        if options.handle_signals:
+            nursery.start_soon(_on_signals, nursery, drainer, out)
+        if shutdown is not None:
+            async def on_shutdown() -> None:
+                await shutdown.wait()
+                await drainer.run()
+
+            nursery.start_soon(on_shutdown)
+        task_status.started(binds)
 
 
 class _Drainer:
@@ -135,4 +144,4 @@ def run(config: EngineConfig, options: ServeOptions) -> None:
     trio.run(functools.partial(serve, config, options, out=sys.stderr))
 
 
-__all__ = ["ServeOptions", "default_log_path", "run", "serve"]
+__all__ = ["ServeOptions", "default_log_path", "run", "serve", "serve_engine"]

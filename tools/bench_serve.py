@@ -1,0 +1,169 @@
+"""``tickloom bench serve``: concurrent streams through ``tickloom serve`` (HTTP, SSE) against the same streams
+straight into the in-process ``Engine``, side by side in one run.
+
+One engine (the stub by default, or ``--model smollm2-135m``), its log on (``fsync="never"``), and the server on
+127.0.0.1 over that same engine, in the same trio run. Each round runs ``--streams`` (16) concurrent streaming
+completions of ``--max-tokens`` tokens (``ignore_eos``, distinct prompts and seeds) once in-process and once over
+HTTP (``httpx`` streaming ``/v1/completions`` with ``include_usage``), alternating; ``--rounds`` rounds, the median
+round of each counts. Tokens/s is completion tokens over the wall time from the first submit to the last finish;
+TTFT is measured by the client, from just before its submit (or its POST) to the first frame (or chunk) with text.
+The log must replay ``identical`` afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HELP = "16 concurrent streams through the HTTP server against the in-process engine: tokens/s and TTFT"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="stub", help="stub (default), smollm2-135m, or any model `serve` takes")
+    parser.add_argument("--streams", type=int, default=16, help="concurrent streams (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default 64)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating (default 3)")
+    parser.add_argument("--stub-step-time", type=float, default=0.005,
+                        help="with the stub: seconds per model step (default 0.005)")
+
+
+def _prompt(i: int) -> str:
+    return f"Request {i}: once upon a time"
+
+
+def _summary(ttfts: list[float], tokens: int, seconds: float) -> dict[str, float]:
+    ordered = sorted(ttfts)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "ttft_mean_ms": 1e3 * statistics.fmean(ordered),
+            "ttft_p90_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
+
+
+async def _in_process(engine: Any, streams: int, max_tokens: int, seed: int) -> dict[str, float]:
+    import trio
+
+    from engine import SamplingParams
+
+    ttfts: list[float] = []
+    tokens = [0]
+
+    async def one(i: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, seed=seed + i, ignore_eos=True, temperature=0.8)
+        submitted = time.perf_counter()
+        first = True
+        async with engine.stream(_prompt(i), params) as stream:
+            async for out in stream:
+                if first and out.text_delta:
+                    ttfts.append(time.perf_counter() - submitted)
+                    first = False
+                if out.finished:
+                    tokens[0] += out.usage.completion_tokens
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(streams):
+            nursery.start_soon(one, i)
+    return _summary(ttfts, tokens[0], time.perf_counter() - started)
+
+
+async def _http(client: Any, model: str, streams: int, max_tokens: int, seed: int) -> dict[str, float]:
+    import trio
+
+    ttfts: list[float] = []
+    tokens = [0]
+
+    async def one(i: int) -> None:
+        body = {"model": model, "prompt": _prompt(i), "max_tokens": max_tokens, "seed": seed + i,
+                "temperature": 0.8, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        submitted = time.perf_counter()
+        first = True
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if first and chunk["choices"] and chunk["choices"][0]["text"]:
+                    ttfts.append(time.perf_counter() - submitted)
+                    first = False
+                if chunk.get("usage"):
+                    tokens[0] += chunk["usage"]["completion_tokens"]
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(streams):
+            nursery.start_soon(one, i)
+    return _summary(ttfts, tokens[0], time.perf_counter() - started)
+
+
+def run(args: argparse.Namespace) -> int:
+    import functools
+
+    import httpx
+    import trio
+
+    from engine import Engine, EngineConfig
+    from replay import verify
+    from tools.cli import CliError
+    from tools.serve.server import ServeOptions, serve_engine
+
+    if args.streams < 1 or args.max_tokens < 1 or args.rounds < 1:
+        raise CliError("--streams, --max-tokens and --rounds must be at least 1")
+    rows: dict[str, list[dict[str, float]]] = {"in-process": [], "http": []}
+
+    with tempfile.TemporaryDirectory(prefix="tickloom-bench-serve-") as tmp:
+        log = Path(tmp) / "bench.tlog"
+        extra: dict[str, Any] = {"stub_step_time": args.stub_step_time} if args.model == "stub" else {}
+        config = EngineConfig(model=args.model, log_path=str(log), fsync="never",
+                              max_batch_size=max(16, args.streams), **extra)
+
+        async def main() -> None:
+            async with Engine.open(config) as engine:
+                shutdown = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    binds = await nursery.start(functools.partial(
+                        serve_engine, engine, ServeOptions(port=0, model_name="bench"), shutdown=shutdown))
+                    limits = httpx.Limits(max_connections=args.streams, max_keepalive_connections=args.streams)
+                    async with httpx.AsyncClient(base_url=binds[0], timeout=600.0, limits=limits) as client:
+                        # Warm-up of both paths; the HTTP one also opens the client's keep-alive connections.
+                        await _in_process(engine, args.streams, 2, 10_000)
+                        await _http(client, "bench", args.streams, 2, 10_000)
+                        for r in range(args.rounds):
+                            seed = 1000 * r
+                            rows["in-process"].append(await _in_process(engine, args.streams, args.max_tokens, seed))
+                            rows["http"].append(await _http(client, "bench", args.streams, args.max_tokens, seed))
+                    shutdown.set()
+
+        trio.run(main)
+        report = verify(log)
+        replay = report.status
+
+    def median(kind: str) -> dict[str, float]:
+        ordered = sorted(rows[kind], key=lambda row: row["tokens_per_s"])
+        return ordered[len(ordered) // 2]
+
+    inp, http = median("in-process"), median("http")
+    ratio_tps = http["tokens_per_s"] / inp["tokens_per_s"]
+    ratio_ttft = http["ttft_mean_ms"] / inp["ttft_mean_ms"]
+    if args.json:
+        print(json.dumps({"bench": "serve", "model": args.model, "streams": args.streams,
+                          "max_tokens": args.max_tokens, "rounds": args.rounds, "in_process": inp, "http": http,
+                          "all_rounds": rows, "ratio_tokens_per_s": ratio_tps, "ratio_ttft": ratio_ttft,
+                          "replay": replay}))
+    else:
+        print(f"bench serve: model {args.model}, {args.streams} concurrent streams x {args.max_tokens} tokens, "
+              f"median of {args.rounds} rounds")
+        print(f"{'':14}{'tokens/s':>10}{'TTFT mean':>12}{'TTFT p90':>11}   (tokens/s each round)")
+        for kind, row in (("in-process", inp), ("HTTP (SSE)", http)):
+            each = ", ".join(f"{x['tokens_per_s']:.0f}" for x in rows["in-process" if kind == "in-process"
+                                                                         else "http"])
+            print(f"{kind:14}{row['tokens_per_s']:10.1f}{row['ttft_mean_ms']:10.1f}ms{row['ttft_p90_ms']:9.1f}ms"
+                  f"   ({each})")
+        print(f"HTTP / in-process: tokens/s {ratio_tps:.2f}x, TTFT {ratio_ttft:.2f}x; log replay: {replay}")
+    return 0 if replay == "identical" else 1
