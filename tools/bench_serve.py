@@ -3,10 +3,13 @@ straight into the in-process ``Engine``, side by side in one run.
 
 One engine (the stub by default, or ``--model smollm2-135m``), its log on (``fsync="never"``), and the server on
 127.0.0.1 over that same engine, in the same trio run. Each round runs ``--streams`` (16) concurrent streaming
-completions of ``--max-tokens`` tokens (``ignore_eos``, distinct prompts and seeds) once in-process and once over
-HTTP (``httpx`` streaming ``/v1/completions`` with ``include_usage``), alternating; ``--rounds`` rounds, the median
-round of each counts. Tokens/s is completion tokens over the wall time from the first submit to the last finish;
-TTFT is measured by the client, from just before its submit (or its POST) to the first frame (or chunk) with text.
+completions of ``--max-tokens`` tokens (``ignore_eos``, distinct prompts and seeds) in turn: in-process; over HTTP
+(``httpx`` streaming ``/v1/completions`` with ``include_usage``, keep-alive connections) from a client in this
+process and trio run, which so pays for the client's HTTP and JSON work too; and over HTTP from a client in a
+separate process (``python -m tools.bench_serve URL ...``, warmed up before its clock starts). ``--rounds`` rounds;
+the median round of each counts. Tokens/s is completion tokens over the wall time from the first submit to the
+last finish; TTFT is measured by the client, from just before its submit (or its POST) to the first frame (or
+chunk) with text.
 The log must replay ``identical`` afterwards.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -115,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.streams < 1 or args.max_tokens < 1 or args.rounds < 1:
         raise CliError("--streams, --max-tokens and --rounds must be at least 1")
-    rows: dict[str, list[dict[str, float]]] = {"in-process": [], "http": []}
+    rows: dict[str, list[dict[str, float]]] = {"in-process": [], "http": [], "http-subprocess": []}
 
     with tempfile.TemporaryDirectory(prefix="tickloom-bench-serve-") as tmp:
         log = Path(tmp) / "bench.tlog"
@@ -138,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
                             seed = 1000 * r
                             rows["in-process"].append(await _in_process(engine, args.streams, args.max_tokens, seed))
                             rows["http"].append(await _http(client, "bench", args.streams, args.max_tokens, seed))
+                            rows["http-subprocess"].append(await _http_subprocess(binds[0], args.streams,
+                                                                                  args.max_tokens, seed))
                     shutdown.set()
 
         trio.run(main)
@@ -148,22 +154,58 @@ def run(args: argparse.Namespace) -> int:
         ordered = sorted(rows[kind], key=lambda row: row["tokens_per_s"])
         return ordered[len(ordered) // 2]
 
-    inp, http = median("in-process"), median("http")
-    ratio_tps = http["tokens_per_s"] / inp["tokens_per_s"]
-    ratio_ttft = http["ttft_mean_ms"] / inp["ttft_mean_ms"]
+    medians = {kind: median(kind) for kind in rows}
+    inp = medians["in-process"]
+    ratios = {kind: {"tokens_per_s": medians[kind]["tokens_per_s"] / inp["tokens_per_s"],
+                     "ttft": medians[kind]["ttft_mean_ms"] / inp["ttft_mean_ms"]}
+              for kind in ("http", "http-subprocess")}
     if args.json:
         print(json.dumps({"bench": "serve", "model": args.model, "streams": args.streams,
-                          "max_tokens": args.max_tokens, "rounds": args.rounds, "in_process": inp, "http": http,
-                          "all_rounds": rows, "ratio_tokens_per_s": ratio_tps, "ratio_ttft": ratio_ttft,
-                          "replay": replay}))
+                          "max_tokens": args.max_tokens, "rounds": args.rounds, "median": medians,
+                          "all_rounds": rows, "ratio_to_in_process": ratios, "replay": replay}))
     else:
         print(f"bench serve: model {args.model}, {args.streams} concurrent streams x {args.max_tokens} tokens, "
               f"median of {args.rounds} rounds")
-        print(f"{'':14}{'tokens/s':>10}{'TTFT mean':>12}{'TTFT p90':>11}   (tokens/s each round)")
-        for kind, row in (("in-process", inp), ("HTTP (SSE)", http)):
-            each = ", ".join(f"{x['tokens_per_s']:.0f}" for x in rows["in-process" if kind == "in-process"
-                                                                         else "http"])
-            print(f"{kind:14}{row['tokens_per_s']:10.1f}{row['ttft_mean_ms']:10.1f}ms{row['ttft_p90_ms']:9.1f}ms"
+        print(f"{'':26}{'tokens/s':>10}{'TTFT mean':>12}{'TTFT p90':>11}   (tokens/s each round)")
+        labels = {"in-process": "in-process Engine", "http": "HTTP, client in-process",
+                  "http-subprocess": "HTTP, client process"}
+        for kind, label in labels.items():
+            row = medians[kind]
+            each = ", ".join(f"{x['tokens_per_s']:.0f}" for x in rows[kind])
+            print(f"{label:26}{row['tokens_per_s']:10.1f}{row['ttft_mean_ms']:10.1f}ms{row['ttft_p90_ms']:9.1f}ms"
                   f"   ({each})")
-        print(f"HTTP / in-process: tokens/s {ratio_tps:.2f}x, TTFT {ratio_ttft:.2f}x; log replay: {replay}")
+        for kind in ("http", "http-subprocess"):
+            print(f"{labels[kind]} / in-process: tokens/s {ratios[kind]['tokens_per_s']:.2f}x, "
+                  f"TTFT {ratios[kind]['ttft']:.2f}x")
+        print(f"log replay: {replay}")
     return 0 if replay == "identical" else 1
+
+
+async def _http_subprocess(url: str, streams: int, max_tokens: int, seed: int) -> dict[str, float]:
+    """One round from a client in its own process (``main`` below)."""
+    import trio
+
+    done = await trio.run_process([sys.executable, "-m", "tools.bench_serve", url, str(streams), str(max_tokens),
+                                   str(seed)], capture_stdout=True)
+    row: dict[str, float] = json.loads(done.stdout)
+    return row
+
+
+def main(argv: list[str]) -> None:
+    """The client process: ``python -m tools.bench_serve URL STREAMS MAX_TOKENS SEED``; one JSON line out."""
+    import httpx
+    import trio
+
+    url, streams, max_tokens, seed = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+
+    async def go() -> dict[str, float]:
+        limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+        async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
+            await _http(client, "bench", streams, 2, 20_000 + seed)  # warm-up: imports, connections
+            return await _http(client, "bench", streams, max_tokens, seed)
+
+    print(json.dumps(trio.run(go)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
