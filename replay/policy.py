@@ -14,9 +14,11 @@ one legal way:
 - ``arrange`` / ``merge``: the order of a tick's inputs.
 
 ``Policy`` is the fixed policy of the scripted drivers (the core tests' ``Harness``, ``record_core_run``, ``bench
-core``), ``RandomPolicy`` the random one of the C26 blast, ``ReplayPolicy`` answers from a recorded decision list.
-The simulator records every answer as a ``Decision`` (see ``Simulator.decisions``), so any run, however random, can
-be re-played from its decisions alone: the hook a race explorer needs to move one completion and keep the rest.
+core``), ``RandomPolicy`` the random one of the C26 blast. The simulator records every answer as a ``Decision``
+keyed by what it is about (``Simulator.decisions``), and a simulator given such a list (``replay=``) takes its answers
+from it, asking its policy only about what the list does not cover. So any run, however random, re-plays from its
+decisions alone, and an edited list (one completion's delay changed) re-plays as that edit: the hook a race explorer
+needs to move one completion to another tick and keep everything else.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from events import DeadlineReached, Input, PrefetchSpill, SpillOut
 
@@ -53,17 +55,26 @@ class Completion:
     """Production order over the whole run: the order in which a real engine's inbox would have received them."""
     due: int = 0
     """The tick whose inputs it joins."""
+    key: Key = ()
+    """Its identity (see ``Key``): how a recorded decision about it is found again."""
 
 
-Value = int | bool | tuple[int, ...] | None
+Key = tuple[str | int, ...]
+"""A stable identity: of a completion (``("spill", request, n)`` for the n-th spill of a request, ``("step",
+step_id)`` for a device result, ...), of a client input, or of a question (``(tick,)``, ``(step_id,)``)."""
+
+Value = int | bool | tuple[Key, ...] | None
+"""A count, a yes or no, "no answer", or an order (the identities of the ordered items)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decision:
-    """One answer of the policy: at ``tick``, ``what`` was asked and ``value`` answered."""
+    """One answer: at ``tick``, ``what`` was asked about ``key`` and ``value`` answered (an order is recorded as
+    the identities of the items in their chosen order, so that it still applies when other items come and go)."""
 
     tick: int
     what: str
+    key: Key
     value: Value
 
 
@@ -89,6 +100,13 @@ class Policy:
     only the core's own sweep times requests out)."""
     spill_block_bytes: int = 0
     """``SpillDone.nbytes`` per spilled block."""
+
+    def fixed(self) -> Policy:
+        """A fixed policy with this one's structure (lag, when spills answer, spill sizes): the fallback for a run
+        re-played from decisions, asked only what the decisions do not cover."""
+        return Policy(device_lag=self.device_lag, steps_per_tick=self.steps_per_tick,
+                      spill_after_device=self.spill_after_device, swap_in_ready=self.swap_in_ready,
+                      report_deadlines=self.report_deadlines, spill_block_bytes=self.spill_block_bytes)
 
     def device_steps(self, tick: int) -> int:
         return self.steps_per_tick
@@ -187,71 +205,3 @@ class RandomPolicy(Policy):
         for i in range(len(device), len(device) + len(due)):
             order.insert(self.rng.randint(0, len(order)), i)
         return tuple(order)
-
-
-class DecisionsExhausted(AssertionError):
-    """A re-played run asked for a decision its list does not have (or not the same kind): it diverged."""
-
-
-@dataclasses.dataclass(slots=True)
-class ReplayPolicy(Policy):
-    """Answers from a recorded decision list, in order: re-plays a run (whatever policy made it) exactly.
-
-    Build it with ``ReplayPolicy.of(policy, decisions)`` to keep the recorded policy's structural settings
-    (``device_lag``, ``spill_after_device``, ``spill_block_bytes``). An explorer edits the list (one ``delay``, one
-    ``merge`` order) and re-plays it; a question asked in another order raises ``DecisionsExhausted``.
-    """
-
-    decisions: Sequence[Decision] = ()
-    _next: Iterator[Decision] = dataclasses.field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._next = iter(self.decisions)
-
-    @classmethod
-    def of(cls, policy: Policy, decisions: Sequence[Decision]) -> ReplayPolicy:
-        return cls(device_lag=policy.device_lag, spill_after_device=policy.spill_after_device,
-                   spill_block_bytes=policy.spill_block_bytes, decisions=decisions)
-
-    def _take(self, what: str) -> Value:
-        decision = next(self._next, None)
-        if decision is None or decision.what != what:
-            raise DecisionsExhausted(f"asked for {what!r}, the recorded run has {decision}")
-        return decision.value
-
-    def device_steps(self, tick: int) -> int:
-        return _count(self._take("device_steps"))
-
-    def step_fails(self, step_id: int) -> bool:
-        return bool(self._take("step_fails"))
-
-    def spill_ok(self, command: SpillOut) -> bool:
-        return bool(self._take("spill_ok"))
-
-    def swap_in(self, command: PrefetchSpill) -> bool | None:
-        value = self._take("swap_in")
-        return None if value is None else bool(value)
-
-    def delay(self, completion: Completion) -> int:
-        return _count(self._take("delay"))
-
-    def deadline_due(self, request_id: str, deadline_ns: int, now_ns: int) -> bool:
-        return bool(self._take("deadline_due"))
-
-    def arrange(self, inputs: Sequence[Input], fired: Sequence[DeadlineReached]) -> tuple[int, ...]:
-        return _order(self._take("arrange"))
-
-    def merge(self, device: Sequence[Completion], due: Sequence[Completion]) -> tuple[int, ...]:
-        return _order(self._take("merge"))
-
-
-def _count(value: Value) -> int:
-    if not isinstance(value, int):
-        raise DecisionsExhausted(f"a count was recorded as {value!r}")
-    return value
-
-
-def _order(value: Value) -> tuple[int, ...]:
-    if not isinstance(value, tuple):
-        raise DecisionsExhausted(f"an order was recorded as {value!r}")
-    return value

@@ -23,16 +23,19 @@ what differs between them is a ``Policy`` (``replay/policy.py``) and what they f
 6. What is delivered in the next tick: the device's results (in FIFO order) and every scheduled completion now due,
    merged in the policy's order, become ``pending``.
 
-Every answer of the policy is recorded in ``decisions`` (unless turned off), so ``ReplayPolicy`` re-plays a run.
-Causality holds by construction: a completion is scheduled only once its cause exists, at ``caused_at + 1 + delay``
-or later, and device results leave in FIFO order.
+Every answer of the policy is recorded in ``decisions`` (unless turned off), keyed by what it is about (a tick, a
+step, the n-th spill of a request; see ``replay.policy.Key``). A simulator built with ``replay=decisions`` answers
+from that list and asks its policy only about what the list lacks: an unedited list re-plays the run exactly, an
+edited one (a completion's delay, a tick's order) re-plays that edit. Causality holds by construction: a completion
+is scheduled only once its cause exists, for ``caused_at + 1 + delay`` with ``delay >= 0``, and the device's results
+leave in FIFO order.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Iterable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar, cast
 
 from engine.core import SchedulerCore
 from engine.core.snapshot import encode_snapshot
@@ -60,7 +63,7 @@ from events import (
     WatchDeadline,
 )
 from events.routing import ROUTES, Actor
-from replay.policy import Completion, Decision, Kind, Policy, Value
+from replay.policy import Completion, Decision, Key, Kind, Policy, Value
 
 TICK_NS = 1_000_000
 FLUSH_EVERY = 64
@@ -96,7 +99,7 @@ class Simulator:
     view (``tokens``, ``reasoning``, ``finishes``) and check it. ``keep``: keep every tick's ``inputs`` and
     ``outputs``. ``writer``: log every tick (and a snapshot after every ``snapshot_every`` ticks). ``stop_at``:
     request -> the output index at which the retire actor reports a stop-string match. ``record_decisions``: keep
-    the policy's answers in ``decisions``.
+    the policy's answers in ``decisions``. ``replay``: decisions to answer from, before asking the policy.
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class Simulator:
         stop_at: dict[str, int] | None = None,
         tick_ns: int = TICK_NS,
         record_decisions: bool = True,
+        replay: Iterable[Decision] = (),
     ) -> None:
         self.core = core
         self.device = device
@@ -142,7 +146,9 @@ class Simulator:
         self.reasoning: dict[str, list[bool]] = defaultdict(list)
         self.finishes: dict[str, Finish] = {}
         self.decisions: list[Decision] | None = [] if record_decisions else None
+        self.replayed: dict[tuple[str, Key], Value] = {(d.what, d.key): d.value for d in replay}
         self._seq = 0
+        self._occurrences: dict[tuple[str, str | int], int] = {}
 
     # -- driving ---------------------------------------------------------------------------------------------
     @property
@@ -155,7 +161,8 @@ class Simulator:
         fired = self._poll_deadlines()
         new: list[Input] = [*inputs, *fired]
         if new:
-            new = [new[i] for i in self._decide("arrange", self.policy.arrange(inputs, fired))]
+            keys = [_identity(msg) for msg in new]
+            new = [new[i] for i in self._order("arrange", keys, lambda: self.policy.arrange(inputs, fired))]
         tick_inputs, out = self.run_core([*self.pending, *new])
         self.pending = []
         if self.writer is not None:
@@ -189,7 +196,7 @@ class Simulator:
     def send(self, msg: Input, kind: Kind = Kind.CLIENT) -> None:
         """An input from outside the core's commands (a client's cancel, a disconnect), delivered when the policy's
         ``delay`` says, from the next tick on."""
-        self._schedule(msg, kind, self.tick)
+        self._schedule(msg, kind, self.tick, self._occurrence(kind.value, _subject(msg)))
 
     def expedite(self) -> None:
         """Deliver every scheduled completion in the next tick at the latest (a driver draining the run)."""
@@ -214,11 +221,12 @@ class Simulator:
                         self.spilled.discard(command.request_id)
                 elif actor is Actor.SWAP_IN:
                     assert isinstance(command, PrefetchSpill)
-                    ready = self._decide("swap_in", self.policy.swap_in(command))
+                    key = self._occurrence("swap_in", command.request_id)
+                    ready = self._decide("swap_in", key, lambda: self.policy.swap_in(command))  # noqa: B023
                     if ready is not None:
                         answer: Input = (SwapInReady(command.request_id) if ready
                                          else SwapInFailed(command.request_id, "checksum mismatch"))
-                        self._schedule(answer, Kind.SWAP_IN, tick)
+                        self._schedule(answer, Kind.SWAP_IN, tick, key)
                 elif actor is Actor.DEADLINES:
                     if isinstance(command, WatchDeadline):
                         self.deadlines.watch(command.request_id, command.deadline_ns)
@@ -241,7 +249,7 @@ class Simulator:
                 for rid, index in zip(command.request_ids, command.token_indices, strict=True):
                     if stops.get(rid) == index:
                         del stops[rid]
-                        self._schedule(StopMatched(rid, index), Kind.STOP, self.tick)
+                        self._schedule(StopMatched(rid, index), Kind.STOP, self.tick, ("stop", rid, index))
         elif isinstance(command, Finish):
             if self.check_clients:
                 assert command.request_id not in self.finishes, f"{command.request_id} finished twice"
@@ -251,15 +259,17 @@ class Simulator:
             self.deadlines.unwatch(command.request_id)
 
     def _spill_done(self, command: SpillOut, tick: int) -> None:
-        ok = self._decide("spill_ok", self.policy.spill_ok(command))
+        key = self._occurrence("spill", command.request_id)
+        ok = self._decide("spill_ok", key, lambda: self.policy.spill_ok(command))
         nbytes = self.policy.spill_block_bytes * len(command.block_ids)
-        self._schedule(SpillDone(command.request_id, ok, "" if ok else "disk full", nbytes), Kind.SPILL, tick)
+        self._schedule(SpillDone(command.request_id, ok, "" if ok else "disk full", nbytes), Kind.SPILL, tick, key)
 
     def _poll_deadlines(self) -> list[DeadlineReached]:
         fired: list[DeadlineReached] = []
         watched = self.deadlines.watched
+        now, tick, due = self.now_ns, self.tick, self.policy.deadline_due
         for rid, deadline in list(watched.items()):
-            if self._decide("deadline_due", self.policy.deadline_due(rid, deadline, self.now_ns)):
+            if self._decide("deadline_due", (rid, tick), lambda: due(rid, deadline, now)):  # noqa: B023
                 del watched[rid]
                 fired.append(DeadlineReached(rid, deadline))
         return fired
@@ -268,7 +278,7 @@ class Simulator:
         """The device's share of this tick: the due commands in FIFO order, up to ``device_steps`` ``RunStep``\\ s
         (every other command before the next ``RunStep`` runs too: copies and releases never wait on a step)."""
         results: list[Completion] = []
-        limit = self._decide("device_steps", self.policy.device_steps(self.tick))
+        limit = self._decide("device_steps", (self.tick,), lambda: self.policy.device_steps(self.tick))
         due = self.tick - self.policy.device_lag
         queue = self.queue
         steps = 0
@@ -280,9 +290,16 @@ class Simulator:
                 steps += 1
             queue.popleft()
             for result in self.device.handle([command]):
-                if isinstance(result, StepDone) and self._decide("step_fails", self.policy.step_fails(result.step_id)):
-                    result = StepFailed(result.step_id, "scripted failure")
-                results.append(Completion(result, Kind.DEVICE, dispatched, self._next_seq(), self.tick + 1))
+                if isinstance(result, StepDone | StepFailed):
+                    step_id = result.step_id
+                    key: Key = ("step", step_id)
+                    if isinstance(result, StepDone) and self._decide(
+                        "step_fails", key, lambda: self.policy.step_fails(step_id)  # noqa: B023
+                    ):
+                        result = StepFailed(step_id, "scripted failure")
+                else:
+                    key = _identity(result)
+                results.append(Completion(result, Kind.DEVICE, dispatched, self._next_seq(), self.tick + 1, key))
             if isinstance(command, SpillOut) and self.policy.spill_after_device:
                 self._spill_done(command, self.tick)  # the device has handed the copy over
         return results
@@ -295,21 +312,49 @@ class Simulator:
             self.schedule = [c for c in self.schedule if c.due > upto]
         both = [*device, *due]
         if both:
-            self.pending += [both[i].input for i in self._decide("merge", self.policy.merge(device, due))]
+            order = self._order("merge", [c.key for c in both], lambda: self.policy.merge(device, due))
+            self.pending += [both[i].input for i in order]
 
-    def _schedule(self, msg: Input, kind: Kind, caused_at: int) -> None:
-        completion = Completion(msg, kind, caused_at, self._next_seq())
-        completion.due = caused_at + 1 + self._decide("delay", self.policy.delay(completion))
+    def _schedule(self, msg: Input, kind: Kind, caused_at: int, key: Key) -> None:
+        completion = Completion(msg, kind, caused_at, self._next_seq(), key=key)
+        delay = self._decide("delay", key, lambda: self.policy.delay(completion))
+        if delay < 0:
+            raise ValueError(f"a negative delay ({delay}) for {key}: a completion never precedes its cause")
+        completion.due = caused_at + 1 + delay
         self.schedule.append(completion)
 
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
-    def _decide(self, what: str, value: V) -> V:
+    def _occurrence(self, what: str, subject: str | int) -> Key:
+        """``(what, subject, n)`` for the n-th time (from 0) this run produces ``what`` for ``subject``."""
+        n = self._occurrences.get((what, subject), 0)
+        self._occurrences[(what, subject)] = n + 1
+        return (what, subject, n)
+
+    def _decide(self, what: str, key: Key, ask: Callable[[], V]) -> V:
+        """The answer to ``what`` about ``key``: the replayed one if there is one, else the policy's; recorded."""
+        replayed = self.replayed
+        value = cast(V, replayed[(what, key)]) if replayed and (what, key) in replayed else ask()
         if self.decisions is not None:
-            self.decisions.append(Decision(self.tick, what, value))
+            self.decisions.append(Decision(self.tick, what, key, value))
         return value
+
+    def _order(self, what: str, keys: list[Key], ask: Callable[[], tuple[int, ...]]) -> list[int]:
+        """An order of this tick's items (indices into ``keys``): the replayed one (items it does not know keep
+        their relative order, after the ones it knows), else the policy's; recorded as the items' identities."""
+        recorded = self.replayed.get((what, (self.tick,))) if self.replayed else None
+        if isinstance(recorded, tuple):
+            rank = {key: i for i, key in enumerate(recorded)}
+            order = sorted(range(len(keys)), key=lambda i: rank.get(keys[i], len(rank)))
+        else:
+            order = list(ask())
+            if sorted(order) != list(range(len(keys))):
+                raise ValueError(f"{what}: {order} is not an order of {len(keys)} items")
+        if self.decisions is not None:
+            self.decisions.append(Decision(self.tick, what, (self.tick,), tuple(keys[i] for i in order)))
+        return order
 
     def _log(self, tick_inputs: TickInputs, out: TickOutputs) -> None:
         writer = self.writer
@@ -336,3 +381,16 @@ class Simulator:
     def reason(self, request_id: str) -> str:
         return self.finishes[request_id].reason
 
+
+def _subject(msg: Input) -> str | int:
+    """The request (or step) an input is about."""
+    request_id: str | None = getattr(msg, "request_id", None)
+    if request_id is not None:
+        return request_id
+    step_id: int = getattr(msg, "step_id", -1)
+    return step_id
+
+
+def _identity(msg: Input) -> Key:
+    """A client input's or deadline report's identity within a tick: its kind and what it is about."""
+    return (type(msg).__name__, _subject(msg))
