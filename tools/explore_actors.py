@@ -188,6 +188,8 @@ class RunResult:
     violation: Violation | None
     ticks: int
     virtual_s: float
+    fatal: str | None
+    """The engine's fatal error, if it had one (a planned crash, or a violation)."""
 
 
 async def _client(engine: Engine, sub: Submit, leave: int | None, seen: Seen, monitor: Monitor) -> None:
@@ -267,7 +269,8 @@ def run_script(script: Script, strategy: str, log_path: Path, *, verify_replay: 
         check_log(monitor, log_path, verify_replay=verify_replay)
     elif monitor.violation is None:
         monitor.fail("log", "no log was written")
-    return RunResult(script, strategy, log_path, monitor.violation, monitor.ticks, monitor.virtual_s)
+    fatal = str(monitor.fatal) if monitor.fatal is not None else None
+    return RunResult(script, strategy, log_path, monitor.violation, monitor.ticks, monitor.virtual_s, fatal)
 
 
 # -- exploring -----------------------------------------------------------------------------------------------------
