@@ -28,7 +28,6 @@ import trio
 
 from actors.mailbox import ChannelOverflow, Outbox
 from actors.spill import SpillActor
-from events.oracle import oracle_token
 from engine.model.types import HostKV, SamplingSpecLike, StepResult
 from events import (
     NO_SAMPLE,
@@ -44,6 +43,7 @@ from events import (
     SwapIn,
     SwapInFailed,
 )
+from events.oracle import oracle_token
 
 
 class Executor(Protocol):

@@ -15,7 +15,6 @@ from core_state import add_seq, cache_unrelated, context, hold_blocks, make_core
 from engine.core import CoreConfig, SchedulerCore
 from engine.core.blocks import BlockPool
 from engine.core.lifecycle import choose_victim, preempt
-from replay.oracle import OracleExecutor
 from engine.core.snapshot import CoreSnapshot
 from engine.core.state import Seq, Status
 from events import (
@@ -35,6 +34,7 @@ from events import (
     TickInputs,
     TickOutputs,
 )
+from replay.oracle import OracleExecutor
 
 EOS = 2
 THINK_START, THINK_END = 5, 6

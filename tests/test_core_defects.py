@@ -13,7 +13,6 @@ from core_harness import Harness, arrival
 from core_state import add_seq, make_core
 
 from engine.core import CoreConfig, SchedulerCore
-from replay.oracle import OracleExecutor
 from engine.core.state import Status
 from events import (
     BindRequest,
@@ -28,6 +27,7 @@ from events import (
     Shutdown,
     TickInputs,
 )
+from replay.oracle import OracleExecutor
 
 # -- 1. the watermark must not stall the head for good --------------------------------------------------------
 

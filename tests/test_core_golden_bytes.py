@@ -21,8 +21,8 @@ from core_harness import Harness
 from test_core_blast import blast_config, random_config, run_blast
 
 from engine.core import CoreConfig
-from replay.oracle import OracleExecutor
 from events import Command, Input, RequestArrived, SamplingSpec, StepDone, TickInputs, TickOutputs, encode
+from replay.oracle import OracleExecutor
 
 
 def _digest(outputs: list[TickOutputs]) -> str:

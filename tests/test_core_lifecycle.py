@@ -7,7 +7,6 @@ from core_harness import Harness, arrival
 from core_state import add_seq, hold_blocks, make_core
 
 from engine.core import CoreConfig
-from replay.oracle import OracleExecutor
 from engine.core.state import Status
 from events import (
     BindRequest,
@@ -25,6 +24,7 @@ from events import (
     WatchDeadline,
 )
 from events.inputs import StopMatched
+from replay.oracle import OracleExecutor
 
 EOS = 2
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from replay.oracle import OracleExecutor
 from events import LogReader, StepFailed
 from replay.full import verify_full
+from replay.oracle import OracleExecutor
 from replay.record import everything_scenario, record_core_run
 from tests.replay_helpers import record_everything
 from tools.cli import main
