@@ -202,3 +202,32 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
         assert message in capsys.readouterr().err, argv
     assert "--variant" not in subprocess.run([sys.executable, "-m", "tools", "explore", "--help"], cwd=ROOT,
                                              capture_output=True, text=True, check=True).stdout
+
+
+def test_a_hang_is_reported_as_liveness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from actors.retire import RetireActor
+    from events import Finish
+
+    deliver = RetireActor.deliver_nowait
+
+    def lose_finishes(self: RetireActor, commands: list[object]) -> None:
+        deliver(self, [c for c in commands if not isinstance(c, Finish)])  # type: ignore[misc]
+
+    monkeypatch.setattr(RetireActor, "deliver_nowait", lose_finishes)
+    result = run_script(make_script(7, False), "random", tmp_path / "run.tlog")
+    assert result.violation is not None and result.violation.kind == "liveness", result.violation
+
+
+@pytest.mark.parametrize(("seed", "actor"), [(40, "step"), (43, "deadlines"), (71, "log")])
+def test_a_planned_crash_fails_every_stream_and_nothing_hangs(tmp_path: Path, seed: int, actor: str) -> None:
+    result = run_script(make_script(seed, True), "random", tmp_path / "run.tlog")
+    assert result.violation is None, result.violation
+    assert result.fatal is not None and f"the {actor} actor failed" in result.fatal, result.fatal
+
+
+def test_a_crash_that_leaves_a_stream_open_is_a_violation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from actors.retire import RetireActor
+
+    monkeypatch.setattr(RetireActor, "fail_all", lambda self, error: None)
+    result = run_script(make_script(71, True), "random", tmp_path / "run.tlog")
+    assert result.violation is not None and result.violation.kind == "crash", result.violation

@@ -60,6 +60,12 @@ class Seen:
     rejected: bool = False
     error: EngineError | None = None
     stream: Any = None
+    stream_failed: bool = False
+    """When the client stopped reading, its stream held the engine's fatal error."""
+
+    def note_stream_state(self) -> None:
+        inner = getattr(self.stream, "_inner", None)
+        self.stream_failed = inner is not None and inner._stream.error is not None
 
 
 @attrs.define
@@ -119,13 +125,11 @@ class Monitor:
         if self.crash is None or fatal.actor != self.crash or "injected crash" not in str(fatal):
             self.fail("fatal", f"unexpected fatal engine error: {fatal}")
             return
-        for rid, seen in self.seen.items():
-            inner = getattr(seen.stream, "_inner", None)
-            if inner is None or seen.final is not None or seen.left_early:
+        for rid, seen in sorted(self.seen.items()):
+            if seen.stream is None or seen.final is not None or seen.left_early or seen.error is not None:
                 continue
-            state = inner._stream
-            if state.error is None and not state.finished and not state.closed:
-                self.fail("crash", f"{rid}: its stream was left open without the EngineError after the crash")
+            if not seen.stream_failed:
+                self.fail("crash", f"{rid}: its stream was still open, without the EngineError, after the crash")
                 return
 
 

@@ -37,7 +37,7 @@ class PCTPolicy(random.Random):
         self._batch = 0
         self._low = 0.0
 
-    def shuffle(self, x: MutableSequence[Any]) -> None:  # type: ignore[override]
+    def shuffle(self, x: MutableSequence[Any]) -> None:
         prio = self._prio
         for task in x:
             if task._counter not in prio:
@@ -61,7 +61,7 @@ class DelayPolicy(random.Random):
         self._budget = budget
         self._chance = chance
 
-    def shuffle(self, x: MutableSequence[Any]) -> None:  # type: ignore[override]
+    def shuffle(self, x: MutableSequence[Any]) -> None:
         x.reverse()  # trio runs the batch from its end: lowest creation counter first
         if len(x) > 1 and self._budget and self.random() < self._chance:
             self._budget -= 1

@@ -76,7 +76,7 @@ class RetireFirstStepActor(StepActor):
     """Delivers a tick's tokens and finishes to the retire actor first, and only then writes the tick's frame."""
 
     def dispatch(self, commands: list[Command]) -> None:
-        visible = [c for c in commands if isinstance(c, EmitTokens | Finish)]
+        visible: list[Command] = [c for c in commands if isinstance(c, EmitTokens | Finish)]
         if visible:
             self._retire.deliver_nowait(visible)
         super().dispatch([c for c in commands if not isinstance(c, EmitTokens | Finish)])
