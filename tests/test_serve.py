@@ -24,9 +24,9 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import EngineConfig, FaultPlan
+from engine import Engine, EngineConfig, FaultPlan, SamplingParams
 from tests.engine_helpers import assert_replays, core_finishes
-from tools.serve.openai_types import _param
+from tools.serve.openai_types import error_param
 from tools.serve.server import ServeOptions, default_log_path, serve
 
 T = TypeVar("T")
@@ -155,6 +155,22 @@ async def test_chat_streamed_include_usage_and_whole(tmp_path: Path) -> None:
         assert "".join(ch.choices[0].delta.content or "" for ch in plain) == text
 
 
+async def test_chat_content_parts_and_roles(tmp_path: Path) -> None:
+    """Text content parts are joined; ``developer`` is rendered as ``system``."""
+    async with running(stub(tmp_path / "s.tlog")) as srv:
+        def go(c: openai.OpenAI) -> tuple[Any, Any]:
+            parts = c.chat.completions.create(model="stub", max_tokens=8, seed=4, messages=[
+                {"role": "developer", "content": "Be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}])
+            plain = c.chat.completions.create(model="stub", max_tokens=8, seed=4, messages=[
+                {"role": "system", "content": "Be brief"}, {"role": "user", "content": "Say hi"}])
+            return parts, plain
+
+        parts, plain = await srv.call(go)
+        assert parts.choices[0].message.content == plain.choices[0].message.content
+        assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
 async def test_seed_reproducibility_and_n(tmp_path: Path) -> None:
     async with running(stub(tmp_path / "s.tlog")) as srv:
         def go(c: openai.OpenAI) -> dict[str, Any]:
@@ -238,6 +254,13 @@ async def test_logprobs_on_a_real_model(tmp_path: Path) -> None:
         streamed = [x for ch in stream if ch.choices and ch.choices[0].logprobs
                     for x in ch.choices[0].logprobs.token_logprobs]
         assert streamed == lp.token_logprobs  # same seed, same tokens, same logprobs
+    # Engine.complete keeps the logprobs too (one per token), and they are the server's.
+    config = EngineConfig(model=str(model), dtype="float64", max_seq_len=128, num_blocks=64,
+                          log_path=str(tmp_path / "complete.tlog"))
+    async with Engine.open(config) as engine:
+        out = await engine.complete("hello", SamplingParams(max_tokens=6, seed=2, logprobs=True, ignore_eos=True))
+    assert out.logprobs == lp.token_logprobs and len(out.token_ids) == 6
+    assert_replays(tmp_path / "complete.tlog")
 
 
 async def test_concurrent_clients_sync_and_async(tmp_path: Path) -> None:
@@ -301,7 +324,7 @@ async def test_timeouts_from_the_request_and_the_server(tmp_path: Path) -> None:
 
         own, default, roomy = await srv.call(go)
         assert own.choices[0].finish_reason == "timeout" and default.choices[0].finish_reason == "timeout"
-        assert own.usage.completion_tokens < default.usage.completion_tokens < 200
+        assert own.usage.completion_tokens < 200 and default.usage.completion_tokens < 200
         assert roomy.choices[0].finish_reason == "length"
 
 
@@ -349,12 +372,14 @@ async def test_errors_are_openai_json_naming_the_field(tmp_path: Path) -> None:
             return [c.post("/v1/chat/completions", content=b"{not json"),
                     c.post("/v1/completions", json={"prompt": "x"}),
                     c.post("/v1/completions", json={"model": "stub", "prompt": ["a", 1]}),
-                    c.post("/v1/completions", content=b"")]
+                    c.post("/v1/completions", content=b""),
+                    c.post("/v1/completions", json={"model": "stub", "prompt": ["a"] * 9, "n": 128})]
 
-        bad_json, no_model, mixed, empty = await srv.http(raw)
-        for r in (bad_json, no_model, mixed, empty):
+        bad_json, no_model, mixed, empty, too_many = await srv.http(raw)
+        for r in (bad_json, no_model, mixed, empty, too_many):
             assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert no_model.json()["error"]["param"] == "model" and mixed.json()["error"]["param"] == "prompt"
+        assert too_many.json()["error"]["param"] == "n"
 
 
 async def test_overload_is_503_and_a_failed_request_is_500(tmp_path: Path) -> None:
@@ -395,7 +420,7 @@ async def test_shutdown_drains_running_streams_and_refuses_new_ones(tmp_path: Pa
 
             async def stream(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
                 def go(c: openai.OpenAI) -> None:
-                    chunks = c.completions.create(model="stub", prompt="x", max_tokens=50, seed=1, stream=True)
+                    chunks = c.completions.create(model="stub", prompt="x", max_tokens=100, seed=1, stream=True)
                     trio.from_thread.run_sync(task_status.started)
                     text.extend(ch.choices[0].text for ch in chunks if ch.choices)
 
@@ -407,7 +432,7 @@ async def test_shutdown_drains_running_streams_and_refuses_new_ones(tmp_path: Pa
             health = await srv.http(lambda c: c.get("/health"))
             refused = await srv.http(lambda c: c.post("/v1/completions", json={"model": "stub", "prompt": "y"}))
     assert health.status_code == 503 and refused.status_code == 503
-    assert len("".join(text)) == 50
+    assert len("".join(text)) == 100
     assert_replays(tmp_path / "s.tlog")
 
 
@@ -454,7 +479,7 @@ def test_default_log_paths_are_fresh(tmp_path: Path) -> None:
 
 
 def test_param_names_from_msgspec_messages() -> None:
-    assert _param("Expected `float` <= 2.0 - at `$.temperature`") == "temperature"
-    assert _param("Object missing required field `model`") == "model"
-    assert _param("Object missing required field `role` - at `$.messages[0]`") == "messages[0].role"
-    assert _param("Expected `int`, got `str` - at `$.prompt[0][1]`") == "prompt[0][1]"
+    assert error_param("Expected `float` <= 2.0 - at `$.temperature`") == "temperature"
+    assert error_param("Object missing required field `model`") == "model"
+    assert error_param("Object missing required field `role` - at `$.messages[0]`") == "messages[0].role"
+    assert error_param("Expected `int`, got `str` - at `$.prompt[0][1]`") == "prompt[0][1]"

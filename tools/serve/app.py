@@ -27,29 +27,25 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine import Engine, EngineError, EngineOverloaded, RequestOutput, RequestRejected, RequestStream
 from engine.api import Prompt
 from tools.serve import translate
+from tools.serve.chunks import ChunkWriter
 from tools.serve.metrics import Metrics
 from tools.serve.openai_types import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    Completion,
-    CompletionChoice,
     CompletionRequest,
-    Delta,
     ModelCard,
     ModelList,
     OpenAIError,
     decode_request,
 )
-from tools.serve.sse import DONE, EventSink, SSEResponse, event, watch_disconnect
+from tools.serve.sse import EventSink, SSEResponse, watch_disconnect
 from tools.serve.translate import Choice, OpenAIRequest
 
 log = logging.getLogger("tickloom.serve")
 
 T = TypeVar("T")
+
+MAX_CHOICES = 1024
+"""Engine requests one HTTP request may open (prompts x n)."""
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``/v1/completions``; chat defaults to what ``max_seq_len`` leaves."""
@@ -80,13 +76,6 @@ def json_response(payload: Any, status: int = 200) -> Response:
 
 def error_response(err: OpenAIError) -> Response:
     return Response(err.body(), status_code=err.status, media_type="application/json")
-
-
-def engine_error(exc: Exception) -> OpenAIError:
-    """``EngineOverloaded`` is 503, ``EngineError`` 500."""
-    if isinstance(exc, EngineOverloaded):
-        return OpenAIError(503, str(exc), type="server_error", code="engine_overloaded")
-    return OpenAIError(500, str(exc), type="server_error", code="engine_error")
 
 
 async def run_until_disconnect(receive: Receive, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
@@ -212,6 +201,9 @@ def build_app(state: ServerState) -> Starlette:
         else:
             prompts = list(req.prompts())
             default_max = COMPLETION_DEFAULT_MAX_TOKENS
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices",
+                              param="n")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         deadline = req.timeout if req.timeout is not None else state.request_timeout
         try:
@@ -222,13 +214,13 @@ def build_app(state: ServerState) -> Starlette:
             raise translate.rejected(exc, req) from None
         group = Group(streams, req.n, state.metrics)
         created = int(time.time())
-        writer = _ChunkWriter(state, req, rid, created)
+        writer = ChunkWriter(req, rid, created, state.model_name, state.token_text)
         try:
             gone, _ = await run_until_disconnect(request.receive, group.start)
         except RequestRejected as exc:
             raise translate.rejected(exc, req) from None
         except (EngineOverloaded, EngineError) as exc:
-            raise engine_error(exc) from None
+            raise translate.engine_error(exc) from None
         if gone:
             state.metrics.disconnects.inc()
             return Response(status_code=499)
@@ -236,7 +228,7 @@ def build_app(state: ServerState) -> Starlette:
             async def produce(sink: EventSink) -> None:
                 await writer.start(sink, len(streams))
                 await group.pump(lambda i, out: writer.frame(sink, group.choices[i], out))
-                await writer.end(sink, group)
+                await writer.end(sink, group.choices, group.n, group.errors)
 
             async def cleanup() -> None:
                 await group.aclose()
@@ -253,12 +245,12 @@ def build_app(state: ServerState) -> Starlette:
             state.metrics.disconnects.inc()
             return Response(status_code=499)
         if group.errors:
-            raise engine_error(group.errors[0])
+            raise translate.engine_error(group.errors[0])
         failed = next((c for c in group.choices if c.finish_reason == "error"), None)
         if failed is not None:
             raise OpenAIError(500, f"choice {failed.index} failed: {failed.error}", type="server_error",
                               code="request_failed")
-        return json_response(writer.whole(group))
+        return json_response(writer.whole(group.choices, group.n))
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -302,91 +294,3 @@ def with_status_counts(app: ASGIApp, metrics: Metrics) -> ASGIApp:
         await app(scope, receive, send_counting)
 
     return counted
-
-
-class _ChunkWriter:
-    """Builds the chunks of a streamed answer and the body of a whole one."""
-
-    def __init__(self, state: ServerState, req: OpenAIRequest, rid: str, created: int) -> None:
-        self.state = state
-        self.req = req
-        self.chat = isinstance(req, ChatCompletionRequest)
-        self.rid = rid
-        self.created = created
-        self.want_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs
-        options = req.stream_options
-        self.include_usage = options is not None and options.include_usage
-        self.offsets: dict[int, int] = {}
-
-    def _chat_chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.rid, object="chat.completion.chunk", created=self.created,
-                                   model=self.state.model_name, choices=choices)
-
-    async def start(self, sink: EventSink, count: int) -> None:
-        if self.chat:
-            first = [ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""), logprobs=None,
-                                     finish_reason=None) for i in range(count)]
-            await sink.write(event(self._chat_chunk(first)))
-
-    async def frame(self, sink: EventSink, choice: Choice, out: RequestOutput) -> None:
-        logprobs = translate.frame_logprobs(out) if self.want_logprobs and out.token_ids else None
-        if not (out.text_delta or out.reasoning_delta or out.finished or logprobs):
-            return
-        finish = out.finish_reason if out.finished else None
-        decode = self.state.token_text
-        if self.chat:
-            delta = Delta(content=out.text_delta or None, reasoning_content=out.reasoning_delta or None)
-            lp = None if logprobs is None else translate.chat_logprobs(out.token_ids, logprobs, decode)
-            chunk: Any = self._chat_chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lp,
-                                                           finish_reason=finish)])
-        else:
-            offset = self.offsets.get(choice.index, 0)
-            clp = None if logprobs is None else translate.completion_logprobs(out.token_ids, logprobs, decode,
-                                                                               offset)
-            self.offsets[choice.index] = offset + len(out.text_delta)
-            chunk = Completion(id=self.rid, object="text_completion", created=self.created,
-                               model=self.state.model_name, usage=None,
-                               choices=[CompletionChoice(index=choice.index, text=out.text_delta, logprobs=clp,
-                                                         finish_reason=finish)])
-        await sink.write(event(chunk))
-        if finish == "error":
-            await sink.write(event(OpenAIError(500, f"choice {choice.index} failed: {out.error}",
-                                               type="server_error", code="request_failed").body_struct()))
-
-    async def end(self, sink: EventSink, group: Group) -> None:
-        if group.errors:
-            exc = group.errors[0]
-            log.error("a streamed request ended with an engine error: %s", exc)
-            await sink.write(event(engine_error(exc).body_struct()))
-            await sink.write(DONE)
-            return
-        if self.include_usage:
-            usage = translate.usage(group.choices, group.n)
-            if self.chat:
-                chunk: Any = ChatCompletionChunk(id=self.rid, object="chat.completion.chunk", created=self.created,
-                                                 model=self.state.model_name, choices=[], usage=usage)
-            else:
-                chunk = Completion(id=self.rid, object="text_completion", created=self.created,
-                                   model=self.state.model_name, choices=[], usage=usage)
-            await sink.write(event(chunk))
-        await sink.write(DONE)
-
-    def whole(self, group: Group) -> ChatCompletion | Completion:
-        usage = translate.usage(group.choices, group.n)
-        decode = self.state.token_text
-        if self.chat:
-            choices = []
-            for c in group.choices:
-                reasoning = "".join(c.reasoning)
-                lp = translate.chat_logprobs(c.token_ids, c.logprobs, decode) if self.want_logprobs else None
-                message = AssistantMessage(content="".join(c.text), reasoning_content=reasoning or None)
-                choices.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=c.finish_reason))
-            return ChatCompletion(id=self.rid, object="chat.completion", created=self.created,
-                                  model=self.state.model_name, choices=choices, usage=usage)
-        cchoices = []
-        for c in group.choices:
-            clp = translate.completion_logprobs(c.token_ids, c.logprobs, decode, 0) if self.want_logprobs else None
-            cchoices.append(CompletionChoice(index=c.index, text="".join(c.text), logprobs=clp,
-                                             finish_reason=c.finish_reason))
-        return Completion(id=self.rid, object="text_completion", created=self.created, model=self.state.model_name,
-                          choices=cchoices, usage=usage)

@@ -142,7 +142,7 @@ def decode_request(body: bytes, type_: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        raise OpenAIError(400, str(exc), param=_param(str(exc))) from None
+        raise OpenAIError(400, str(exc), param=error_param(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
 
@@ -151,7 +151,7 @@ _AT = re.compile(r"at `\$\.?(.*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
-def _param(message: str) -> str | None:
+def error_param(message: str) -> str | None:
     """``messages[0].role`` from msgspec's ``... - at `$.messages[0].role```; a missing field's own name."""
     missing = _MISSING.search(message)
     at = _AT.search(message)

@@ -8,6 +8,7 @@ A second signal skips the rest of the drain.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import sys
@@ -68,7 +69,9 @@ async def serve_engine(engine: Engine, options: ServeOptions, *, shutdown: trio.
     hconfig.bind = [f"[{options.host}]:{options.port}" if ":" in options.host
                     else f"{options.host}:{options.port}"]
     hconfig.accesslog = None
-    hconfig.errorlog = None
+    # Hypercorn's own errors (an app exception after the response started, a protocol error) go to a logger
+    # without handlers of its own: Python's last-resort handler prints WARNING and above to stderr.
+    hconfig.errorlog = logging.getLogger("tickloom.serve.http")
     hconfig.graceful_timeout = options.graceful_timeout
     stop = trio.Event()
     drainer = _Drainer(state, engine, stop, options.drain_timeout, out)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import RequestOutput, RequestRejected, SamplingParams
+from engine import EngineError, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
 from tools.serve.openai_types import (
     ChatCompletionRequest,
     ChatLogprobs,
@@ -114,6 +114,13 @@ def rejected(exc: RequestRejected, req: OpenAIRequest) -> OpenAIError:
     elif re.match(r"^(the )?prompt\b", message):
         param = prompt_field
     return OpenAIError(400, message, param=param)
+
+
+def engine_error(exc: EngineOverloaded | EngineError) -> OpenAIError:
+    """``EngineOverloaded`` is 503, ``EngineError`` 500."""
+    if isinstance(exc, EngineOverloaded):
+        return OpenAIError(503, str(exc), type="server_error", code="engine_overloaded")
+    return OpenAIError(500, str(exc), type="server_error", code="engine_error")
 
 
 # -- outputs -------------------------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""The chunks of a streamed answer (``chat.completion.chunk`` or ``text_completion`` events) and the body of a
+whole one, built from the choices' ``RequestOutput`` frames."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from engine import EngineError, RequestOutput
+from tools.serve import translate
+from tools.serve.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    OpenAIError,
+)
+from tools.serve.sse import DONE, EventSink, event
+from tools.serve.translate import Choice, Decode, OpenAIRequest
+
+log = logging.getLogger("tickloom.serve")
+
+
+class ChunkWriter:
+    """Builds the chunks of a streamed answer and the body of a whole one."""
+
+    def __init__(self, req: OpenAIRequest, rid: str, created: int, model_name: str, token_text: Decode) -> None:
+        self.model_name = model_name
+        self.token_text = token_text
+        self.req = req
+        self.chat = isinstance(req, ChatCompletionRequest)
+        self.rid = rid
+        self.created = created
+        self.want_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs
+        options = req.stream_options
+        self.include_usage = options is not None and options.include_usage
+        self.offsets: dict[int, int] = {}
+
+    def _chat_chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.rid, object="chat.completion.chunk", created=self.created,
+                                   model=self.model_name, choices=choices)
+
+    async def start(self, sink: EventSink, count: int) -> None:
+        if self.chat:
+            first = [ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""), logprobs=None,
+                                     finish_reason=None) for i in range(count)]
+            await sink.write(event(self._chat_chunk(first)))
+
+    async def frame(self, sink: EventSink, choice: Choice, out: RequestOutput) -> None:
+        logprobs = translate.frame_logprobs(out) if self.want_logprobs and out.token_ids else None
+        if not (out.text_delta or out.reasoning_delta or out.finished or logprobs):
+            return
+        finish = out.finish_reason if out.finished else None
+        decode = self.token_text
+        if self.chat:
+            delta = Delta(content=out.text_delta or None, reasoning_content=out.reasoning_delta or None)
+            lp = None if logprobs is None else translate.chat_logprobs(out.token_ids, logprobs, decode)
+            chunk: Any = self._chat_chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lp,
+                                                           finish_reason=finish)])
+        else:
+            offset = self.offsets.get(choice.index, 0)
+            clp = None if logprobs is None else translate.completion_logprobs(out.token_ids, logprobs, decode,
+                                                                               offset)
+            self.offsets[choice.index] = offset + len(out.text_delta)
+            chunk = Completion(id=self.rid, object="text_completion", created=self.created,
+                               model=self.model_name, usage=None,
+                               choices=[CompletionChoice(index=choice.index, text=out.text_delta, logprobs=clp,
+                                                         finish_reason=finish)])
+        await sink.write(event(chunk))
+        if finish == "error":
+            await sink.write(event(OpenAIError(500, f"choice {choice.index} failed: {out.error}",
+                                               type="server_error", code="request_failed").body_struct()))
+
+    async def end(self, sink: EventSink, choices: Sequence[Choice], n: int, errors: Sequence[EngineError]) -> None:
+        """After the last frame: an engine crash's error event, or the usage chunk (if asked for); then DONE."""
+        if errors:
+            exc = errors[0]
+            log.error("a streamed request ended with an engine error: %s", exc)
+            await sink.write(event(translate.engine_error(exc).body_struct()))
+            await sink.write(DONE)
+            return
+        if self.include_usage:
+            usage = translate.usage(choices, n)
+            if self.chat:
+                chunk: Any = ChatCompletionChunk(id=self.rid, object="chat.completion.chunk", created=self.created,
+                                                 model=self.model_name, choices=[], usage=usage)
+            else:
+                chunk = Completion(id=self.rid, object="text_completion", created=self.created,
+                                   model=self.model_name, choices=[], usage=usage)
+            await sink.write(event(chunk))
+        await sink.write(DONE)
+
+    def whole(self, choices: Sequence[Choice], n: int) -> ChatCompletion | Completion:
+        """The body of a non-streamed answer."""
+        usage = translate.usage(choices, n)
+        decode = self.token_text
+        if self.chat:
+            chat_choices = []
+            for c in choices:
+                reasoning = "".join(c.reasoning)
+                lp = translate.chat_logprobs(c.token_ids, c.logprobs, decode) if self.want_logprobs else None
+                message = AssistantMessage(content="".join(c.text), reasoning_content=reasoning or None)
+                chat_choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
+                                               finish_reason=c.finish_reason))
+            return ChatCompletion(id=self.rid, object="chat.completion", created=self.created,
+                                  model=self.model_name, choices=chat_choices, usage=usage)
+        cchoices = []
+        for c in choices:
+            clp = translate.completion_logprobs(c.token_ids, c.logprobs, decode, 0) if self.want_logprobs else None
+            cchoices.append(CompletionChoice(index=c.index, text="".join(c.text), logprobs=clp,
+                                             finish_reason=c.finish_reason))
+        return Completion(id=self.rid, object="text_completion", created=self.created, model=self.model_name,
+                          choices=cchoices, usage=usage)
