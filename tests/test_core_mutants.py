@@ -22,6 +22,7 @@ from events import (
     EmitTokens,
     Finish,
     Input,
+    ReleaseRequest,
     RequestCancelled,
     RunStep,
     SamplingSpec,
@@ -303,3 +304,40 @@ def test_inputs_cancels_apply_before_step_results_in_the_same_tick(kind: type) -
     out = h.step(kind("r"))  # the harness lists the pending StepDone first
     assert not _of(out, EmitTokens), "the step's token for r is discarded: the cancel came first"
     assert h.finishes["r"].reason == "cancelled" and h.finishes["r"].usage.completion_tokens == 1
+
+
+def test_c03_c18_a_lone_head_discounts_its_hits_too() -> None:
+    # Nothing runs; 12 blocks, 2 of them cached with the head's prefix, 10 free, 4 promised to a parked sequence.
+    # With the watermark the head needs 9 - 2 hits = 7 > 6; alone, 8 - 2 = 6: it fits, its hits protected.
+    core = make_core(num_blocks=12, block_size=16, max_seq_len=128, admit_watermark=16)
+    state = core.state
+    add_seq(state, "parked", 20, outputs=13, status=Status.PREEMPTED)
+    template = Seq("t", 99, 0, [100 + i for i in range(127)], SamplingSpec(max_tokens=100), 0, None, "")
+    own = cache_prefix_of(state, template, 32)
+    out = _tick(core, arrival("head", template.prompt, 100))
+    assert _bound(out) == ["head"]
+    head = _snap_seq(core.snapshot(), "head")
+    assert head.reserve == 8 and head.block_ids[:2] == own
+
+
+# -- The executor's side: BindRequest once at admission, ReleaseRequest once at the end ---------------------------
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_bind_request_carries_the_masked_ids_and_the_prompt(ignore_eos: bool) -> None:
+    core = make_core(num_blocks=16, max_seq_len=128, eos_token_ids=(2, 3))
+    params = SamplingSpec(max_tokens=4, min_tokens=2, stop_token_ids=[3, 9], ignore_eos=ignore_eos)
+    out = _tick(core, arrival("r", [10, 11, 12], params=params, seed=5))
+    masked = [3, 9] if ignore_eos else [2, 3, 9]  # EOS ids unless ignored, then the stop ids not among them
+    assert _of(out, BindRequest) == [BindRequest("r", params, 5, 3, masked, [10, 11, 12])]
+
+
+def test_release_request_once_for_every_admitted_request_and_none_for_others() -> None:
+    h = Harness(CoreConfig(num_blocks=16, max_seq_len=128, max_batch_size=1))
+    h.step(arrival("ran", 10, 2), arrival("waited", 10, 2), arrival("bad", [], 2))
+    h.step(RequestCancelled("waited"))
+    h.run()
+    releases = [(t, c.request_id) for t, c in h.commands(ReleaseRequest)]
+    assert [rid for _, rid in releases] == ["ran"], "never bound: nothing to release"
+    [(finish_tick, _)] = [(t, c) for t, c in h.commands(Finish) if c.request_id == "ran"]
+    assert releases[0][0] == finish_tick
