@@ -234,18 +234,23 @@ async def test_logprobs_on_a_real_model(tmp_path: Path) -> None:
     config = EngineConfig(model=str(model), dtype="float64", max_seq_len=128, num_blocks=64,
                           log_path=str(tmp_path / "tiny.tlog"))
     async with running(config, model_name="tiny") as srv:
-        def go(c: openai.OpenAI) -> tuple[Any, Any, list[Any]]:
+        def go(c: openai.OpenAI) -> tuple[Any, Any, list[Any], list[Any]]:
             chat = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, seed=2, logprobs=True,
                                              top_logprobs=3, extra_body={"ignore_eos": True})
+            chat_stream = list(c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, seed=2,
+                                                         logprobs=True, stream=True, extra_body={"ignore_eos": True}))
             comp = c.completions.create(model="tiny", prompt="hello", max_tokens=6, seed=2, logprobs=2,
                                         extra_body={"ignore_eos": True})
             stream = list(c.completions.create(model="tiny", prompt="hello", max_tokens=6, seed=2, logprobs=2,
                                                stream=True, extra_body={"ignore_eos": True}))
-            return chat, comp, stream
+            return chat, comp, stream, chat_stream
 
-        chat, comp, stream = await srv.call(go)
+        chat, comp, stream, chat_stream = await srv.call(go)
         content = chat.choices[0].logprobs.content
         assert len(content) == 6
+        streamed_chat = [t for ch in chat_stream if ch.choices and ch.choices[0].logprobs
+                         for t in ch.choices[0].logprobs.content]
+        assert [(t.token, t.logprob) for t in streamed_chat] == [(t.token, t.logprob) for t in content]
         assert all(isinstance(t.logprob, float) and t.logprob <= 0.0 and math.isfinite(t.logprob) for t in content)
         lp = comp.choices[0].logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6
