@@ -33,6 +33,7 @@ engine.core.admission.x_admit__mutmut_4	>= becomes >: at a full batch the loop a
 engine.core.admission.x_admit__mutmut_46	make_room gets no ctx on the lone path: nothing is active, so there is no swap-out, its only use of ctx
 engine.core.admission.x_admit__mutmut_61	admission numbers step by 2: they are only compared with each other (victim and swap-out order)
 engine.core.admission.x_make_room__mutmut_5	> becomes >=: reclaim(0) frees nothing and the shortfall is recomputed the same
+engine.core.apply.x_commit_token__mutmut_61	the forced call passes None for think-end: its first test replaces any token but think-end by think-end, the budget being spent
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing

@@ -11,7 +11,7 @@ import pytest
 from core_harness import Harness, arrival
 from core_state import add_seq, cache_prefix_of, cache_unrelated, hold_blocks, make_core
 
-from engine.core import CoreConfig, SchedulerCore
+from engine.core import CoreConfig, InvariantViolation, SchedulerCore
 from engine.core.lifecycle import cache_full_blocks
 from engine.core.snapshot import CoreSnapshot
 from engine.core.state import Seq, Status
@@ -33,6 +33,7 @@ from events import (
     TickOutputs,
     Usage,
 )
+from replay.oracle import OracleExecutor
 
 
 def _tick(core: SchedulerCore, *inputs: Input) -> TickOutputs:
@@ -55,6 +56,8 @@ def _snap_seq(snap: CoreSnapshot, request_id: str) -> Seq:
 
 def _waiting_ids(snap: CoreSnapshot) -> list[str]:
     return [snap.seqs[i].request_id for i in snap.waiting]
+
+THINK_START, THINK_END = 5, 6
 
 
 # -- C03: in-flight demand ------------------------------------------------------------------------------------
@@ -341,3 +344,45 @@ def test_release_request_once_for_every_admitted_request_and_none_for_others() -
     assert [rid for _, rid in releases] == ["ran"], "never bound: nothing to release"
     [(finish_tick, _)] = [(t, c) for t, c in h.commands(Finish) if c.request_id == "ran"]
     assert releases[0][0] == finish_tick
+
+
+# -- C20: think-end is forced as the next input, not sampled ------------------------------------------------------
+
+
+def test_c20_think_end_is_forced_without_a_sampling_row() -> None:
+    config = CoreConfig(num_blocks=16, max_seq_len=128, think_start_token=THINK_START, think_end_token=THINK_END)
+    oracle = OracleExecutor(config.vocab_size, avoid=(THINK_START, THINK_END))
+    h = Harness(config, oracle=oracle)
+    h.step(arrival("r", [*range(100, 110), THINK_START], params=SamplingSpec(max_tokens=8, thinking_budget=3)))
+    h.run()
+    assert h.output("r")[3] == THINK_END and THINK_END not in h.output("r")[:3]
+    emitted = {i: t for t, c in h.commands(EmitTokens) for i in c.token_indices}
+    assert emitted[3] == emitted[2], "think-end streams in the tick the budget ran out"
+    rows = [(s.sample_indices[0], s.token_ids[-1]) for _, s in h.commands(RunStep)]
+    assert [i for i, _ in rows if i >= 0] == [0, 1, 2, 4, 5, 6, 7], "no row samples index 3"
+    assert (4, THINK_END) in rows, "think-end is fed as an input, and the row after it samples index 4"
+
+
+# -- A StepDone that contradicts its step is refused ------------------------------------------------------------
+
+
+def test_a_step_result_for_the_wrong_output_index_is_an_invariant_violation() -> None:
+    core = make_core(num_blocks=16, max_seq_len=128)
+    [step] = _of(_tick(core, arrival("r", 10, 4)), RunStep)
+    core.state.seqs["r"].outputs.append(5)  # the core's record no longer matches the step it planned
+    with pytest.raises(InvariantViolation) as raised:
+        _tick(core, StepDone(step.step_id, ["r"], [7], logprobs=[-0.5]))
+    assert raised.value.invariant == "step results match their step"
+    assert raised.value.detail == f"step {step.step_id} sampled output 0 of 'r', which has 1 outputs"
+
+
+# -- C25: shutdown names the state of every parked request ------------------------------------------------------
+
+
+def test_c25_shutdown_names_a_request_whose_spill_is_in_progress() -> None:
+    core = make_core(num_blocks=16, max_seq_len=128, spill_enabled=True)
+    seq = add_seq(core.state, "s", 20, outputs=5, status=Status.SWAPPING)
+    seq.spill_tokens, seq.has_spill = 24, True
+    out = _tick(core, Shutdown())
+    [finish] = _of(out, Finish)
+    assert (finish.reason, finish.error) == ("error", "engine shut down while swapped out")
