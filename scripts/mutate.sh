@@ -34,6 +34,10 @@ engine.core.admission.x_admit__mutmut_46	make_room gets no ctx on the lone path:
 engine.core.admission.x_admit__mutmut_61	admission numbers step by 2: they are only compared with each other (victim and swap-out order)
 engine.core.admission.x_make_room__mutmut_5	> becomes >=: reclaim(0) frees nothing and the shortfall is recomputed the same
 engine.core.apply.x_commit_token__mutmut_61	the forced call passes None for think-end: its first test replaces any token but think-end by think-end, the budget being spent
+engine.core.apply.x_shut_down__mutmut_20	dequeue=None for dequeue=False: both falsy
+engine.core.apply.x_shut_down__mutmut_26	dequeue left True: each parked request also leaves its queue one by one, which shutdown then empties anyway (only slower)
+engine.core.apply.x_shut_down__mutmut_31	dequeue=True: as mutant 26
+engine.core.apply.x_shut_down__mutmut_29	the shutdown error at index len+1, not len-1: the only reason that can follow it in the tick is the sweep's timeout at len-1, which wins either way; earlier reasons stand either way
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from core_harness import Harness, arrival
+from core_harness import TICK_NS, Harness, arrival
 from core_state import add_seq, cache_prefix_of, cache_unrelated, hold_blocks, make_core
 
 from engine.core import CoreConfig, InvariantViolation, SchedulerCore
@@ -386,3 +386,14 @@ def test_c25_shutdown_names_a_request_whose_spill_is_in_progress() -> None:
     out = _tick(core, Shutdown())
     [finish] = _of(out, Finish)
     assert (finish.reason, finish.error) == ("error", "engine shut down while swapped out")
+
+
+def test_c14_c25_a_deadline_due_in_the_shutdown_tick_wins_as_timeout() -> None:
+    h = Harness(CoreConfig(num_blocks=16, max_seq_len=128))
+    h.step(arrival("r", 10, 50, deadline_ns=3 * TICK_NS))
+    h.step()
+    h.step()
+    out = h.step(Shutdown())  # now_ns == deadline_ns: the sweep times r out at the token shutdown ends it at
+    [finish] = _of(out, Finish)
+    assert (finish.request_id, finish.reason) == ("r", "timeout"), "timeout > error at the same token"
+    assert finish.usage.completion_tokens == len(h.tokens["r"]) == 3
