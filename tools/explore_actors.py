@@ -2,26 +2,27 @@
 
 One seed is one run, reproducible byte for byte:
 
-* **The script.** ``make_script(seed, faults)`` draws the engine's setup and a list of actions from one
-  ``random.Random(seed)``: clients that submit (with deadlines, stop strings, priorities), cancel, or leave the
-  stream early, and with ``faults`` failed steps, failed spill writes and swap-in reads, an actor crash, jittered
-  step times, slow spill I/O and late retire reports.
-* **The schedule.** trio shuffles each batch of runnable tasks with its module-level ``_r``, and sorts the batch by
-  task creation order first when ``_ALLOW_DETERMINISTIC_SCHEDULING`` is set (the hook it keeps for Hypothesis).
-  ``deterministic_trio`` sets the flag and puts a seeded policy in ``_r`` for the run: ``random`` (a seeded
-  shuffle), ``pct`` (random task priorities with a few priority change points) or ``delay`` (creation order with
-  a few tasks delayed). ``MockClock(autojump_threshold=0)`` makes time virtual.
-* **No other nondeterminism.** Spill I/O that the actors hand to threads (``trio.to_thread.run_sync``) runs inline
-  after a seeded virtual delay; spill stays in the host tier (no files); request ids and sampling seeds come from
-  the script; the log path is the same for every run in one work directory (the header records it). Nothing
+* **The script** (``tools.explore_script``): the engine's setup and the clients' actions (submit, cancel, leave
+  early, deadlines) and, with ``faults``, failed steps, spill writes and swap-in reads, an actor crash, jittered
+  step times, slow copies and spill I/O, late retire reports; all drawn from one ``random.Random(seed)``.
+* **The schedule** (``tools.explore_schedule``): trio's own deterministic-scheduling hook, seeded, with the
+  ``random``, ``pct`` or ``delay`` policy; ``MockClock(autojump_threshold=0)`` makes time virtual.
+* **No other nondeterminism.** ``instrumented`` builds each engine with: spill I/O that the actors hand to threads
+  (``trio.to_thread.run_sync``) run inline after a seeded virtual delay; the stub device's step times and copy
+  latencies drawn from the seed; spill in the host tier only (no files). Request ids and sampling seeds come from
+  the script; the log path is the same for every run of one work directory (the header records it). Nothing
   depends on ``PYTHONHASHSEED`` (a test runs one seed under two hash seeds).
 
-Checks (``Monitor``): the core's invariants after every tick; at every delivery to the retire actor, the tick's
-frame is already in the file; exactly one ending per request in the log and on the client, no token after it,
-client tokens a prefix of the logged ones, finish reasons the script explains; blocks, queues, submit slots,
-deadline watches and spilled copies back to baseline; every request ended within a virtual-time bound (and no
-tick storm); the log replays ``identical``. With an actor crash planned, the engine must fail with ``EngineError``
-naming it, every open stream must get that error, and nothing may hang.
+The checks (``tools.explore_checks``): the core's invariants after every tick; at every delivery to the retire
+actor, the delivering tick's frame is already in the file; one ending per request, in the log and on the client,
+with no token after it; the client's tokens a prefix of the logged ones; finish reasons the script explains;
+blocks, queues, submit slots, deadline watches, spilled copies and streams back to baseline; every request ended
+within a virtual-time bound, with no tick storm; the log replays ``identical``. With a planned actor crash: the
+engine fails with ``EngineError`` naming that actor, every stream still open has that error, nothing hangs.
+
+``explore`` runs seeds until the first violation, then shrinks it (``ddmin`` over the script's actions, keeping
+the violation's kind), keeps its log, and describes it with a replay token (``tickloom explore --replay``) and a
+pytest regression test. The broken variants the tests find live in ``tools.explore_variants``.
 """
 
 from __future__ import annotations
@@ -402,8 +403,10 @@ def keep_log(found: Found, log: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     result = run_script(found.script(), found.strategy, log)
     target = out / f"explore-{LEVEL}-seed{found.seed}.tlog"
-    if target.exists():
-        target.unlink()
+    n = 0
+    while target.exists() or target.is_symlink():  # never overwrite
+        n += 1
+        target = out / f"explore-{LEVEL}-seed{found.seed}-{n}.tlog"
     log.replace(target)
     if result.violation is None or result.violation.kind != found.violation.kind:
         raise RuntimeError(f"seed {found.seed}: the shrunk script did not violate again on re-run "
