@@ -38,6 +38,8 @@ engine.core.apply.x_shut_down__mutmut_20	dequeue=None for dequeue=False: both fa
 engine.core.apply.x_shut_down__mutmut_26	dequeue left True: each parked request also leaves its queue one by one, which shutdown then empties anyway (only slower)
 engine.core.apply.x_shut_down__mutmut_31	dequeue=True: as mutant 26
 engine.core.apply.x_shut_down__mutmut_29	the shutdown error at index len+1, not len-1: the only reason that can follow it in the tick is the sweep's timeout at len-1, which wins either way; earlier reasons stand either way
+engine.core.apply.x_spill_done__mutmut_18	unblocked not set after a failed spill: it only matters with no step in flight, and then the requeued sequence resumes in this tick's resume phase, which sets it
+engine.core.apply.x_spill_done__mutmut_19	as mutant 18 (False for None)
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing

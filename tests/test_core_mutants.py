@@ -20,6 +20,7 @@ from events import (
     BindRequest,
     ClientGone,
     Command,
+    DropSpill,
     EmitTokens,
     Finish,
     Input,
@@ -30,6 +31,8 @@ from events import (
     Shutdown,
     SpillOut,
     StepDone,
+    SwapIn,
+    SwapInReady,
     TickInputs,
     TickOutputs,
     Usage,
@@ -754,3 +757,26 @@ def test_invariants_a_lane_holding_the_settled_tokens_is_valid() -> None:
     core = _laned_core()
     _with_tokens(core.state)
     core.check_invariants()
+
+
+# -- C09: a failed spill falls back to requeue ------------------------------------------------------------------
+
+
+def test_c09_a_failed_spill_falls_back_to_requeue_and_drops_its_spill_once() -> None:
+    config = CoreConfig(num_blocks=10, block_size=16, spill_enabled=True, max_batch_size=4, max_seq_len=128,
+                        max_prefill_tokens=64)
+    h = Harness(config, spill_fails={"r1"})
+    h.step(arrival("r0", 20, 60), arrival("r1", 40, 8))
+    h.step()
+    h.step(arrival("r2", 100, 4))  # C23: admission swaps r1 out
+    assert [c.request_id for _, c in h.commands(SpillOut)] == ["r1"]
+    out = h.step(SwapInReady("r1"))  # the harness lists SpillDone(r1, failed) first; the readiness is stale
+    assert DropSpill("r1") in out.commands
+    snap = h.core.snapshot()
+    parked = _snap_seq(snap, "r1")
+    assert parked.status is Status.PREEMPTED and [snap.seqs[i].request_id for i in snap.preempted] == ["r1"]
+    assert not parked.has_spill and not parked.swap_ready, "nothing is left in the spill store for it"
+    h.run()
+    assert [c.request_id for _, c in h.commands(DropSpill)] == ["r1"], "its spill entry is dropped once"
+    assert not h.commands(SwapIn), "it comes back by recompute"
+    assert h.reason("r1") == "length" and len(h.output("r1")) == 8
