@@ -30,6 +30,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "tools.cmd_bench",
     "tools.cmd_log",
     "tools.cmd_replay",
+    "tools.cmd_whatif",
     "tools.cmd_explore",
     "tools.cmd_inspect",
     "tools.cmd_generate",

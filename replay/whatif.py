@@ -1,0 +1,519 @@
+"""What-if runs: re-simulate a log's requests under another core configuration (``tickloom whatif``).
+
+The real ``SchedulerCore``, built with the what-if configuration, is driven by the simulator (``replay/sim.py``).
+Everything around it comes from the log:
+
+- **Client inputs.** Arrivals (with their deadlines, which are absolute times on the log's clock), cancellations and
+  clients gone are delivered at the ``now_ns`` of the tick the log had them in. The simulated clock is the log's
+  clock, so no time is shifted. A ``Shutdown`` that ended requests in the original is delivered at its logged time.
+  One that ended none (a graceful close) is delivered once the what-if run has drained. Stop-string matches are
+  mapped by output index: the retire actor reports ``StopMatched(r, k)`` once the what-if streams r's token k. This
+  always maps, because the tokens up to k are the logged ones.
+- **Tokens.** ``LoggedTokenDevice`` answers output index k of a request with the token the log committed at index k
+  (the ``EmitTokens`` commands: what the client received, and the logprob if it travelled). So EOS and stop
+  positions are reproduced. An index the log never committed falls back to the oracle
+  (``replay/oracle.py``, which never emits EOS). This happens when a request the original cut short (a timeout, a
+  cancel, an error) runs further. ``WhatIfResult.oracle_tokens`` counts these tokens, and the report names them.
+- **Timing: two modes.**
+
+  *replayed*: the configuration is the log's own, and ``modelled`` is not asked for. Every completion is delivered
+  at the tick the log had it (``ReplayTiming``): the device completes as many steps in tick t as the log delivered
+  results in tick t+1; each spill, prefetch and stop report gets the logged delay, and each fault the logged
+  answer; a deadline fires in the tick the log has its ``DeadlineReached``; and each tick runs at the logged
+  ``now_ns``. The inputs the simulated actors produce for a tick (step results with the device's tokens, spill and
+  swap-in answers, stop matches, deadline reports) must be the log's: the same kinds, about the same requests and
+  steps, with the same tokens. Only then does the tick run, in the log's input order and with the log's payloads
+  (error texts, byte counts, measured step times). Any mismatch, and any digest that differs from the logged one, is
+  reported as a divergence. So the what-if degenerates to exact replay, and it checks its own token device, stop
+  mapping and actors against the log.
+
+  *modelled*: the configuration changed, so the logged delivery ticks no longer apply. Step times come from
+  ``StepModel``: ``time = a + b·tokens + c·rows``, fitted by least squares on the log's ``StepDone.step_time_ns``.
+  A term whose column is degenerate is dropped; with no measured step at all, every step takes 1 ms. The device is
+  one FIFO. A step starts when it is dispatched or when the device frees up, whichever is later, and runs for the
+  modelled time (``ModelTiming``). The next tick comes at the earliest of: the next step's end, the next client
+  input, the next watched deadline. It comes at once (same ``now_ns``) when the core asks for a tick, a completion
+  is due, or a spill copy sits at the head of the device's queue. Spill copies, swap-ins and the retire actor's
+  reports take no time. Faults are not carried over: the what-if's device, spill store and swap-in never fail. The
+  report says how many the log had. The step-time model is the one approximation. ``modelled=True`` forces this
+  mode with the log's own configuration, to see how well the model fits.
+
+``measure`` computes the same metrics from any run's ``(TickInputs, TickOutputs)``: the original column comes from
+the log itself, and the what-if column from the simulator's ticks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+import msgspec
+
+from engine.core import CoreConfig, SchedulerCore
+from events import (
+    NO_SAMPLE,
+    ClientGone,
+    DeadlineReached,
+    EmitTokens,
+    Finish,
+    Input,
+    LogReader,
+    PrefetchSpill,
+    RequestArrived,
+    RequestCancelled,
+    RunStep,
+    Shutdown,
+    SpillDone,
+    SpillOut,
+    StepDone,
+    StepFailed,
+    StopMatched,
+    SwapInFailed,
+    SwapInReady,
+    TickInputs,
+    TickOutputs,
+)
+from replay.header import core_config_from_header
+from replay.oracle import OracleExecutor
+from replay.policy import Completion, Key, Policy
+from replay.sim import TICK_NS, Simulator
+from replay.whatif_metrics import RunMetrics, Tick, measure
+
+CLIENT_INPUTS = (RequestArrived, RequestCancelled, ClientGone, Shutdown)
+NEVER = 1 << 40
+"""The delay of a completion the log never delivered: past the end of any log."""
+Mode = Literal["replayed", "modelled"]
+
+
+class WhatIfDivergence(Exception):
+    """A replayed what-if produced inputs that differ from the log's at ``tick``."""
+
+    def __init__(self, tick: int, message: str) -> None:
+        super().__init__(f"tick {tick}: {message}")
+        self.tick = tick
+
+
+# -- the log, read once ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(slots=True)
+class LoggedRun:
+    """What a what-if takes from a log."""
+
+    config: CoreConfig
+    ticks: list[Tick] = dataclasses.field(default_factory=list)
+    tokens: dict[str, dict[int, int]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
+    """request -> {output index: the token the log committed there}."""
+    logprobs: dict[str, dict[int, float]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
+    step_rows: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
+    """(step, request) -> the token that logged step result carried (the rows the log never committed, too)."""
+    clients: list[tuple[int, Input]] = dataclasses.field(default_factory=list)
+    """(now_ns, input) of every client input, in log order (a graceful ``Shutdown`` is left out)."""
+    graceful_shutdown: Shutdown | None = None
+    """A logged ``Shutdown`` that ended nothing (delivered once the modelled run drains)."""
+    stops: dict[str, int] = dataclasses.field(default_factory=dict)
+    """request -> the output index of its first logged stop-string match."""
+    samples: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    """(tokens, rows, step_time_ns) of every step with a measured time."""
+    results_at: Counter[int] = dataclasses.field(default_factory=Counter)
+    """tick -> step results delivered in it."""
+    delivered: dict[Key, int] = dataclasses.field(default_factory=dict)
+    """A completion's simulator key (``("spill", r, n)``, ``("swap_in", r, n)``, ``("stop", r, k)``) -> its tick."""
+    spill_ok: dict[str, list[bool]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    swap_in_ok: dict[str, list[bool]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    deadlines: set[tuple[int, str]] = dataclasses.field(default_factory=set)
+    failed_steps: set[int] = dataclasses.field(default_factory=set)
+
+
+def read_log(path: str | os.PathLike[str]) -> LoggedRun:
+    """Read ``path`` (raises ``LogError`` if it cannot be read, ``ReplayConfigError`` for a bad configuration)."""
+    with LogReader(path) as reader:
+        run = LoggedRun(core_config_from_header(reader.header))
+        steps: dict[int, tuple[int, int]] = {}
+        for record in reader.ticks():
+            _read_tick(run, record.inputs, record.outputs, steps)
+    return run
+
+
+def _read_tick(run: LoggedRun, inputs: TickInputs, outputs: TickOutputs, steps: dict[int, tuple[int, int]]) -> None:
+    tick = inputs.tick
+    run.ticks.append((inputs, outputs))
+    for msg in inputs.inputs:
+        if isinstance(msg, StepDone | StepFailed):
+            run.results_at[tick] += 1
+        if isinstance(msg, StepDone):
+            run.step_rows.update(((msg.step_id, r), t) for r, t in zip(msg.request_ids, msg.token_ids, strict=True))
+            shape = steps.pop(msg.step_id, None)
+            if shape is not None and msg.step_time_ns > 0:
+                run.samples.append((*shape, msg.step_time_ns))
+        elif isinstance(msg, StepFailed):
+            run.failed_steps.add(msg.step_id)
+        elif isinstance(msg, SpillDone):
+            run.delivered[("spill", msg.request_id, len(run.spill_ok[msg.request_id]))] = tick
+            run.spill_ok[msg.request_id].append(msg.ok)
+        elif isinstance(msg, SwapInReady | SwapInFailed):
+            run.delivered[("swap_in", msg.request_id, len(run.swap_in_ok[msg.request_id]))] = tick
+            run.swap_in_ok[msg.request_id].append(isinstance(msg, SwapInReady))
+        elif isinstance(msg, StopMatched):
+            run.delivered[("stop", msg.request_id, msg.token_index)] = tick
+            run.stops.setdefault(msg.request_id, msg.token_index)
+        elif isinstance(msg, DeadlineReached):
+            run.deadlines.add((tick, msg.request_id))
+        elif isinstance(msg, Shutdown) and not any(isinstance(c, Finish) for c in outputs.commands):
+            run.graceful_shutdown = msg
+        elif isinstance(msg, CLIENT_INPUTS):
+            run.clients.append((inputs.now_ns, msg))
+    for command in outputs.commands:
+        if isinstance(command, RunStep):
+            steps[command.step_id] = (len(command.token_ids), len(command.request_ids))
+        elif isinstance(command, EmitTokens):
+            for i, (rid, token, index) in enumerate(
+                zip(command.request_ids, command.token_ids, command.token_indices, strict=True)
+            ):
+                run.tokens[rid].setdefault(index, token)
+                if command.logprobs is not None and not math.isnan(command.logprobs[i]):
+                    run.logprobs[rid].setdefault(index, command.logprobs[i])
+
+
+# -- the step-time model --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepModel:
+    """``time = intercept + per_token·tokens + per_row·rows`` (ns), at least 1 ns."""
+
+    intercept_ns: float
+    per_token_ns: float = 0.0
+    per_row_ns: float = 0.0
+    samples: int = 0
+    mean_abs_error_ns: float = 0.0
+
+    def time(self, tokens: int, rows: int) -> int:
+        return max(1, round(self.intercept_ns + self.per_token_ns * tokens + self.per_row_ns * rows))
+
+    def predict(self, step: RunStep) -> int:
+        return self.time(len(step.token_ids), len(step.request_ids))
+
+    def describe(self) -> str:
+        if not self.samples:
+            return f"the log has no measured step times: every step takes {self.intercept_ns / 1e6:g} ms"
+        return (f"step time = {self.intercept_ns / 1e3:.1f} µs + {self.per_token_ns / 1e3:.3f} µs·tokens + "
+                f"{self.per_row_ns / 1e3:.3f} µs·rows (least squares on {self.samples} logged steps, mean absolute "
+                f"error {self.mean_abs_error_ns / 1e3:.1f} µs)")
+
+
+def fit_step_model(samples: Sequence[tuple[int, int, int]]) -> StepModel:
+    """Least squares of ``step_time_ns`` on (1, tokens, rows), dropping the terms the samples cannot separate."""
+    if not samples:
+        return StepModel(float(TICK_NS))
+    for terms in ((0, 1, 2), (0, 1), (0, 2), (0,)):
+        coef = _least_squares([[(1, tokens, rows)[t] for t in terms] for tokens, rows, _ in samples],
+                              [float(ns) for *_, ns in samples])
+        if coef is not None:
+            full = [0.0, 0.0, 0.0]
+            for term, value in zip(terms, coef, strict=True):
+                full[term] = value
+            full = [round(v, 3) + 0.0 for v in full]  # + 0.0: no -0.0
+            model = StepModel(full[0], full[1], full[2], len(samples))
+            error = sum(abs(model.time(tokens, rows) - ns) for tokens, rows, ns in samples) / len(samples)
+            return dataclasses.replace(model, mean_abs_error_ns=error)
+    raise AssertionError("the intercept alone always fits")
+
+
+def _least_squares(x: list[list[int]], y: list[float]) -> list[float] | None:
+    """Solve the normal equations by Gaussian elimination; None if they are (numerically) singular."""
+    n = len(x[0])
+    if len(x) < n:
+        return None
+    a = [[float(sum(row[i] * row[j] for row in x)) for j in range(n)] for i in range(n)]
+    b = [float(sum(row[i] * v for row, v in zip(x, y, strict=True))) for i in range(n)]
+    scale = max(abs(a[i][i]) for i in range(n))
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-9 * scale:
+            return None
+        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            a[r] = [v - f * w for v, w in zip(a[r], a[col], strict=True)]
+            b[r] -= f * b[col]
+    out = [0.0] * n
+    for i in reversed(range(n)):
+        out[i] = (b[i] - sum(a[i][j] * out[j] for j in range(i + 1, n))) / a[i][i]
+    return out
+
+
+# -- the simulated actors -------------------------------------------------------------------------------------
+@attrs.define(slots=True, eq=False)
+class LoggedTokenDevice(OracleExecutor):
+    """The oracle device, but output index k of a request is the token the log committed there (see the module
+    docstring). ``step_rows`` (replayed mode): an uncommitted row takes the logged step result's token."""
+
+    logged: dict[str, dict[int, int]] = attrs.Factory(dict)
+    logged_logprobs: dict[str, dict[int, float]] = attrs.Factory(dict)
+    step_rows: dict[tuple[int, str], int] = attrs.Factory(dict)
+    model: StepModel | None = None
+    current_step: int = attrs.field(default=-1, init=False)
+
+    def token(self, request_id: str, index: int) -> int:
+        logged = self.logged.get(request_id)
+        if logged is not None and index in logged:
+            return logged[index]
+        row = self.step_rows.get((self.current_step, request_id))
+        return row if row is not None else OracleExecutor.token(self, request_id, index)
+
+    def run_step(self, step: RunStep) -> StepDone | StepFailed:
+        self.current_step = step.step_id
+        result = OracleExecutor.run_step(self, step)
+        if not isinstance(result, StepDone):
+            return result
+        logprobs: list[float] | None = None
+        if self.logged_logprobs:
+            found = [self.logged_logprobs.get(r, {}).get(k)
+                     for r, k in zip(step.request_ids, step.sample_indices, strict=True) if k != NO_SAMPLE]
+            if any(v is not None for v in found):
+                logprobs = [math.nan if v is None else v for v in found]
+        step_time = self.model.predict(step) if self.model is not None else result.step_time_ns
+        return msgspec.structs.replace(result, step_time_ns=step_time, logprobs=logprobs)
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ReplayTiming(Policy):
+    """Replayed mode: every timing and fault answer is the log's (see the module docstring)."""
+
+    run: LoggedRun
+    tick: int = 0
+    """The tick being simulated (set by the driver before each tick)."""
+    asked: Counter[Key] = dataclasses.field(default_factory=Counter)
+
+    def device_steps(self, tick: int) -> int:
+        return self.run.results_at.get(tick + 1, 0)
+
+    def spill_ok(self, command: SpillOut) -> bool:
+        answers = self.run.spill_ok.get(command.request_id, [])
+        n = self._count(("spill", command.request_id))
+        return answers[n] if n < len(answers) else True
+
+    def swap_in(self, command: PrefetchSpill) -> bool | None:
+        answers = self.run.swap_in_ok.get(command.request_id, [])
+        n = self._count(("swap_in", command.request_id))
+        return answers[n] if n < len(answers) else None  # the log ends before the answer: none
+
+    def delay(self, completion: Completion) -> int:
+        at = self.run.delivered.get(completion.key)
+        return NEVER if at is None else max(0, at - completion.caused_at - 1)
+
+    def deadline_due(self, request_id: str, deadline_ns: int, now_ns: int) -> bool:
+        return (self.tick, request_id) in self.run.deadlines
+
+    def _count(self, key: Key) -> int:
+        n = self.asked[key]
+        self.asked[key] = n + 1
+        return n
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ModelTiming(Policy):
+    """Modelled mode: the device runs its FIFO back to back with modelled step times; each tick comes at the next
+    event (see the module docstring). The driver sets ``sim`` and, before each tick, ``next_client_ns``."""
+
+    model: StepModel
+    sim: Simulator | None = None
+    next_client_ns: int | None = None
+    busy_until: int = 0
+    ends: dict[int, int] = dataclasses.field(default_factory=dict)
+    next_ns: int = 0
+    """When the next tick runs (decided in this tick, once the commands are dispatched)."""
+
+    def device_steps(self, tick: int) -> int:
+        sim = self.sim
+        assert sim is not None
+        now = sim.now_ns
+        first_end: int | None = None
+        copy_first = False
+        for _, command in sim.queue:
+            if isinstance(command, RunStep):
+                end = self.ends.get(command.step_id)
+                if end is None:
+                    end = max(now, self.busy_until) + self.model.predict(command)
+                    self.ends[command.step_id] = self.busy_until = end
+                if first_end is None:
+                    first_end = end
+            elif isinstance(command, SpillOut) and first_end is None:
+                copy_first = True
+        events = [t for t in (first_end, self.next_client_ns,
+                              min(sim.deadlines.watched.values(), default=None)) if t is not None]
+        immediate = sim.needs_tick or bool(sim.schedule) or copy_first or not events
+        self.next_ns = now if immediate else max(now, min(events))
+        return 1 if first_end is not None and first_end <= self.next_ns else 0
+
+
+class LogOrderSimulator(Simulator):
+    """The simulator, but a tick runs on ``expected`` (the logged inputs) once the simulated actors produced the
+    same inputs (see ``input_key``); raises ``WhatIfDivergence`` otherwise."""
+
+    expected: TickInputs | None = None
+
+    def run_core(self, inputs: list[Input]) -> tuple[TickInputs, TickOutputs]:
+        expected = self.expected
+        if expected is None:
+            return super().run_core(inputs)
+        got, want = Counter(map(input_key, inputs)), Counter(map(input_key, expected.inputs))
+        if got != want:
+            raise WhatIfDivergence(self.tick, f"the simulated actors delivered {_keys(got - want)} where the log "
+                                              f"has {_keys(want - got)}")
+        return expected, self.core.tick(expected)
+
+
+def input_key(msg: Input) -> tuple[object, ...]:
+    """What must match between a simulated input and the logged one: not error texts, byte counts or times."""
+    name = type(msg).__name__
+    if isinstance(msg, StepDone):
+        return (name, msg.step_id, tuple(msg.request_ids), tuple(msg.token_ids))
+    if isinstance(msg, StepFailed):
+        return (name, msg.step_id)
+    if isinstance(msg, SpillDone):
+        return (name, msg.request_id, msg.ok)
+    if isinstance(msg, SwapInReady | SwapInFailed):
+        return (name, msg.request_id)
+    return (name, msgspec.msgpack.encode(msg))
+
+
+def _keys(keys: Counter[tuple[object, ...]]) -> str:
+    shown = [" ".join(str(part) if not isinstance(part, bytes) else "" for part in key).strip() for key in keys]
+    return "[" + ", ".join(sorted(shown)) + "]" if shown else "nothing"
+
+
+# -- the what-if ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(slots=True)
+class WhatIfResult:
+    path: str
+    mode: Mode
+    base: CoreConfig
+    config: CoreConfig
+    changes: dict[str, tuple[object, object]]
+    model: StepModel
+    original: RunMetrics
+    whatif: RunMetrics
+    ticks: int
+    oracle_tokens: dict[str, int]
+    """request -> tokens the what-if's client received that the log never had (from the oracle)."""
+    notes: list[str]
+    divergence: str | None = None
+    """Replayed mode: where the re-simulation parted from the log (None: identical decisions)."""
+
+    def to_json(self) -> dict[str, object]:
+        m = self.model
+        return {
+            "log": self.path, "mode": self.mode, "ticks": self.ticks,
+            "set": {k: {"was": was, "now": now} for k, (was, now) in self.changes.items()},
+            "config": json.loads(self.config.to_json()),
+            "step_model": {"intercept_ns": m.intercept_ns, "per_token_ns": m.per_token_ns,
+                           "per_row_ns": m.per_row_ns, "samples": m.samples,
+                           "mean_abs_error_ns": m.mean_abs_error_ns},
+            "original": self.original.summary(), "whatif": self.whatif.summary(),
+            "oracle_tokens": self.oracle_tokens, "notes": self.notes, "divergence": self.divergence,
+        }
+
+
+def whatif(path: str | os.PathLike[str], config: CoreConfig | None = None, *, modelled: bool = False,
+           run: LoggedRun | None = None, max_ticks: int | None = None) -> WhatIfResult:
+    """Re-simulate the log at ``path`` (or its already read ``run``) under ``config`` (default: the log's own).
+
+    Raises ``LogError`` / ``ReplayConfigError`` for an unreadable log.
+    """
+    run = run or read_log(path)
+    config = config or run.config
+    changes = {f: (getattr(run.config, f), getattr(config, f)) for f in CoreConfig.__struct_fields__
+               if getattr(run.config, f) != getattr(config, f)}
+    model = fit_step_model(run.samples)
+    mode: Mode = "modelled" if changes or modelled else "replayed"
+    notes: list[str] = []
+    divergence = None
+    sim: Simulator
+    if mode == "replayed":
+        sim, divergence = _replayed(run)
+        ticks = len(sim.outputs)
+        outcome = f"diverged at {divergence}" if divergence else f"decisions identical to the log's in {ticks} ticks"
+        notes.append(f"replayed: the configuration is the log's, every completion comes at its logged tick: {outcome}")
+    else:
+        limit = max_ticks or max(100_000, 50 * len(run.ticks))
+        sim = _modelled(run, config, model, limit)
+        ticks = len(sim.outputs)
+        notes.append(f"modelled: {model.describe()}; spill copies, swap-ins and reports take no time")
+        faults = [f"{what}: {n}" for n, what in ((len(run.failed_steps), "failed steps"),
+                                                (sum(not ok for v in run.spill_ok.values() for ok in v),
+                                                 "failed spills"),
+                                                (sum(not ok for v in run.swap_in_ok.values() for ok in v),
+                                                 "failed swap-ins")) if n]
+        if faults:
+            notes.append(f"not carried over: {', '.join(faults)} (the what-if's actors never fail)")
+    original = measure(run.ticks)
+    result = measure(zip(sim.inputs, sim.outputs, strict=True))
+    oracle = {rid: n for rid, out in result.outputs.items()
+              if (n := sum(k not in run.tokens.get(rid, {}) for k in range(len(out))))}
+    for rid, n in oracle.items():
+        reason = original.reasons.get(rid, "open")
+        notes.append(f"{rid}: the log has {len(original.outputs.get(rid, []))} of its tokens (the original ended "
+                     f"with {reason!r}); the {n} after them came from the oracle")
+    return WhatIfResult(os.fspath(path), mode, run.config, config, changes, model, original, result, ticks,
+                        oracle, notes, divergence)
+
+
+def _device(run: LoggedRun, config: CoreConfig, *, replayed: bool = False,
+            model: StepModel | None = None) -> LoggedTokenDevice:
+    avoid = tuple(config.eos_token_ids) + tuple(
+        t for t in (config.think_start_token, config.think_end_token) if t is not None)
+    return LoggedTokenDevice(config.vocab_size, avoid=avoid, logged=dict(run.tokens),
+                             logged_logprobs=dict(run.logprobs), model=model,
+                             step_rows=run.step_rows if replayed else {},
+                             fail_steps=frozenset(run.failed_steps) if replayed else frozenset())
+
+
+def _replayed(run: LoggedRun) -> tuple[LogOrderSimulator, str | None]:
+    """Replayed mode: the log's ticks, each at its logged time, with the log's delivery timing."""
+    device = _device(run, run.config, replayed=True)
+    timing = ReplayTiming(run=run, spill_after_device=True)
+    sim = LogOrderSimulator(SchedulerCore(run.config), device, timing, stop_at=dict(run.stops),
+                            record_decisions=False)
+    for inputs, logged in run.ticks:
+        if inputs.tick != sim.tick:
+            return sim, f"tick {sim.tick}: the log holds tick {inputs.tick} here"
+        timing.tick = inputs.tick
+        sim.expected = inputs
+        sim.now_ns = inputs.now_ns
+        try:
+            out = sim.step(*(msg for msg in inputs.inputs if isinstance(msg, CLIENT_INPUTS)))
+        except WhatIfDivergence as exc:
+            return sim, str(exc)
+        if out.digest != logged.digest:
+            return sim, f"tick {inputs.tick}: the re-simulated decisions differ from the logged ones"
+    return sim, None
+
+
+def _modelled(run: LoggedRun, config: CoreConfig, model: StepModel, max_ticks: int) -> Simulator:
+    """Modelled mode: client inputs at their logged times, steps at their modelled times, until drained."""
+    timing = ModelTiming(model=model, spill_after_device=True, report_deadlines=True)
+    sim = Simulator(SchedulerCore(config), _device(run, config, model=model), timing, stop_at=dict(run.stops),
+                    record_decisions=False)
+    timing.sim = sim
+    clients = list(reversed(run.clients))
+    shutdown = run.graceful_shutdown
+    starts = [t for t, _ in run.clients] + [inputs.now_ns for inputs, _ in run.ticks[:1]]
+    sim.now_ns = min(starts, default=0)
+    for _ in range(max_ticks):
+        due: list[Input] = []
+        while clients and clients[-1][0] <= sim.now_ns:
+            due.append(clients.pop()[1])
+        timing.next_client_ns = clients[-1][0] if clients else None
+        sim.step(*due)
+        sim.now_ns = timing.next_ns
+        if sim.busy or clients or sim.deadlines.watched:
+            continue
+        if shutdown is None:
+            return sim
+        clients.append((sim.now_ns, shutdown))
+        shutdown = None
+    raise RuntimeError(f"whatif: the modelled run is still busy after {max_ticks} ticks")
