@@ -48,9 +48,10 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import attrs
 import msgspec
@@ -117,8 +118,8 @@ class LoggedRun:
     """A logged ``Shutdown`` that ended nothing (delivered once the modelled run drains)."""
     stops: dict[str, int] = dataclasses.field(default_factory=dict)
     """request -> the output index of its first logged stop-string match."""
-    samples: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
-    """(tokens, rows, step_time_ns) of every step with a measured time."""
+    samples: list[StepSample] = dataclasses.field(default_factory=list)
+    last_result_ns: int = 0
     results_at: Counter[int] = dataclasses.field(default_factory=Counter)
     """tick -> step results delivered in it."""
     delivered: dict[Key, int] = dataclasses.field(default_factory=dict)
@@ -133,23 +134,28 @@ def read_log(path: str | os.PathLike[str]) -> LoggedRun:
     """Read ``path`` (raises ``LogError`` if it cannot be read, ``ReplayConfigError`` for a bad configuration)."""
     with LogReader(path) as reader:
         run = LoggedRun(core_config_from_header(reader.header))
-        steps: dict[int, tuple[int, int]] = {}
+        steps: dict[int, tuple[int, int, int]] = {}
         for record in reader.ticks():
             _read_tick(run, record.inputs, record.outputs, steps)
     return run
 
 
-def _read_tick(run: LoggedRun, inputs: TickInputs, outputs: TickOutputs, steps: dict[int, tuple[int, int]]) -> None:
-    tick = inputs.tick
+def _read_tick(run: LoggedRun, inputs: TickInputs, outputs: TickOutputs,
+               steps: dict[int, tuple[int, int, int]]) -> None:
+    """Take one logged tick in. ``steps``: step -> (tokens, rows, dispatched at), until its result comes."""
+    tick, now = inputs.tick, inputs.now_ns
     run.ticks.append((inputs, outputs))
     for msg in inputs.inputs:
         if isinstance(msg, StepDone | StepFailed):
             run.results_at[tick] += 1
+            shape = steps.pop(msg.step_id, None)
+            if shape is not None and isinstance(msg, StepDone):
+                tokens, rows, dispatched = shape
+                start = max(dispatched, run.last_result_ns)
+                run.samples.append(StepSample(tokens, rows, msg.step_time_ns, now - start))
+            run.last_result_ns = now
         if isinstance(msg, StepDone):
             run.step_rows.update(((msg.step_id, r), t) for r, t in zip(msg.request_ids, msg.token_ids, strict=True))
-            shape = steps.pop(msg.step_id, None)
-            if shape is not None and msg.step_time_ns > 0:
-                run.samples.append((*shape, msg.step_time_ns))
         elif isinstance(msg, StepFailed):
             run.failed_steps.add(msg.step_id)
         elif isinstance(msg, SpillDone):
@@ -169,7 +175,7 @@ def _read_tick(run: LoggedRun, inputs: TickInputs, outputs: TickOutputs, steps: 
             run.clients.append((inputs.now_ns, msg))
     for command in outputs.commands:
         if isinstance(command, RunStep):
-            steps[command.step_id] = (len(command.token_ids), len(command.request_ids))
+            steps[command.step_id] = (len(command.token_ids), len(command.request_ids), now)
         elif isinstance(command, EmitTokens):
             for i, (rid, token, index) in enumerate(
                 zip(command.request_ids, command.token_ids, command.token_indices, strict=True)
@@ -180,44 +186,66 @@ def _read_tick(run: LoggedRun, inputs: TickInputs, outputs: TickOutputs, steps: 
 
 
 # -- the step-time model --------------------------------------------------------------------------------------
+class StepSample(NamedTuple):
+    """One logged step: its shape, its measured time, and its latency as the core saw it: from when the device
+    could start it (its dispatch, or the previous result if that came later) to the tick its result came in."""
+
+    tokens: int
+    rows: int
+    step_time_ns: int
+    latency_ns: int
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepModel:
-    """``time = intercept + per_token·tokens + per_row·rows`` (ns), at least 1 ns."""
+    """``time = intercept + per_token·tokens + per_row·rows + overhead`` (ns), at least 1 ns. The first three terms
+    are the least-squares fit of the measured step times; ``overhead`` is the median of what the core waited
+    beyond them (host work, result delivery)."""
 
     intercept_ns: float
     per_token_ns: float = 0.0
     per_row_ns: float = 0.0
+    overhead_ns: float = 0.0
     samples: int = 0
+    """Steps with a measured time that the fit used."""
     mean_abs_error_ns: float = 0.0
+    """Of the fit, over those steps."""
+
+    def device_time(self, tokens: int, rows: int) -> float:
+        return self.intercept_ns + self.per_token_ns * tokens + self.per_row_ns * rows
 
     def time(self, tokens: int, rows: int) -> int:
-        return max(1, round(self.intercept_ns + self.per_token_ns * tokens + self.per_row_ns * rows))
+        return max(1, round(self.device_time(tokens, rows) + self.overhead_ns))
 
     def predict(self, step: RunStep) -> int:
         return self.time(len(step.token_ids), len(step.request_ids))
 
     def describe(self) -> str:
+        overhead = f" + {self.overhead_ns / 1e3:.1f} µs overhead (the median wait beyond the measured step time)"
         if not self.samples:
-            return f"the log has no measured step times: every step takes {self.intercept_ns / 1e6:g} ms"
+            return f"the log has no measured step times: every step takes {self.intercept_ns / 1e3:.1f} µs{overhead}"
         return (f"step time = {self.intercept_ns / 1e3:.1f} µs + {self.per_token_ns / 1e3:.3f} µs·tokens + "
                 f"{self.per_row_ns / 1e3:.3f} µs·rows (least squares on {self.samples} logged steps, mean absolute "
-                f"error {self.mean_abs_error_ns / 1e3:.1f} µs)")
+                f"error {self.mean_abs_error_ns / 1e3:.1f} µs){overhead}")
 
 
-def fit_step_model(samples: Sequence[tuple[int, int, int]]) -> StepModel:
-    """Least squares of ``step_time_ns`` on (1, tokens, rows), dropping the terms the samples cannot separate."""
-    if not samples:
-        return StepModel(float(TICK_NS))
+def fit_step_model(samples: Sequence[StepSample]) -> StepModel:
+    """Least squares of the measured step times on (1, tokens, rows), dropping the terms the samples cannot
+    separate, plus the median overhead. No measured time at all: the median latency, or 1 ms without any step."""
+    measured = [s for s in samples if s.step_time_ns > 0]
+    if not measured:
+        latency = statistics.median(s.latency_ns for s in samples) if samples else TICK_NS
+        return StepModel(float(latency))
+    overhead = max(0.0, float(statistics.median(s.latency_ns - s.step_time_ns for s in measured)))
     for terms in ((0, 1, 2), (0, 1), (0, 2), (0,)):
-        coef = _least_squares([[(1, tokens, rows)[t] for t in terms] for tokens, rows, _ in samples],
-                              [float(ns) for *_, ns in samples])
+        coef = _least_squares([[(1, s.tokens, s.rows)[t] for t in terms] for s in measured],
+                              [float(s.step_time_ns) for s in measured])
         if coef is not None:
             full = [0.0, 0.0, 0.0]
             for term, value in zip(terms, coef, strict=True):
-                full[term] = value
-            full = [round(v, 3) + 0.0 for v in full]  # + 0.0: no -0.0
-            model = StepModel(full[0], full[1], full[2], len(samples))
-            error = sum(abs(model.time(tokens, rows) - ns) for tokens, rows, ns in samples) / len(samples)
+                full[term] = round(value, 3) + 0.0  # + 0.0: no -0.0
+            model = StepModel(full[0], full[1], full[2], overhead, len(measured))
+            error = sum(abs(model.device_time(s.tokens, s.rows) - s.step_time_ns) for s in measured) / len(measured)
             return dataclasses.replace(model, mean_abs_error_ns=error)
     raise AssertionError("the intercept alone always fits")
 
@@ -403,6 +431,8 @@ class WhatIfResult:
     notes: list[str]
     divergence: str | None = None
     """Replayed mode: where the re-simulation parted from the log (None: identical decisions)."""
+    run_ticks: list[Tick] = dataclasses.field(default_factory=list, repr=False)
+    """The what-if's own ticks (inputs and outputs), as its core saw and decided them."""
 
     def to_json(self) -> dict[str, object]:
         m = self.model
@@ -411,7 +441,7 @@ class WhatIfResult:
             "set": {k: {"was": was, "now": now} for k, (was, now) in self.changes.items()},
             "config": json.loads(self.config.to_json()),
             "step_model": {"intercept_ns": m.intercept_ns, "per_token_ns": m.per_token_ns,
-                           "per_row_ns": m.per_row_ns, "samples": m.samples,
+                           "per_row_ns": m.per_row_ns, "overhead_ns": m.overhead_ns, "samples": m.samples,
                            "mean_abs_error_ns": m.mean_abs_error_ns},
             "original": self.original.summary(), "whatif": self.whatif.summary(),
             "oracle_tokens": self.oracle_tokens, "notes": self.notes, "divergence": self.divergence,
@@ -451,7 +481,8 @@ def whatif(path: str | os.PathLike[str], config: CoreConfig | None = None, *, mo
         if faults:
             notes.append(f"not carried over: {', '.join(faults)} (the what-if's actors never fail)")
     original = measure(run.ticks)
-    result = measure(zip(sim.inputs, sim.outputs, strict=True))
+    run_ticks = list(zip(sim.inputs, sim.outputs, strict=True))
+    result = measure(run_ticks)
     oracle = {rid: n for rid, out in result.outputs.items()
               if (n := sum(k not in run.tokens.get(rid, {}) for k in range(len(out))))}
     for rid, n in oracle.items():
@@ -459,7 +490,7 @@ def whatif(path: str | os.PathLike[str], config: CoreConfig | None = None, *, mo
         notes.append(f"{rid}: the log has {len(original.outputs.get(rid, []))} of its tokens (the original ended "
                      f"with {reason!r}); the {n} after them came from the oracle")
     return WhatIfResult(os.fspath(path), mode, run.config, config, changes, model, original, result, ticks,
-                        oracle, notes, divergence)
+                        oracle, notes, divergence, run_ticks)
 
 
 def _device(run: LoggedRun, config: CoreConfig, *, replayed: bool = False,
