@@ -1,0 +1,421 @@
+"""The race explorer, core level: the real ``SchedulerCore`` in the simulator, each completion moved to another tick.
+
+One seed is one run, reproducible byte for byte:
+
+* **The workload** (``Workload``): a core configuration and a client script of ``Arrive`` (with the oracle's scripted
+  tokens, e.g. an EOS at an index), ``Leave`` (a cancel or a disconnect, delivered through the simulator as a
+  client completion) and ``StopAt`` (the retire actor reports a stop-string match once that token index is
+  streamed) actions. ``random_workload(seed)`` draws clients like the C26 blast's (shared prefixes, cache salts,
+  priorities, deadlines, stop token ids, EOS, cancels, ``ClientGone``, ``StopMatched``) under a small random
+  configuration; ``log_workload(path)`` takes a real log's arrivals, client inputs, stop matches, streamed tokens
+  and configuration.
+* **The schedule** (``ExplorePolicy``): every question the simulator asks (``replay.policy``) answered by a
+  strategy from ``random.Random`` seeded by (seed, strategy, faults). Moving a completion is legal by
+  construction: the simulator schedules it only after its cause, and the device's results keep their FIFO order
+  (a step result is moved by stalling the device: ``device_steps`` 0). Strategies: ``random`` (uniform delays,
+  0-2 device steps per tick, shuffled inputs), ``pct`` (1-3 change points among the first completions: those are
+  delayed a lot, the rest prompt), ``delay`` (at most 1-3 completions delayed per run). ``faults`` adds failed
+  steps, failed spills and swap-ins, and slow I/O (long spill and swap-in delays). Once the script's last action
+  has passed, the faults heal and every answer is prompt.
+* **Moved events**: each answer that differs from the prompt default (``replay.policy.Policy``) is an *edit*
+  (``Decision``). A run re-played from its edits alone, the default answering the rest, is the same run; fewer
+  edits are fewer moved events (that is how ``replay.shrink`` shrinks).
+
+The checks, after every tick: ``core.check_invariants()``; the clients' view (``ClientCheck``: one finish per
+request, no token after it, indices in order, streamed tokens equal to the finish's count unless a stop match
+truncated it, a ``StopMatched`` delivered while the request was live caps the count at its index + 1, no request
+live after a tick at or past its deadline); no swapped sequence stranded while the free and cached blocks would fit
+it (``StrandCheck``); at the end, liveness (every request ended within ``drain_bound`` ticks of the last action)
+and conservation (every block free or cached, nothing held). With a log, it must replay ``identical``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import traceback
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from engine.core import CoreConfig, SchedulerCore
+from engine.core.errors import InvariantViolation
+from events import (
+    ClientGone,
+    DeadlineReached,
+    EmitTokens,
+    Input,
+    LogReader,
+    LogWriter,
+    RequestArrived,
+    RequestCancelled,
+    SamplingSpec,
+    StopMatched,
+    TickInputs,
+    TickOutputs,
+)
+from replay.explore_checks import ClientCheck, StrandCheck, Violation, check_end
+from replay.header import core_config_from_header
+from replay.oracle import OracleExecutor
+from replay.policy import Completion, Decision, Kind, Policy
+from replay.record import header_for
+from replay.sim import Simulator
+from replay.verify import verify
+
+LEVEL = "core"
+STRATEGIES = ("random", "pct", "delay")
+EOS = 1
+STOP_TOKEN = 2
+VOCAB = 1000
+EARLY_NS = 3_000_000
+"""How far the deadline actor's clock may lead the core's: a report up to this early is legal."""
+STRAND_TICKS = 3
+"""Ticks a ready swapped sequence may stay parked while the free and cached blocks would fit it (0 in the real core:
+``swap_in`` runs at the end of every tick)."""
+
+
+# -- workloads -----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class Arrive:
+    tick: int
+    msg: RequestArrived
+    tokens: tuple[tuple[int, int], ...] = ()
+    """The oracle's scripted (output index, token) pairs for this request."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leave:
+    tick: int
+    msg: RequestCancelled | ClientGone
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StopAt:
+    tick: int
+    request_id: str
+    index: int
+
+
+Action = Arrive | Leave | StopAt
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workload:
+    config: CoreConfig
+    actions: tuple[Action, ...]
+
+    def subset(self, keep: Iterable[int]) -> Workload:
+        return Workload(self.config, tuple(self.actions[i] for i in sorted(keep)))
+
+
+def random_config(rng: random.Random) -> CoreConfig:
+    """A small configuration under KV pressure: few blocks, tight budgets, spill and prefix caching mostly on."""
+    block_size = rng.choice((4, 8, 16))
+    min_blocks = 96 // block_size + 1
+    return CoreConfig(
+        num_blocks=rng.randint(min_blocks, 2 * min_blocks), block_size=block_size,
+        max_batch_size=rng.choice((2, 3, 4, 6)), max_seq_len=96, max_prefill_tokens=rng.choice((16, 32, 64)),
+        max_batch_tokens=rng.choice((24, 64, 128)), admit_watermark=rng.choice((0, 2, 8)),
+        pipeline_depth=rng.choice((1, 2, 2)), spill_enabled=rng.random() < 0.7,
+        preempt_immunity_tokens=rng.choice((0, 2, 8)), eos_token_ids=(EOS,), vocab_size=VOCAB,
+        prefix_caching=rng.random() < 0.85, max_waiting=rng.choice((4, 16)),
+    )
+
+
+def random_workload(seed: int) -> Workload:
+    """Seeded random clients, like the C26 blast's, under a random small configuration."""
+    rng = random.Random(f"workload:{seed}")
+    config = random_config(rng)
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(48)] for _ in range(2)]
+    actions: list[Action] = []
+    tick = 0
+    for i in range(rng.randint(4, 12)):
+        tick += rng.choice((0, 0, 1, 1, 2, 4))
+        rid = f"q{i}"
+        if rng.random() < 0.5:
+            prompt = rng.choice(prefixes)[: rng.choice((8, 16, 17, 32, 48))]
+            prompt = prompt + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 8))]
+        else:
+            prompt = [rng.randrange(3, VOCAB) for _ in range(rng.choice((1, 5, 9, 16, 23)))]
+        max_tokens = rng.choice((1, 2, 4, 8, 16, 24, 32))
+        params = SamplingSpec(max_tokens=max_tokens, min_tokens=rng.choice((0, 0, 2)) if max_tokens >= 2 else 0,
+                              stop_token_ids=[STOP_TOKEN] if rng.random() < 0.3 else [],
+                              ignore_eos=rng.random() < 0.1)
+        deadline = (tick + rng.randint(4, 60)) * 1_000_000 if rng.random() < 0.4 else None
+        tokens = ((rng.randrange(max_tokens), rng.choice((EOS, STOP_TOKEN))),) if rng.random() < 0.25 else ()
+        msg = RequestArrived(rid, prompt, params, seed=rng.randrange(1 << 40), priority=rng.choice((0, 0, 1, -1)),
+                             deadline_ns=deadline, cache_salt=rng.choice(("", "", "b")))
+        actions.append(Arrive(tick, msg, tokens))
+        if max_tokens >= 2 and rng.random() < 0.2:
+            actions.append(StopAt(tick, rid, rng.randrange(max_tokens - 1)))
+        if rng.random() < 0.12:
+            leave = RequestCancelled(rid) if rng.random() < 0.6 else ClientGone(rid)
+            actions.append(Leave(tick + rng.randint(0, 12), leave))
+    actions.sort(key=lambda a: a.tick)  # stable: a request's stop right after its arrival
+    return Workload(config, tuple(actions))
+
+
+def log_workload(path: str | Path) -> Workload:
+    """A real log's workload: its configuration, arrivals, cancels, disconnects and stop matches at their ticks,
+    and each request's streamed tokens as the oracle's script (so the explored runs see the logged model's tokens).
+    Raises ``events.LogError`` for a log that cannot be read and ``ReplayConfigError`` for a bad configuration."""
+    actions: list[Action] = []
+    arrivals: dict[str, tuple[int, RequestArrived]] = {}
+    tokens: dict[str, dict[int, int]] = {}
+    with LogReader(path) as reader:
+        config = core_config_from_header(reader.header)
+        for record in reader.ticks():
+            tick = record.inputs.tick
+            for msg in record.inputs.inputs:
+                if isinstance(msg, RequestArrived):
+                    arrivals[msg.request_id] = (len(actions), msg)
+                    actions.append(Arrive(tick, msg))
+                elif isinstance(msg, RequestCancelled | ClientGone):
+                    actions.append(Leave(tick, msg))
+                elif isinstance(msg, StopMatched):
+                    actions.append(StopAt(tick, msg.request_id, msg.token_index))
+            for command in record.outputs.commands:
+                if isinstance(command, EmitTokens):
+                    for rid, token, index in zip(command.request_ids, command.token_ids, command.token_indices,
+                                                 strict=True):
+                        tokens.setdefault(rid, {})[index] = token
+    for rid, (i, msg) in arrivals.items():
+        first = actions[i]
+        assert isinstance(first, Arrive)
+        actions[i] = Arrive(first.tick, msg, tuple(sorted(tokens.get(rid, {}).items())))
+    return Workload(config, tuple(actions))
+
+
+def drain_bound(workload: Workload) -> int:
+    """Ticks after the script's last action within which every request must have ended (faults healed): each
+    request's prefill chunks and tokens one after another, with room for swaps and the slowest I/O."""
+    config = workload.config
+    work = sum(len(a.msg.prompt_token_ids) // config.max_prefill_tokens + a.msg.params.max_tokens + 8
+               for a in workload.actions if isinstance(a, Arrive))
+    return 200 + 4 * work
+
+
+# -- the schedule ----------------------------------------------------------------------------------------------------
+def default_policy(config: CoreConfig) -> Policy:
+    """The prompt default: one step per tick after a tick in the device's queue at depth 2 (two steps in flight),
+    spills answered once the device has run the copy, deadlines reported when due, everything in the next tick."""
+    return Policy(device_lag=1 if config.pipeline_depth > 1 else 0, spill_after_device=True, report_deadlines=True,
+                  spill_block_bytes=4096)
+
+
+@dataclasses.dataclass(slots=True)
+class ExplorePolicy(Policy):
+    """A strategy's answers (see the module docstring); ``deviated`` notes, per answer, whether it differs from the
+    default's (``Policy``'s answer to the same question), in the order the simulator records its decisions."""
+
+    rng: random.Random = dataclasses.field(default_factory=random.Random)
+    strategy: str = "random"
+    faults: bool = False
+    healed: bool = False
+    deviated: list[bool] = dataclasses.field(default_factory=list)
+    points: frozenset[int] = frozenset()
+    budget: int = 0
+    asked: int = 0
+    stall_until: int = -1
+
+    def __post_init__(self) -> None:
+        if self.strategy == "pct":
+            self.points = frozenset(self.rng.sample(range(160), self.rng.randint(1, 3)))
+        elif self.strategy == "delay":
+            self.budget = self.rng.randint(1, 3)
+
+    def _note(self, value: object, default: object) -> None:
+        self.deviated.append(value != default)
+
+    def _moved(self) -> int:
+        """How late the strategy moves the completion asked about (0: prompt)."""
+        if self.healed:
+            return 0
+        n = self.asked
+        self.asked += 1
+        rng = self.rng
+        if self.strategy == "random":
+            return rng.choice((0, 0, 0, 0, 1, 2, 3, 6))
+        if self.strategy == "pct":
+            return rng.randint(8, 30) if n in self.points else 0
+        if self.budget and rng.random() < 0.03:
+            self.budget -= 1
+            return rng.randint(1, 10)
+        return 0
+
+    def device_steps(self, tick: int) -> int:
+        default = self.steps_per_tick
+        if self.healed:
+            value = default
+        elif self.strategy == "random":
+            value = self.rng.choice((0, 1, 1, 1, 2))
+        elif tick < self.stall_until:
+            value = 0
+        else:
+            stall = self._moved()
+            self.stall_until = tick + stall
+            value = 0 if stall else default
+        self._note(value, default)
+        return value
+
+    def step_fails(self, step_id: int) -> bool:
+        value = self.faults and not self.healed and self.rng.random() < 0.02
+        self._note(value, False)
+        return value
+
+    def spill_ok(self, command: object) -> bool:
+        value = not (self.faults and not self.healed and self.rng.random() < 0.15)
+        self._note(value, True)
+        return value
+
+    def swap_in(self, command: object) -> bool | None:
+        value = not (self.faults and not self.healed and self.rng.random() < 0.05)
+        self._note(value, True)
+        return value
+
+    def delay(self, completion: Completion) -> int:
+        value = self._moved()
+        slow_io = self.faults and not self.healed and completion.kind in (Kind.SPILL, Kind.SWAP_IN)
+        if slow_io and self.rng.random() < 0.1:
+            value += self.rng.randint(10, 40)
+        self._note(value, 0)
+        return value
+
+    def deadline_due(self, request_id: str, deadline_ns: int, now_ns: int) -> bool:
+        default = now_ns >= deadline_ns
+        value = default
+        if default or deadline_ns - now_ns <= EARLY_NS:
+            value = default != bool(self._moved())  # reported late, or early (the actor's clock leads)
+        self._note(value, default)
+        return value
+
+    def arrange(self, inputs: Sequence[Input], fired: Sequence[DeadlineReached]) -> tuple[int, ...]:
+        default = Policy.arrange(self, inputs, fired)
+        value = default
+        if self.strategy == "random" and not self.healed:
+            order = list(default)
+            self.rng.shuffle(order)
+            value = tuple(order)
+        self._note(value, default)
+        return value
+
+    def merge(self, device: Sequence[Completion], due: Sequence[Completion]) -> tuple[int, ...]:
+        default = Policy.merge(self, device, due)
+        value = default
+        if self.strategy == "random" and not self.healed and due:
+            order = list(range(len(device)))  # the device's results keep their order
+            for i in range(len(device), len(device) + len(due)):
+                order.insert(self.rng.randint(0, len(order)), i)
+            value = tuple(order)
+        self._note(value, default)
+        return value
+
+
+def strategy_policy(seed: int, strategy: str, faults: bool, config: CoreConfig) -> ExplorePolicy:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    base = default_policy(config)
+    return ExplorePolicy(device_lag=base.device_lag, spill_after_device=True, report_deadlines=True,
+                         spill_block_bytes=base.spill_block_bytes, strategy=strategy, faults=faults,
+                         rng=random.Random(f"schedule:{seed}:{strategy}:{faults}"))
+
+
+# -- one run -----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(slots=True)
+class RunResult:
+    violation: Violation | None
+    ticks: int
+    edits: list[Decision]
+    """The run's moved events: its decisions that differ from the default's (a run under an ``ExplorePolicy``)."""
+
+
+class _Sim(Simulator):
+    """The simulator, keeping the last tick's inputs for the clients' check (``keep`` would keep them all)."""
+
+    last: TickInputs = TickInputs(0, 0, [])
+
+    def run_core(self, inputs: list[Input]) -> tuple[TickInputs, TickOutputs]:
+        tick_inputs, out = super().run_core(inputs)
+        self.last = tick_inputs
+        return tick_inputs, out
+
+
+def run_workload(workload: Workload, policy: Policy, *, replay: Sequence[Decision] = (),
+                 log: Path | None = None) -> RunResult:
+    """Run ``workload`` on the core as built now (a variant, if one is enabled) under ``policy``, answering first
+    from ``replay``; check every tick, stop at the first violation. With ``log``, write the run there (the file must
+    not exist) and check that it replays ``identical``."""
+    config = workload.config
+    scripted = {a.msg.request_id: dict(a.tokens) for a in workload.actions if isinstance(a, Arrive) and a.tokens}
+    oracle = OracleExecutor(config.vocab_size, avoid=(*config.eos_token_ids, STOP_TOKEN), scripted=scripted)
+    stop_at = {a.request_id: a.index for a in workload.actions if isinstance(a, StopAt)}
+    writer = LogWriter(log, header_for(config, engine_version=f"tickloom-explore/{LEVEL}")) if log else None
+    sim = _Sim(SchedulerCore(config), oracle, policy, check_invariants=True, check_clients=False, keep=False,
+               writer=writer, stop_at=stop_at, replay=replay)
+    try:
+        violation = _drive(sim, workload, policy)
+    finally:
+        if writer is not None:
+            writer.close()
+    if violation is None and log is not None:
+        report = verify(log)
+        if report.status != "identical":
+            tick = report.first_divergent_tick if report.first_divergent_tick is not None else -1
+            violation = Violation("replay", tick, f"the run's log replays {report.status}: {report.error}")
+    edits: list[Decision] = []
+    if isinstance(policy, ExplorePolicy) and sim.decisions is not None:
+        if len(policy.deviated) != len(sim.decisions):
+            raise RuntimeError(f"{len(sim.decisions)} decisions but {len(policy.deviated)} answers noted")
+        edits = [d for d, moved in zip(sim.decisions, policy.deviated, strict=True) if moved]
+    return RunResult(violation, sim.tick, edits)
+
+
+def _drive(sim: _Sim, workload: Workload, policy: Policy) -> Violation | None:
+    by_tick: dict[int, list[Action]] = {}
+    for action in workload.actions:
+        by_tick.setdefault(action.tick, []).append(action)
+    last = max(by_tick, default=0)
+    bound = last + drain_bound(workload)
+    clients = ClientCheck()
+    strand = StrandCheck(STRAND_TICKS)
+    while True:
+        tick = sim.tick
+        if tick > last:
+            if isinstance(policy, ExplorePolicy):
+                policy.healed = True
+            if not (sim.busy or sim.deadlines.watched):
+                break
+            if tick > bound:
+                return Violation("liveness", tick, f"still busy {bound - last} ticks after the script's last action "
+                                 f"(tick {last}), with {sorted(clients.live)} live")
+        arrivals: list[Input] = []
+        for action in by_tick.get(tick, ()):
+            if isinstance(action, Arrive):
+                arrivals.append(action.msg)
+            elif isinstance(action, Leave):
+                sim.send(action.msg)
+        try:
+            out = sim.step(*arrivals)
+        except InvariantViolation as exc:
+            return Violation("invariant", tick, str(exc))
+        except Exception as exc:  # the core (or the oracle checking its commands) failed: reported, not hidden
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{Path(frame.filename).name}:{frame.lineno}"
+            return Violation("crash", tick, f"{type(exc).__name__}: {exc} (at {where})")
+        violation = clients.observe(sim.last, out)
+        if violation is not None:
+            return violation
+        try:
+            strand(sim.core)
+        except InvariantViolation as exc:
+            return Violation("stranded", tick, exc.detail)
+    return check_end(sim.core, clients.live, sim.tick)
+
+
+def default_run(workload: Workload, edits: Sequence[Decision] = (), *, log: Path | None = None) -> RunResult:
+    """The run that ``edits`` (moved events) describe: answered from them, the prompt default answering the rest."""
+    return run_workload(workload, default_policy(workload.config), replay=edits, log=log)
+
+
+def seed_workload(seed: int, log: str | Path | None) -> Workload:
+    """The workload a seed explores: the log's (every seed the same), or the seed's random clients."""
+    return log_workload(log) if log is not None else random_workload(seed)

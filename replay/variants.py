@@ -1,0 +1,199 @@
+"""Deliberately broken copies of core functions, for proving that the core-level race explorer finds real races.
+
+Each variant is a context manager that swaps one function in the module of ``engine.core`` that calls it for a broken
+copy and puts the real one back on exit. The core holds no flag for them and nothing in the public API reaches them:
+only ``tickloom explore --variant NAME`` (a hidden option) and the tests enable one. Each breaks one rule of
+DESIGN.md:
+
+* ``fence``: ``retire_finished`` frees a finished row's blocks at once, even while the newest step that references
+  them has not reported back (the rule ``lifecycle.release_blocks`` keeps with a fence).
+* ``preempt-unsettled``: ``ensure_blocks`` may take a victim that an unsettled step still references (the real one
+  asks ``lifecycle.choose_victim``, which skips such rows, and ``preempt`` asserts it).
+* ``swapped-deadline``: ``sweep_deadlines`` skips swapped sequences: a request whose deadline passes while its KV is
+  in the spill store is never timed out.
+* ``swap-in-no-reclaim``: ``swap_in`` without its reclaim loop: a swapped sequence strands while the blocks it needs
+  sit, unreferenced, in the prefix cache.
+* ``stream-overrun``: ``_commit_in_bulk`` streams the token of a row whose sequence already finished (an over-run of
+  running ahead, or a row of a cancelled request).
+* ``stop-loses``: ``stop_matched`` ignores a request already marked finished in this tick, so a ``StopMatched`` at a
+  lower token index loses to a ``length`` finish at a higher one (the earliest index must win).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from types import ModuleType
+
+import engine.core.apply as apply_module
+import engine.core.endgame as endgame_module
+import engine.core.planner as planner_module
+import engine.core.scheduler as scheduler_module
+from engine.core.blocks import blocks_for
+from engine.core.context import TickContext
+from engine.core.endgame import _resume
+from engine.core.lifecycle import cache_full_blocks, mark_finish
+from engine.core.state import CoreState, InflightStep, Seq, Status
+from events import Preempted, SpillOut, StepDone, StopMatched, SwapIn
+
+
+def release_blocks_unfenced(state: CoreState, ctx: TickContext, seq: Seq) -> None:
+    """``lifecycle.release_blocks`` without the fence: the blocks go back to the pool at once."""
+    if seq.block_ids:
+        state.pool.release(seq.block_ids)
+        ctx.unblocked = True
+    seq.block_ids = []
+    seq.sent_blocks = 0
+
+
+def _preempt_any(state: CoreState, ctx: TickContext, victim: Seq) -> None:
+    """``lifecycle.preempt`` without its assertion that the victim is settled."""
+    state.lane = None
+    ctx.lane_broken = True
+    state.running = [seq for seq in state.running if seq is not victim]
+    decoding = victim.num_computed >= victim.prefill_target and victim.outputs
+    if state.config.spill_enabled and decoding:
+        ctx.commands.append(Preempted(victim.request_id, "swap"))
+        ctx.commands.append(SpillOut(victim.request_id, list(victim.block_ids), victim.kv_settled))
+        victim.spill_tokens = victim.kv_settled
+        victim.swap_ready = False
+        victim.has_spill = True
+        victim.status = Status.SWAPPING
+        state.swapped.append(victim)
+    else:
+        ctx.commands.append(Preempted(victim.request_id, "requeue"))
+        cache_full_blocks(state, victim, victim.kv_settled)
+        victim.status = Status.PREEMPTED
+        state.preempted.append(victim)
+    release_blocks_unfenced(state, ctx, victim)
+    victim.num_computed = 0
+    victim.kv_settled = 0
+    victim.first_planned = False
+    victim.reserve = 0
+
+
+def ensure_blocks_any_victim(state: CoreState, ctx: TickContext, seq: Seq, blocks: int, step_id: int) -> bool:
+    """``planner.ensure_blocks`` whose victim may be a row of an unsettled step (not of the step being planned)."""
+    pool = state.pool
+    while len(seq.block_ids) < blocks:
+        short = blocks - len(seq.block_ids) - pool.num_free
+        if short > 0:
+            pool.reclaim(short)
+        if pool.num_free >= blocks - len(seq.block_ids):
+            seq.block_ids.extend(pool.allocate(blocks - len(seq.block_ids)))
+            return True
+        victim: Seq | None = None
+        best: tuple[int, int, int, int] | None = None
+        for other in state.running:
+            if other.status is not Status.RUNNING or other.last_step == step_id:
+                continue
+            key = (0 if len(other.outputs) < other.immune_until else 1, other.priority, -len(other.outputs),
+                   other.admitted)
+            if best is None or key > best:
+                victim, best = other, key
+        if victim is None:
+            return False
+        _preempt_any(state, ctx, victim)
+        if victim is seq:
+            return False
+    return True
+
+
+def sweep_deadlines_skipping_swapped(state: CoreState) -> None:
+    """``endgame.sweep_deadlines`` that passes over swapped sequences (their heap entries are dropped)."""
+    heap = state.deadlines
+    now = state.now_ns
+    while heap and heap[0][0] <= now:
+        _, arrival, request_id = heapq.heappop(heap)
+        seq = state.seqs.get(request_id)
+        if seq is not None and seq.arrival == arrival and seq.status not in (Status.SWAPPING, Status.SWAPPED):
+            mark_finish(state, seq, "timeout", len(seq.outputs) - 1)
+
+
+def swap_in_without_reclaim(state: CoreState, ctx: TickContext) -> None:
+    """``endgame.swap_in`` without the loop that reclaims prefix-cache blocks for the smallest candidate."""
+    if not state.swapped:
+        return
+    pool = state.pool
+    size = state.config.block_size
+    active = state.active
+    while active < state.config.max_batch_size:
+        candidates = [seq for seq in state.swapped if seq.status is Status.SWAPPED and seq.swap_ready]
+        chosen = next((s for s in candidates if blocks_for(s.spill_tokens, size) <= pool.num_free), None)
+        if chosen is None:
+            return
+        state.swapped.remove(chosen)
+        chosen.block_ids = pool.allocate(blocks_for(chosen.spill_tokens, size))
+        chosen.sent_blocks = len(chosen.block_ids)
+        chosen.num_computed = chosen.kv_settled = chosen.spill_tokens
+        chosen.reserve = len(chosen.block_ids)
+        chosen.first_planned = True
+        _resume(state, chosen)
+        ctx.commands.append(SwapIn(chosen.request_id, list(chosen.block_ids), chosen.spill_tokens))
+        ctx.unblocked = True
+        active += 1
+
+
+def commit_streaming_overruns(state: CoreState, ctx: TickContext, step: InflightStep, msg: StepDone) -> None:
+    """``apply._commit_in_bulk`` that streams every row's token, those of finished sequences (over-runs) too."""
+    running = Status.RUNNING
+    for seq, token in zip(step.samplers, msg.token_ids, strict=True):
+        seq.inflight -= 1
+        if seq.status is running:
+            seq.outputs.append(token)
+    ctx.emit_ids += msg.request_ids
+    ctx.emit_tokens += msg.token_ids
+    ctx.emit_indices += step.sample_indices
+    ctx.emit_reasoning += [False] * len(step.samplers)
+    stop_tokens = state.stop_tokens
+    candidates = sorted({*step.ending, *(i for i, t in enumerate(msg.token_ids) if t in stop_tokens)})
+    for i in candidates:
+        seq = step.samplers[i]
+        if seq.status is running:
+            apply_module._apply_stop_rules(state, seq, msg.token_ids[i], step.sample_indices[i])
+
+
+def stop_matched_unless_finishing(state: CoreState, msg: StopMatched) -> None:
+    """``apply.stop_matched`` that ignores a request another reason finished earlier in this tick."""
+    seq = state.seqs.get(msg.request_id)
+    if seq is None or seq.status is Status.FINISHED:
+        return
+    if mark_finish(state, seq, "stop", msg.token_index):
+        del seq.outputs[msg.token_index + 1 :]
+
+
+@contextmanager
+def _patch(module: ModuleType, name: str, replacement: Callable[..., object]) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+VARIANTS: dict[str, Callable[[], AbstractContextManager[None]]] = {
+    "fence": lambda: _patch(endgame_module, "release_blocks", release_blocks_unfenced),
+    "preempt-unsettled": lambda: _patch(planner_module, "ensure_blocks", ensure_blocks_any_victim),
+    "swapped-deadline": lambda: _patch(scheduler_module, "sweep_deadlines", sweep_deadlines_skipping_swapped),
+    "swap-in-no-reclaim": lambda: _patch(scheduler_module, "swap_in", swap_in_without_reclaim),
+    "stream-overrun": lambda: _patch(apply_module, "_commit_in_bulk", commit_streaming_overruns),
+    "stop-loses": lambda: _patch(apply_module, "stop_matched", stop_matched_unless_finishing),
+}
+"""Name -> a context manager under which every ``SchedulerCore`` runs with that broken function."""
+
+
+@contextmanager
+def enabled(name: str | None) -> Iterator[None]:
+    """Run the block with the variant ``name`` (None: the real code)."""
+    if name is None:
+        yield
+        return
+    if name not in VARIANTS:
+        raise ValueError(f"unknown core variant {name!r}; known: {', '.join(sorted(VARIANTS))}")
+    with VARIANTS[name]():
+        yield
+
+
+__all__ = ["VARIANTS", "enabled"]
