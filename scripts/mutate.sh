@@ -40,6 +40,11 @@ engine.core.apply.x_shut_down__mutmut_31	dequeue=True: as mutant 26
 engine.core.apply.x_shut_down__mutmut_29	the shutdown error at index len+1, not len-1: the only reason that can follow it in the tick is the sweep's timeout at len-1, which wins either way; earlier reasons stand either way
 engine.core.apply.x_spill_done__mutmut_18	unblocked not set after a failed spill: it only matters with no step in flight, and then the requeued sequence resumes in this tick's resume phase, which sets it
 engine.core.apply.x_spill_done__mutmut_19	as mutant 18 (False for None)
+engine.core.apply.x_fail_step__mutmut_8	a failed step's samplers are all among its rows, which it ends: retired this tick, their in-flight count is never read again
+engine.core.apply.x_fail_step__mutmut_9	as mutant 8
+engine.core.apply.x_fail_step__mutmut_10	as mutant 8
+engine.core.apply.x_fail_step__mutmut_25	the error at len+1, not len-1: reasons after it in the tick (stop match, deadline sweep) come at len-1 or earlier and win either way, as they do over error, the lowest rank
+engine.core.apply.x_fail_step__mutmut_47	as mutant 25, for a request sharing the failed step's blocks
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing

@@ -31,6 +31,7 @@ from events import (
     Shutdown,
     SpillOut,
     StepDone,
+    StepFailed,
     SwapIn,
     SwapInReady,
     TickInputs,
@@ -780,3 +781,51 @@ def test_c09_a_failed_spill_falls_back_to_requeue_and_drops_its_spill_once() -> 
     assert [c.request_id for _, c in h.commands(DropSpill)] == ["r1"], "its spill entry is dropped once"
     assert not h.commands(SwapIn), "it comes back by recompute"
     assert h.reason("r1") == "length" and len(h.output("r1")) == 8
+
+
+# -- E05 / running ahead: a failed step fails its rows, the rows fed from it, and whoever shares its blocks -------
+
+
+def test_a_failed_step_fails_its_rows_and_those_sharing_the_blocks_it_registered() -> None:
+    core = make_core(num_blocks=16, block_size=16, max_seq_len=128, pipeline_depth=2)
+    prompt = list(range(100, 140))  # 40 tokens: step 0 registers its 2 full blocks
+    _tick(core, arrival("r", prompt, 10), arrival("c", 10, 10))
+    [step1] = _of(_tick(core, arrival("q", prompt, 10), arrival("z", 10, 10), RequestCancelled("c")), RunStep)
+    assert step1.request_ids == ["r", "q", "z"] and step1.fed_from == [0, -1, -1], "q hits r's 2 blocks"
+    assert [(step, rid) for step, rid, _ in core.snapshot().fences] == [(0, "c")]
+    out = _tick(core, StepFailed(0, "boom"))
+    finishes = {c.request_id: c for c in _of(out, Finish)}
+    assert list(finishes) == ["r", "q"], "r's row failed, and q shares the blocks it registered; z does not"
+    assert {f.reason for f in finishes.values()} == {"error"}
+    assert {f.error for f in finishes.values()} == {"step 0 failed: boom"}
+    snap = core.snapshot()
+    assert all(h is None for h in snap.pool.hash_of), "the blocks step 0 registered left the prefix cache"
+    assert [(step, rid) for step, rid, _ in snap.fences] == [(1, "r"), (1, "q")], "c's fence went with step 0"
+    [z] = [seq for seq in snap.seqs[: snap.live]]
+    assert z.request_id == "z" and z.status is Status.RUNNING
+    out = _tick(core, StepDone(1, ["r", "q", "z"], [7, 8, 9]))
+    assert [(c.request_ids, c.token_ids) for c in _of(out, EmitTokens)] == [(["z"], [9])], "r and q are discarded"
+    assert core.snapshot().fences == []
+
+
+def test_a_failed_step_fails_the_rows_fed_from_it() -> None:
+    core = make_core(num_blocks=16, block_size=16, max_seq_len=128, pipeline_depth=2, prefix_caching=False)
+    _tick(core, arrival("r", 20, 10))
+    [step1] = _of(_tick(core), RunStep)
+    assert step1.request_ids == ["r"] and step1.fed_from == [0], "running ahead: step 1 is fed from step 0"
+    out = _tick(core, StepFailed(0, "device lost"))
+    assert _of(out, Finish) == [Finish("r", "error", Usage(20, 0, 0), "step 0 failed: device lost")]
+    out = _tick(core, StepFailed(1, "device lost"))
+    assert not _of(out, Finish), "r ended once"
+    snap = core.snapshot()
+    assert snap.live == 0 and snap.fences == [] and len(snap.pool.free) == 16
+
+
+def test_c14_a_deadline_due_when_a_step_fails_ends_its_rows_as_timeout() -> None:
+    core = make_core(num_blocks=16, block_size=16, max_seq_len=128, pipeline_depth=2)
+    prompt = list(range(100, 140))
+    _tick(core, arrival("r", prompt, 10, deadline_ns=5))
+    _tick(core, arrival("q", prompt, 10, deadline_ns=5))  # q shares the 2 blocks step 0 registers
+    out = core.tick(TickInputs(3, 5, [StepFailed(0, "boom")]))
+    reasons = {c.request_id: c.reason for c in _of(out, Finish)}
+    assert reasons == {"r": "timeout", "q": "timeout"}, "timeout > error at the same token"
