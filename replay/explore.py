@@ -98,6 +98,26 @@ class StopAt:
 Action = Arrive | Leave | StopAt
 
 
+def describe_action(action: Action) -> str:
+    """One line for a report: what the client (or the retire actor) does, and when."""
+    if isinstance(action, Leave):
+        return f"tick {action.tick}: {type(action.msg).__name__}({action.msg.request_id})"
+    if isinstance(action, StopAt):
+        return f"tick {action.tick}+: {action.request_id} matches a stop string at token index {action.index}"
+    msg, params = action.msg, action.msg.params
+    parts = [f"tick {action.tick}: {msg.request_id} arrives, prompt {len(msg.prompt_token_ids)} tokens, "
+             f"max_tokens {params.max_tokens}"]
+    parts += [f"min_tokens {params.min_tokens}"] if params.min_tokens else []
+    parts += [f"stop ids {params.stop_token_ids}"] if params.stop_token_ids else []
+    parts += ["ignore_eos"] if params.ignore_eos else []
+    parts += [f"priority {msg.priority}"] if msg.priority else []
+    parts += [f"deadline {msg.deadline_ns / 1e6:g} ms"] if msg.deadline_ns is not None else []
+    parts += [f"salt {msg.cache_salt!r}"] if msg.cache_salt else []
+    parts += [f"tokens {dict(action.tokens)}"] if action.tokens and len(action.tokens) <= 3 else []
+    parts += [f"{len(action.tokens)} scripted tokens"] if len(action.tokens) > 3 else []
+    return ", ".join(parts)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Workload:
     config: CoreConfig
@@ -377,13 +397,18 @@ def _drive(sim: _Sim, workload: Workload, policy: Policy) -> Violation | None:
     bound = last + drain_bound(workload)
     clients = ClientCheck()
     strand = StrandCheck(STRAND_TICKS)
+    idle = 0
     while True:
         tick = sim.tick
         if tick > last:
             if isinstance(policy, ExplorePolicy):
                 policy.healed = True
             if not (sim.busy or sim.deadlines.watched):
-                break
+                # Idle. A live request now waits for nothing but the core: a few empty ticks give a parked one
+                # its chance (and ``StrandCheck`` its evidence, in the log too) before the end checks.
+                idle += 1
+                if not clients.live or idle > STRAND_TICKS + 1:
+                    break
             if tick > bound:
                 return Violation("liveness", tick, f"still busy {bound - last} ticks after the script's last action "
                                  f"(tick {last}), with {sorted(clients.live)} live")

@@ -2,11 +2,12 @@
 
     tickloom explore --actors [--seeds N] [--strategy random|pct|delay] [--faults] [--out DIR]
     tickloom explore --replay TOKEN
-    tickloom explore [LOG] ...            # the core level (not built yet: exit 64)
+    tickloom explore [LOG] [--seeds N] [--strategy random|pct|delay] [--faults] [--out DIR]   # the core level
 
 Two levels. ``--actors`` runs the real trio actors and ``Engine`` on the stub device under a mock clock, with
 trio's scheduler seeded (``tools.explore_actors``). Without it, the core level explores the core on its own
-through the simulator, optionally from a log's workload; it plugs in at ``run_core_level``.
+through the simulator, optionally from a log's workload (``replay.explore``, ``replay.shrink``); it plugs in at
+``run_core_level``.
 
 On a violation: the shrunk script, its log (with ``--out DIR``), a replay token for ``--replay``, and a pytest
 regression test to paste. Exit status: 0 no violation; 1 a violation; 64 usage errors. The last line sums up the
@@ -40,8 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_core_level(args: argparse.Namespace) -> int:
-    """The core level's entry point (the simulator-driven explorer). Not built yet."""
-    raise NotImplementedError("the core level of the explorer is not built yet; use --actors")
+    """The core level's entry point (the simulator-driven explorer, ``replay.shrink.run_cli``)."""
+    from replay.shrink import UsageError, run_cli
+    from tools.cli import CliError
+
+    try:
+        return run_cli(log=args.log, seeds=range(args.seed_start, args.seed_start + args.seeds),
+                       strategy=args.strategy, faults=args.faults, variant=args.variant, out=args.out,
+                       shrink=not args.no_shrink, verbose=args.verbose, replay=args.replay)
+    except UsageError as exc:
+        raise CliError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,10 +93,13 @@ def _explore(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from replay.shrink import TOKEN_PREFIX
     from tools.cli import CliError
     from tools.explore_actors import LEVEL, decode_token, replay_scenario
     from tools.explore_variants import VARIANTS, enabled
 
+    if args.replay.startswith(TOKEN_PREFIX):
+        return run_core_level(args)
     try:
         token = decode_token(args.replay)
     except ValueError as exc:
