@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
             split_override(pair)
     except OverrideError as exc:
         raise CliError(str(exc)) from exc
+    if args.plot:
+        _matplotlib()  # before the run: a missing matplotlib is a usage error, found at once
     if not os.path.isfile(args.log):
         return _unreadable(args, f"{args.log}: no such file")
     try:
@@ -171,15 +174,19 @@ def format_table(result: WhatIfResult) -> str:
 
 
 # -- the plot -------------------------------------------------------------------------------------------------
-def write_plot(result: WhatIfResult, out: str | os.PathLike[str]) -> None:
-    """Both runs' TTFT and inter-token latency distributions (empirical CDFs) as a PNG."""
+def _matplotlib() -> ModuleType:
     from tools.cli import CliError
 
     try:
         import matplotlib
     except ImportError as exc:
         raise CliError("--plot needs matplotlib, which is not installed (pip install matplotlib)") from exc
-    matplotlib.use("Agg")
+    return matplotlib
+
+
+def write_plot(result: WhatIfResult, out: str | os.PathLike[str]) -> None:
+    """Both runs' TTFT and inter-token latency distributions (empirical CDFs) as a PNG."""
+    _matplotlib().use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
