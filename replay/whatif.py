@@ -22,21 +22,24 @@ Everything around it comes from the log:
   answer; a deadline fires in the tick the log has its ``DeadlineReached``; and each tick runs at the logged
   ``now_ns``. The inputs the simulated actors produce for a tick (step results with the device's tokens, spill and
   swap-in answers, stop matches, deadline reports) must be the log's: the same kinds, about the same requests and
-  steps, with the same tokens. Only then does the tick run, in the log's input order and with the log's payloads
+  steps, with the same tokens (a row the log never committed, such as an over-run or a poisoned row's placeholder,
+  takes the logged result's token). Only then does the tick run, in the log's input order and with the log's payloads
   (error texts, byte counts, measured step times). Any mismatch, and any digest that differs from the logged one, is
   reported as a divergence. So the what-if degenerates to exact replay, and it checks its own token device, stop
   mapping and actors against the log.
 
   *modelled*: the configuration changed, so the logged delivery ticks no longer apply. Step times come from
-  ``StepModel``: ``time = a + b·tokens + c·rows``, fitted by least squares on the log's ``StepDone.step_time_ns``.
-  A term whose column is degenerate is dropped; with no measured step at all, every step takes 1 ms. The device is
+  ``StepModel``: ``time = a + b·tokens + c·rows``, fitted by least squares on the log's ``StepDone.step_time_ns``,
+  plus the median overhead the core waited beyond the measured time (host work, result delivery), so that a
+  modelled step takes as long as the core saw logged steps take. A term whose column is degenerate is dropped. With
+  no measured step time, a step takes the median logged latency; with no step at all, 1 ms. The device is
   one FIFO. A step starts when it is dispatched or when the device frees up, whichever is later, and runs for the
   modelled time (``ModelTiming``). The next tick comes at the earliest of: the next step's end, the next client
   input, the next watched deadline. It comes at once (same ``now_ns``) when the core asks for a tick, a completion
-  is due, or a spill copy sits at the head of the device's queue. Spill copies, swap-ins and the retire actor's
-  reports take no time. Faults are not carried over: the what-if's device, spill store and swap-in never fail. The
-  report says how many the log had. The step-time model is the one approximation. ``modelled=True`` forces this
-  mode with the log's own configuration, to see how well the model fits.
+  is due, or a spill copy sits at the head of the device's queue. Beyond the step-time model, the approximations
+  are these: spill copies, swap-ins and the retire actor's reports take no time; and faults are not carried over
+  (the what-if's device, spill store and swap-in never fail; the report says how many the log had).
+  ``modelled=True`` forces this mode with the log's own configuration, to see how well the model fits.
 
 ``measure`` computes the same metrics from any run's ``(TickInputs, TickOutputs)``: the original column comes from
 the log itself, and the what-if column from the simulator's ticks.

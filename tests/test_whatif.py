@@ -11,10 +11,21 @@ import msgspec
 import pytest
 import trio
 from engine_helpers import stub_config
+from replay_helpers import Records, rewrite
 
 from engine import Engine, SamplingParams
 from engine.core import CoreConfig
-from events import Input, RequestArrived, RequestCancelled, RunStep, StepDone, StepFailed
+from events import (
+    Input,
+    LogHeader,
+    RequestArrived,
+    RequestCancelled,
+    RunStep,
+    Shutdown,
+    StepDone,
+    StepFailed,
+    TickRecord,
+)
 from replay.oracle import OracleExecutor
 from replay.record import Scenario, arrival, everything_scenario
 from replay.whatif import StepSample, fit_step_model, read_log, whatif
@@ -143,6 +154,47 @@ def test_cancel_comes_at_its_logged_time(tmp_path: Path) -> None:
     assert result.original.reasons["c5"] == result.whatif.reasons["c5"] == "cancelled"
     assert len(result.whatif.outputs["c5"]) > len(result.original.outputs["c5"]), "batched at once: further along"
     assert result.oracle_tokens == {"c5": len(result.whatif.outputs["c5"]) - len(result.original.outputs["c5"])}
+
+
+def test_a_shutdown_that_ended_requests_comes_at_its_logged_time(tmp_path: Path) -> None:
+    config = CoreConfig(num_blocks=64, block_size=4, max_batch_size=4, max_seq_len=64, vocab_size=512)
+    path = tmp_path / "shutdown.tlog"
+    Scenario(config=config, script={0: [arrival(f"s{i}", 8, 40) for i in range(6)], 20: [Shutdown()]}).record(path)
+    logged = read_log(path)
+    assert logged.graceful_shutdown is None
+    result = whatif(path, msgspec.structs.replace(config, max_batch_size=6), run=logged)
+    when = [i.now_ns for i, _ in result.run_ticks for m in i.inputs if isinstance(m, Shutdown)]
+    assert when == [t for t, m in logged.clients if isinstance(m, Shutdown)]
+    assert result.whatif.finish_reasons == result.original.finish_reasons == {"error": 6}
+
+
+def test_a_log_that_contradicts_itself_diverges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Replayed mode checks the simulated actors against the log: a logged step result whose token is not the
+    one the log then committed is reported at its tick, and the command exits 1."""
+    path = tmp_path / "every.tlog"
+    everything_scenario().record(path)
+    edited: list[int] = []
+
+    def edit(header: LogHeader, records: Records) -> tuple[LogHeader, Records]:
+        out: Records = []
+        for record in records:
+            if isinstance(record, TickRecord) and record.inputs.tick > 20 and not edited:
+                inputs = list(record.inputs.inputs)
+                for k, msg in enumerate(inputs):
+                    if isinstance(msg, StepDone) and msg.token_ids:
+                        inputs[k] = msgspec.structs.replace(msg, token_ids=[msg.token_ids[0] ^ 1, *msg.token_ids[1:]])
+                        edited.append(record.inputs.tick)
+                        record = TickRecord(msgspec.structs.replace(record.inputs, inputs=inputs), record.outputs)
+                        break
+            out.append(record)
+        return header, out
+
+    rewrite(path, tmp_path / "edited.tlog", edit)
+    result = whatif(tmp_path / "edited.tlog")
+    assert result.divergence is not None and result.divergence.startswith(f"tick {edited[0]}: ")
+    assert len(result.run_ticks) == edited[0]
+    assert main(["whatif", str(tmp_path / "edited.tlog")]) == 1
+    assert "DIVERGED" in capsys.readouterr().out
 
 
 def test_step_model_fit() -> None:

@@ -158,6 +158,8 @@ def format_table(result: WhatIfResult) -> str:
     """The side-by-side comparison, original (what the log says happened) vs what-if."""
     changes = ", ".join(f"{k} {was} -> {now}" for k, (was, now) in result.changes.items()) or "none"
     lines = [f"what-if of {result.path} ({result.mode}, {result.ticks} ticks)", f"  set: {changes}", ""]
+    if result.divergence:
+        lines[1:1] = [f"  DIVERGED from the log at {result.divergence}: the what-if column stops there"]
     original, whatif = dict(_rows(result.original)), dict(_rows(result.whatif))
     reasons = sorted({*result.original.finish_reasons, *result.whatif.finish_reasons})
     for reason in reasons:
