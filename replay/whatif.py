@@ -51,10 +51,8 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 from collections import Counter, defaultdict
-from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import attrs
 import msgspec
@@ -86,8 +84,8 @@ from events import (
 from replay.header import core_config_from_header
 from replay.oracle import OracleExecutor
 from replay.policy import Completion, Key, Policy
-from replay.sim import TICK_NS, Simulator
-from replay.whatif_metrics import RunMetrics, Tick, measure
+from replay.sim import Simulator
+from replay.whatif_measure import RunMetrics, StepModel, StepSample, Tick, fit_step_model, measure
 
 CLIENT_INPUTS = (RequestArrived, RequestCancelled, ClientGone, Shutdown)
 NEVER = 1 << 40
@@ -186,94 +184,6 @@ def _read_tick(run: LoggedRun, inputs: TickInputs, outputs: TickOutputs,
                 run.tokens[rid].setdefault(index, token)
                 if command.logprobs is not None and not math.isnan(command.logprobs[i]):
                     run.logprobs[rid].setdefault(index, command.logprobs[i])
-
-
-# -- the step-time model --------------------------------------------------------------------------------------
-class StepSample(NamedTuple):
-    """One logged step: its shape, its measured time, and its latency as the core saw it: from when the device
-    could start it (its dispatch, or the previous result if that came later) to the tick its result came in."""
-
-    tokens: int
-    rows: int
-    step_time_ns: int
-    latency_ns: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepModel:
-    """``time = intercept + per_token·tokens + per_row·rows + overhead`` (ns), at least 1 ns. The first three terms
-    are the least-squares fit of the measured step times; ``overhead`` is the median of what the core waited
-    beyond them (host work, result delivery)."""
-
-    intercept_ns: float
-    per_token_ns: float = 0.0
-    per_row_ns: float = 0.0
-    overhead_ns: float = 0.0
-    samples: int = 0
-    """Steps with a measured time that the fit used."""
-    mean_abs_error_ns: float = 0.0
-    """Of the fit, over those steps."""
-
-    def device_time(self, tokens: int, rows: int) -> float:
-        return self.intercept_ns + self.per_token_ns * tokens + self.per_row_ns * rows
-
-    def time(self, tokens: int, rows: int) -> int:
-        return max(1, round(self.device_time(tokens, rows) + self.overhead_ns))
-
-    def predict(self, step: RunStep) -> int:
-        return self.time(len(step.token_ids), len(step.request_ids))
-
-    def describe(self) -> str:
-        overhead = f" + {self.overhead_ns / 1e3:.1f} µs overhead (the median wait beyond the measured step time)"
-        if not self.samples:
-            return f"the log has no measured step times: every step takes {self.intercept_ns / 1e3:.1f} µs{overhead}"
-        return (f"step time = {self.intercept_ns / 1e3:.1f} µs + {self.per_token_ns / 1e3:.3f} µs·tokens + "
-                f"{self.per_row_ns / 1e3:.3f} µs·rows (least squares on {self.samples} logged steps, mean absolute "
-                f"error {self.mean_abs_error_ns / 1e3:.1f} µs){overhead}")
-
-
-def fit_step_model(samples: Sequence[StepSample]) -> StepModel:
-    """Least squares of the measured step times on (1, tokens, rows), dropping the terms the samples cannot
-    separate, plus the median overhead. No measured time at all: the median latency, or 1 ms without any step."""
-    measured = [s for s in samples if s.step_time_ns > 0]
-    if not measured:
-        latency = statistics.median(s.latency_ns for s in samples) if samples else TICK_NS
-        return StepModel(float(latency))
-    overhead = max(0.0, float(statistics.median(s.latency_ns - s.step_time_ns for s in measured)))
-    for terms in ((0, 1, 2), (0, 1), (0, 2), (0,)):
-        coef = _least_squares([[(1, s.tokens, s.rows)[t] for t in terms] for s in measured],
-                              [float(s.step_time_ns) for s in measured])
-        if coef is not None:
-            full = [0.0, 0.0, 0.0]
-            for term, value in zip(terms, coef, strict=True):
-                full[term] = round(value, 3) + 0.0  # + 0.0: no -0.0
-            model = StepModel(full[0], full[1], full[2], overhead, len(measured))
-            error = sum(abs(model.device_time(s.tokens, s.rows) - s.step_time_ns) for s in measured) / len(measured)
-            return dataclasses.replace(model, mean_abs_error_ns=error)
-    raise AssertionError("the intercept alone always fits")
-
-
-def _least_squares(x: list[list[int]], y: list[float]) -> list[float] | None:
-    """Solve the normal equations by Gaussian elimination; None if they are (numerically) singular."""
-    n = len(x[0])
-    if len(x) < n:
-        return None
-    a = [[float(sum(row[i] * row[j] for row in x)) for j in range(n)] for i in range(n)]
-    b = [float(sum(row[i] * v for row, v in zip(x, y, strict=True))) for i in range(n)]
-    scale = max(abs(a[i][i]) for i in range(n))
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) <= 1e-9 * scale:
-            return None
-        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
-        for r in range(col + 1, n):
-            f = a[r][col] / a[col][col]
-            a[r] = [v - f * w for v, w in zip(a[r], a[col], strict=True)]
-            b[r] -= f * b[col]
-    out = [0.0] * n
-    for i in reversed(range(n)):
-        out[i] = (b[i] - sum(a[i][j] * out[j] for j in range(i + 1, n))) / a[i][i]
-    return out
 
 
 # -- the simulated actors -------------------------------------------------------------------------------------

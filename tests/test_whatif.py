@@ -28,7 +28,8 @@ from events import (
 )
 from replay.oracle import OracleExecutor
 from replay.record import Scenario, arrival, everything_scenario
-from replay.whatif import StepSample, fit_step_model, read_log, whatif
+from replay.whatif import read_log, whatif
+from replay.whatif_measure import StepSample, fit_step_model
 from tools.cli import EX_USAGE, main
 from tools.cmd_whatif import OverrideError, apply_overrides
 

@@ -22,7 +22,7 @@ from replay.header import ReplayConfigError, check_core_limits
 
 if TYPE_CHECKING:
     from replay.whatif import WhatIfResult
-    from replay.whatif_metrics import RunMetrics
+    from replay.whatif_measure import RunMetrics
 
 NAME = "whatif"
 HELP = "re-simulate a log's requests under another core configuration and compare"
