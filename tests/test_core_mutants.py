@@ -32,6 +32,7 @@ from events import (
     SpillOut,
     StepDone,
     StepFailed,
+    StopMatched,
     SwapIn,
     SwapInReady,
     TickInputs,
@@ -829,3 +830,45 @@ def test_c14_a_deadline_due_when_a_step_fails_ends_its_rows_as_timeout() -> None
     out = core.tick(TickInputs(3, 5, [StepFailed(0, "boom")]))
     reasons = {c.request_id: c.reason for c in _of(out, Finish)}
     assert reasons == {"r": "timeout", "q": "timeout"}, "timeout > error at the same token"
+
+
+# -- C14: a stop match names a delivered token --------------------------------------------------------------------
+
+
+def _decoding(outputs: int) -> SchedulerCore:
+    core = make_core(num_blocks=16, max_seq_len=128)
+    hold_blocks(core.state, add_seq(core.state, "r", 20, outputs=outputs), 2)
+    return core
+
+
+def test_c14_a_stop_match_at_the_first_token_truncates_to_it() -> None:
+    core = _decoding(3)
+    out = _tick(core, StopMatched("r", 0))
+    [finish] = _of(out, Finish)
+    assert (finish.reason, finish.usage.completion_tokens) == ("stop", 1)
+
+
+@pytest.mark.parametrize("index", [-1, 3])
+def test_c14_a_stop_match_past_the_delivered_tokens_is_refused(index: int) -> None:
+    core = _decoding(3)
+    with pytest.raises(InvariantViolation) as raised:
+        _tick(core, StopMatched("r", index))
+    assert str(raised.value) == (
+        f"stop matches name delivered tokens: 'r' has 3 outputs; a stop string matched at {index}"
+    )
+
+
+def test_c14_a_stop_match_for_an_unknown_request_is_ignored() -> None:
+    core = _decoding(3)
+    out = _tick(core, StopMatched("gone", 5))
+    assert not _of(out, Finish)
+
+
+def test_c14_a_stop_match_before_a_deadline_due_in_the_same_tick_stands() -> None:
+    core = _decoding(3)
+    seq = core.state.seqs["r"]
+    seq.deadline_ns = 0
+    core.state.deadlines.append((0, seq.arrival, "r"))
+    out = _tick(core, StopMatched("r", 1))
+    [finish] = _of(out, Finish)
+    assert (finish.reason, finish.usage.completion_tokens) == ("stop", 2), "the earlier token index wins"
