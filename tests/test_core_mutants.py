@@ -864,11 +864,13 @@ def test_c14_a_stop_match_for_an_unknown_request_is_ignored() -> None:
     assert not _of(out, Finish)
 
 
-def test_c14_a_stop_match_before_a_deadline_due_in_the_same_tick_stands() -> None:
+def test_c14_a_stop_match_then_a_deadline_in_the_same_tick_meet_at_the_truncated_token() -> None:
+    # The stop match (applied with the inputs) truncates to index 1; the deadline sweep then times the request out
+    # at its last token, now index 1 too, where timeout takes precedence over stop.
     core = _decoding(3)
     seq = core.state.seqs["r"]
     seq.deadline_ns = 0
     core.state.deadlines.append((0, seq.arrival, "r"))
     out = _tick(core, StopMatched("r", 1))
     [finish] = _of(out, Finish)
-    assert (finish.reason, finish.usage.completion_tokens) == ("stop", 2), "the earlier token index wins"
+    assert (finish.reason, finish.usage.completion_tokens) == ("timeout", 2)
