@@ -874,3 +874,60 @@ def test_c14_a_stop_match_then_a_deadline_in_the_same_tick_meet_at_the_truncated
     out = _tick(core, StopMatched("r", 1))
     [finish] = _of(out, Finish)
     assert (finish.reason, finish.usage.completion_tokens) == ("timeout", 2)
+
+
+# -- Inputs that contradict what the core knows are refused, naming the rule ------------------------------------
+
+
+def _refused(core: SchedulerCore, tick: TickInputs) -> str:
+    with pytest.raises(InvariantViolation) as raised:
+        core.tick(tick)
+    return str(raised.value)
+
+
+def _one_step() -> tuple[SchedulerCore, RunStep]:
+    core = make_core(num_blocks=16, max_seq_len=128)
+    [step] = _of(_tick(core, arrival("r", 10, 4)), RunStep)
+    return core, step
+
+
+def test_a_result_for_a_step_out_of_order_is_refused() -> None:
+    core, step = _one_step()
+    message = _refused(core, TickInputs(2, 0, [StepDone(step.step_id + 1, ["r"], [7])]))
+    assert message == f"steps settle in order: got a result for step {step.step_id + 1}, expected {step.step_id}"
+
+
+def test_a_result_with_no_step_in_flight_is_refused() -> None:
+    core = make_core(num_blocks=16, max_seq_len=128)
+    assert _refused(core, TickInputs(1, 0, [StepFailed(0, "x")])) == (
+        "steps settle in order: got a result for step 0, expected None"
+    )
+
+
+def test_a_result_for_other_rows_is_refused() -> None:
+    core, step = _one_step()
+    assert _refused(core, TickInputs(2, 0, [StepDone(step.step_id, ["x"], [7])])) == (
+        f"step results match their step: step {step.step_id} sampled for ['r'] but reported ['x']"
+    )
+
+
+def test_a_result_with_a_token_count_unlike_its_rows_is_refused() -> None:
+    core, step = _one_step()
+    assert _refused(core, TickInputs(2, 0, [StepDone(step.step_id, ["r"], [7, 8])])) == (
+        f"step results match their step: step {step.step_id}: 2 tokens for 1 rows"
+    )
+
+
+def test_an_arrival_reusing_a_live_request_id_is_refused() -> None:
+    core, _ = _one_step()
+    assert _refused(core, TickInputs(2, 0, [arrival("r", 10, 4)])) == (
+        "unique request ids: request 'r' arrived while still live"
+    )
+
+
+def test_ticks_are_consecutive_and_time_never_goes_back() -> None:
+    core = make_core(num_blocks=16, max_seq_len=128)
+    core.tick(TickInputs(1, 10, []))
+    assert _refused(core, TickInputs(3, 10, [])) == "ticks are consecutive: tick 3 after tick 1"
+    assert _refused(core, TickInputs(2, 9, [])) == "time never goes back: now_ns 9 < 10"
+    core.tick(TickInputs(2, 10, []))  # the same time again is fine
