@@ -17,9 +17,11 @@ from engine.core.lifecycle import cache_full_blocks
 from engine.core.snapshot import CoreSnapshot
 from engine.core.state import CoreState, DecodeLane, Seq, Status
 from events import (
+    NO_SAMPLE,
     BindRequest,
     ClientGone,
     Command,
+    DeadlineReached,
     DropSpill,
     EmitTokens,
     Finish,
@@ -34,6 +36,7 @@ from events import (
     StepFailed,
     StopMatched,
     SwapIn,
+    SwapInFailed,
     SwapInReady,
     TickInputs,
     TickOutputs,
@@ -931,3 +934,37 @@ def test_ticks_are_consecutive_and_time_never_goes_back() -> None:
     assert _refused(core, TickInputs(3, 10, [])) == "ticks are consecutive: tick 3 after tick 1"
     assert _refused(core, TickInputs(2, 9, [])) == "time never goes back: now_ns 9 < 10"
     core.tick(TickInputs(2, 10, []))  # the same time again is fine
+
+
+# -- C20 with a zero budget, stale notices --------------------------------------------------------------------
+
+
+def test_c20_a_zero_budget_forces_think_end_as_the_first_output() -> None:
+    config = CoreConfig(num_blocks=16, max_seq_len=128, think_start_token=THINK_START, think_end_token=THINK_END)
+    h = Harness(config, oracle=OracleExecutor(config.vocab_size, avoid=(THINK_START, THINK_END)))
+    out = h.step(arrival("r", [*range(100, 110), THINK_START], params=SamplingSpec(max_tokens=4, thinking_budget=0)))
+    [emit] = _of(out, EmitTokens)
+    assert (emit.request_ids, emit.token_ids, emit.token_indices, emit.reasoning) == (["r"], [THINK_END], [0], [True])
+    [prefill] = _of(out, RunStep)
+    assert prefill.sample_indices == [NO_SAMPLE], "the prefill samples nothing: output 0 is known"
+    h.run()
+    assert h.output("r")[0] == THINK_END and THINK_END not in h.output("r")[1:]
+    assert h.finishes["r"].usage.reasoning_tokens == 1 and len(h.output("r")) == 4
+
+
+def test_c12_a_deadline_notice_for_another_deadline_is_ignored() -> None:
+    core = make_core(num_blocks=16, max_seq_len=128)
+    _tick(core, arrival("r", 10, 4, deadline_ns=10**12))
+    assert not _of(_tick(core, DeadlineReached("r", 10**12 - 1)), Finish), "a notice for a deadline r does not have"
+    [finish] = _of(_tick(core, DeadlineReached("r", 10**12)), Finish)
+    assert finish.reason == "timeout"
+
+
+def test_c10_swap_in_failed_ends_a_swapped_request_and_is_ignored_after() -> None:
+    core = make_core(num_blocks=16, max_seq_len=128, spill_enabled=True)
+    swapped = add_seq(core.state, "s", 20, outputs=5, status=Status.SWAPPED)
+    swapped.spill_tokens, swapped.has_spill = 24, True
+    out = _tick(core, SwapInFailed("s", "checksum mismatch"))
+    assert _of(out, Finish) == [Finish("s", "error", Usage(20, 0, 5), "swap-in failed: checksum mismatch")]
+    assert DropSpill("s") in out.commands
+    assert not _tick(core, SwapInFailed("s", "again")).commands, "a late report for an ended request is ignored"
