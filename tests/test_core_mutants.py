@@ -968,3 +968,19 @@ def test_c10_swap_in_failed_ends_a_swapped_request_and_is_ignored_after() -> Non
     assert _of(out, Finish) == [Finish("s", "error", Usage(20, 0, 5), "swap-in failed: checksum mismatch")]
     assert DropSpill("s") in out.commands
     assert not _tick(core, SwapInFailed("s", "again")).commands, "a late report for an ended request is ignored"
+
+
+# -- C08: resuming needs need + 1 blocks, but never more than the sequence can still use ----------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="core bug: resume_preempted demands need + 1 blocks even when the sequence "
+                   "cannot grow past its last block (max_seq_len % block_size != 0, smallest legal pool), and ends it "
+                   "with 'needs 8 KV blocks to resume, more than the pool's 7' instead of resuming it")
+def test_c08_a_requeued_sequence_one_block_from_max_seq_len_resumes_in_the_smallest_pool() -> None:
+    # max_seq_len 100 at block size 16: the config needs 100 // 16 + 1 = 7 blocks. A 99-token sequence (its history
+    # 98 tokens: 7 blocks) can still sample one token, at position 98, inside its 7th block: it never needs an 8th.
+    core = make_core(num_blocks=7, block_size=16, max_seq_len=100)
+    add_seq(core.state, "p", 90, outputs=9, status=Status.PREEMPTED)
+    out = _tick(core)
+    assert not _of(out, Finish), "it fits: nothing forces an error"
+    assert _snap_seq(core.snapshot(), "p").status is Status.RUNNING
