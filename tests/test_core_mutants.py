@@ -26,6 +26,7 @@ from events import (
     EmitTokens,
     Finish,
     Input,
+    Preempted,
     ReleaseRequest,
     RequestCancelled,
     RunStep,
@@ -977,10 +978,13 @@ def test_c10_swap_in_failed_ends_a_swapped_request_and_is_ignored_after() -> Non
                    "cannot grow past its last block (max_seq_len % block_size != 0, smallest legal pool), and ends it "
                    "with 'needs 8 KV blocks to resume, more than the pool's 7' instead of resuming it")
 def test_c08_a_requeued_sequence_one_block_from_max_seq_len_resumes_in_the_smallest_pool() -> None:
-    # max_seq_len 100 at block size 16: the config needs 100 // 16 + 1 = 7 blocks. A 99-token sequence (its history
-    # 98 tokens: 7 blocks) can still sample one token, at position 98, inside its 7th block: it never needs an 8th.
-    core = make_core(num_blocks=7, block_size=16, max_seq_len=100)
-    add_seq(core.state, "p", 90, outputs=9, status=Status.PREEMPTED)
-    out = _tick(core)
-    assert not _of(out, Finish), "it fits: nothing forces an error"
-    assert _snap_seq(core.snapshot(), "p").status is Status.RUNNING
+    # max_seq_len 100 at block size 16: the config needs 100 // 16 + 1 = 7 blocks, and that is the pool. p (less
+    # important) is requeued at 97 tokens when it needs its 7th block. Its history (96 tokens) takes 7 blocks and
+    # it can never grow past them (99 tokens at most: position 98 is in block 7), so the idle pool fits it once q
+    # ends; "need + 1" asks for an 8th block that does not exist.
+    h = Harness(CoreConfig(num_blocks=7, block_size=16, max_seq_len=100, max_prefill_tokens=128))
+    h.step(arrival("q", 4, 60), arrival("p", 90, 9, priority=1))
+    h.run()
+    assert [c.request_id for _, c in h.commands(Preempted)] == ["p"]
+    assert h.reason("q") == "length"
+    assert h.finishes["p"].error == "" and h.reason("p") == "length" and len(h.output("p")) == 9
