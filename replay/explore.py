@@ -132,7 +132,7 @@ def random_config(rng: random.Random) -> CoreConfig:
     block_size = rng.choice((4, 8, 16))
     min_blocks = 96 // block_size + 1
     return CoreConfig(
-        num_blocks=rng.randint(min_blocks, 2 * min_blocks), block_size=block_size,
+        num_blocks=rng.randint(min_blocks, min_blocks + min_blocks // 3), block_size=block_size,
         max_batch_size=rng.choice((2, 3, 4, 6)), max_seq_len=96, max_prefill_tokens=rng.choice((16, 32, 64)),
         max_batch_tokens=rng.choice((24, 64, 128)), admit_watermark=rng.choice((0, 2, 8)),
         pipeline_depth=rng.choice((1, 2, 2)), spill_enabled=rng.random() < 0.7,
@@ -246,8 +246,9 @@ class ExplorePolicy(Policy):
     def _note(self, value: object, default: object) -> None:
         self.deviated.append(value != default)
 
-    def _moved(self) -> int:
-        """How late the strategy moves the completion asked about (0: prompt)."""
+    def _moved(self, rate: float = 0.02) -> int:
+        """How late the strategy moves the completion asked about (0: prompt); ``rate``: the chance, under
+        ``delay``, that it spends one of its moves here (more for a completion than for one tick of the device)."""
         if self.healed:
             return 0
         n = self.asked
@@ -257,7 +258,7 @@ class ExplorePolicy(Policy):
             return rng.choice((0, 0, 0, 0, 1, 2, 3, 6))
         if self.strategy == "pct":
             return rng.randint(8, 30) if n in self.points else 0
-        if self.budget and rng.random() < 0.03:
+        if self.budget and rng.random() < rate:
             self.budget -= 1
             return rng.randint(1, 10)
         return 0
@@ -293,7 +294,7 @@ class ExplorePolicy(Policy):
         return value
 
     def delay(self, completion: Completion) -> int:
-        value = self._moved()
+        value = self._moved(0.25)
         slow_io = self.faults and not self.healed and completion.kind in (Kind.SPILL, Kind.SWAP_IN)
         if slow_io and self.rng.random() < 0.1:
             value += self.rng.randint(10, 40)
