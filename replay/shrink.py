@@ -281,6 +281,22 @@ def reproduce(path: Path, kind: str) -> str:
 
 
 # -- what a violation leaves behind ----------------------------------------------------------------------------------
+def describe_edit(edit: Decision) -> str:
+    """One moved event, in words (the default answer is the prompt one: see ``replay.explore.default_policy``)."""
+    what, key, value = edit.what, edit.key, edit.value
+    if what == "device_steps":
+        return f"tick {key[0]}: the device completes {value} steps (default 1)"
+    if what == "delay":
+        return f"{'/'.join(map(str, key))} delivered {value} ticks late"
+    if what == "step_fails":
+        return f"step {key[1]} fails"
+    if what in ("spill_ok", "swap_in"):
+        return f"{'/'.join(map(str, key))} fails"
+    if what == "deadline_due":
+        return f"tick {key[1]}: the deadline of {key[0]} is {'reported early' if value else 'not reported yet'}"
+    return f"tick {key[0]}: {what} order {value!r}"
+
+
 def regression_test(found: Found) -> str:
     """A pytest test (source text) that fails while the violation is present and passes once it is fixed."""
     detail = textwrap.wrap(" ".join(str(found.violation).split()), 110)
@@ -288,7 +304,7 @@ def regression_test(found: Found) -> str:
     lines.append(f"    # shrunk to {len(found.keep)} of {found.actions} actions, {len(found.edits)} of {found.moved} "
                  "moved events:")
     lines += [f"    #   {describe_action(action)}"[:118] for action in found.workload().actions]
-    lines += [f"    #   moved: {d.what} {d.key!r} -> {d.value!r}"[:118] for d in found.edits]
+    lines += [f"    #   moved: {describe_edit(d)}"[:118] for d in found.edits]
     if found.source is not None:
         lines.append(f"    # the workload is read from {found.source}"[:118])
     token = found.token
@@ -317,7 +333,7 @@ def describe(found: Found) -> str:
         f"moved events in {found.shrink_runs} runs ({found.shrink_s:.1f} s): {found.violation}",
     ]
     lines += [f"  {describe_action(action)}" for action in found.workload().actions]
-    lines += [f"  moved: {d.what} {d.key!r} -> {d.value!r} (asked at tick {d.tick})" for d in found.edits]
+    lines += [f"  moved: {describe_edit(d)}" for d in found.edits]
     if found.log is not None:
         lines.append(f"log: {found.log}  (tickloom replay --bisect {found.log})")
         lines.append(f"  checked again: {found.reproduced}")
