@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Sequence
 from typing import NoReturn, Protocol, cast
@@ -80,9 +81,28 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+class _StderrLines(logging.Handler):
+    """Progress lines (model loading, a first run's GGUF conversion) on whatever ``sys.stderr`` is at the time."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(self.format(record) + "\n")
+        sys.stderr.flush()
+
+
+def show_model_progress() -> None:
+    """Show the ``engine.model`` logger's INFO lines on stderr (once per process)."""
+    logger = logging.getLogger("engine.model")
+    if not any(isinstance(h, _StderrLines) for h in logger.handlers):
+        handler = _StderrLines()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    show_model_progress()
     try:
         status = args._run(args)
     except CliError as exc:

@@ -6,19 +6,27 @@ running prompt streams its text as it comes. Either way the run ends with a one-
 tokens/s, preemptions and the log's path. With ``--json``, every output frame is one JSON line as it arrives
 (request id, token ids, text delta, finish), flushed at once, and the summary is a last ``{"summary": ...}`` line.
 Exit status 1 if any request ended in an error.
+
+Ctrl-C (SIGINT) cancels the requests, lets the engine shut down (what is left ends with an explicit error in the
+log, which replays) and exits 130 without a traceback; a second Ctrl-C exits at once, skipping the shutdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    import trio
+
     from engine import Engine, EngineConfig, RequestOutput, RequestStream, SamplingParams
     from engine.api import Prompt
 
@@ -27,6 +35,11 @@ HELP = "stream completions of one or more prompts (concurrently), then summarise
 
 DEFAULT_MODEL = "smollm2-135m"
 """The default model is an instruct model, so ``--chat`` is on by default for it."""
+
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+EX_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, temperature: float,
@@ -43,8 +56,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, tem
                         help="sampling seed (prompt i uses SEED + i); default: the engine picks and logs one")
     parser.add_argument("--log", metavar="PATH", default=None,
                         help="write the engine's log here (replay it with `tickloom replay PATH`)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N (default cpu)")
+    parser.add_argument("--dtype", default=None,
+                        help=f"model dtype: {', '.join(DTYPES)} (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
     parser.add_argument("--stub-step-time", type=float, default=None, metavar="SECONDS",
                         help="with --model stub: seconds per model step (default: the engine's, 0.01)")
@@ -64,10 +78,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one JSON object per output frame as it arrives (token ids included), then a summary")
 
 
+def check_dtype(dtype: str | None) -> None:
+    from tools.cli import CliError
+
+    if dtype is not None and dtype not in DTYPES:
+        raise CliError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+
+
+def check_device(device: str | None) -> None:
+    """A usage error unless torch knows the device and it is there (imports torch unless it is ``cpu``)."""
+    from tools.cli import CliError
+
+    if device is None or device == "cpu":
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise CliError(f"--device {device!r}: not a torch device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CliError(f"--device {device}: CUDA is not available here (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CliError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise CliError(f"--device {device}: MPS is not available here")
+    elif dev.type != "cpu":
+        raise CliError(f"--device {device}: tickloom runs on cpu or cuda")
+
+
+def check_model(model: str, *, flag: str = "--model") -> None:
+    """A usage error if ``model`` is neither a model name nor an existing path (a path that exists but holds no
+    loadable model is found while loading: exit 65)."""
+    from engine.model.registry import available_models
+    from tools.cli import CliError
+
+    names = [m.name for m in available_models()] + ["stub"]
+    if model in names:
+        return
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise CliError(f"cannot load model {model!r}: no such file or directory, and not a model name "
+                       f"({', '.join(names)}; see `tickloom models`)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise CliError(f"{flag} {model!r}: a file must be a .gguf; a checkpoint is a directory (config.json + "
+                       "safetensors)")
+
+
+def check_model_options(model: str, device: str | None, dtype: str | None, *, flag: str = "--model") -> None:
+    """The obvious mistakes in ``--model``, ``--device`` and ``--dtype``, each as one line (``CliError``)."""
+    check_dtype(dtype)
+    check_model(model, flag=flag)
+    check_device(device)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from engine import ConfigError, EngineConfig
     from tools.cli import CliError
 
+    check_model_options(args.model, args.device, args.dtype)
     if args.max_tokens < 1:
         raise CliError("--max-tokens must be at least 1")
     if args.max_seq_len < 2:
@@ -171,6 +242,41 @@ class _Json:
         self.out.flush()
 
 
+class CtrlC:
+    """Ctrl-C (SIGINT) inside ``trio.run``: each press cancels the scope registered with ``cancels`` (the
+    innermost), so the code around it can clean up and carry on; a press while that scope is already cancelled
+    (or none is registered) exits at once with status 130, skipping any shutdown. ``watch`` is the task that
+    receives the signals."""
+
+    def __init__(self) -> None:
+        self.scope: trio.CancelScope | None = None
+        self.presses = 0
+
+    @contextlib.contextmanager
+    def cancels(self, scope: trio.CancelScope) -> Iterator[trio.CancelScope]:
+        previous, self.scope = self.scope, scope
+        try:
+            with scope:
+                yield scope
+        finally:
+            self.scope = previous
+
+    async def watch(self, task_status: trio.TaskStatus[None]) -> None:
+        import signal
+
+        import trio
+
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            task_status.started()
+            async for _ in signals:
+                if self.scope is None or self.scope.cancel_called:
+                    sys.stderr.write("\ntickloom: interrupted again: exiting without a clean shutdown\n")
+                    sys.stderr.flush()
+                    os._exit(EX_INTERRUPTED)
+                self.presses += 1
+                self.scope.cancel()
+
+
 def make_streams(engine: Engine, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[RequestStream]:
     """One (not yet submitted) stream per prompt; a prompt the engine refuses is a ``CliError`` naming it."""
     from engine import RequestRejected
@@ -186,11 +292,13 @@ def make_streams(engine: Engine, prompts: Sequence[Prompt], params: Sequence[Sam
 
 
 async def run_prompts(streams: Sequence[RequestStream], labels: Sequence[str], concurrency: int,
-                      display: Any) -> list[_Request]:
-    """Run every stream, in order, at most ``concurrency`` at once (one worker task each), feeding the display."""
+                      display: Any, reqs: list[_Request] | None = None) -> list[_Request]:
+    """Run every stream, in order, at most ``concurrency`` at once (one worker task each), feeding the display.
+    ``reqs`` (one per stream, filled in as they run) lets the caller see how far an interrupted run got."""
     import trio
 
-    reqs = [_Request(i, labels[i]) for i in range(len(streams))]
+    if reqs is None:
+        reqs = [_Request(i, labels[i]) for i in range(len(streams))]
     queue = iter(zip(reqs, streams, strict=True))
 
     async def worker() -> None:
@@ -296,22 +404,22 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     live_mode = console.is_terminal and not args.plain and not args.json
+    reqs = [_Request(i, labels[i]) for i in range(len(prompts))]
     result: dict[str, Any] = {}
+    ctrl_c = CtrlC()
 
-    async def main() -> None:
-        from engine import Engine
+    async def generate(engine: Engine) -> None:
+        try:
+            streams = make_streams(engine, prompts, params)
+        except CliError as exc:
+            result["error"] = exc  # raised outside the engine's nursery, so not in an exception group
+            return
+        result["started"] = time.monotonic()
+        if live_mode:
+            from rich.live import Live
 
-        async with Engine.open(config) as engine:
+            display = _Live(labels, console)
             try:
-                streams = make_streams(engine, prompts, params)
-            except CliError as exc:
-                result["error"] = exc  # raised outside the engine's nursery, so not in an exception group
-                return
-            started = time.monotonic()
-            if live_mode:
-                from rich.live import Live
-
-                display = _Live(labels, console)
                 with Live(display.render(), console=console, auto_refresh=False, transient=True,
                           vertical_overflow="ellipsis") as live:
                     async with trio.open_nursery() as nursery:
@@ -321,15 +429,31 @@ def run(args: argparse.Namespace) -> int:
                                 await trio.sleep(0.1)
 
                         nursery.start_soon(refresh)
-                        reqs = await run_prompts(streams, labels, concurrency, display)
+                        await run_prompts(streams, labels, concurrency, display, reqs)
                         nursery.cancel_scope.cancel()
+            finally:
+                for req in reqs:
+                    display.reqs.setdefault(req.index, req)
                 console.print(display.render(final=True))
-            else:
-                plain = _Json(sys.stdout) if args.json else _Plain(sys.stdout, stream_raw=concurrency == 1)
-                reqs = await run_prompts(streams, labels, concurrency, plain)
-            result["seconds"] = time.monotonic() - started
-            result["reqs"] = reqs
-            result["stats"] = engine.stats()
+        else:
+            plain = _Json(sys.stdout) if args.json else _Plain(sys.stdout, stream_raw=concurrency == 1)
+            await run_prompts(streams, labels, concurrency, plain, reqs)
+
+    async def main() -> None:
+        from engine import Engine
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(ctrl_c.watch)
+            with ctrl_c.cancels(trio.CancelScope()):  # while the model loads
+                async with Engine.open(config) as engine:
+                    try:  # inside the engine's block, so that its actors outlive the cancel and shut down
+                        with ctrl_c.cancels(trio.CancelScope()):
+                            await generate(engine)
+                    finally:
+                        result["stats"] = engine.stats()
+                        if "started" in result:
+                            result["seconds"] = time.monotonic() - result["started"]
+            nursery.cancel_scope.cancel()
 
     from engine import ConfigError
     from engine.model import ModelLoadError
@@ -343,15 +467,26 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if "error" in result:
         raise result["error"]
-    reqs = result["reqs"]
+    interrupted = ctrl_c.presses > 0
+    for req in reqs:
+        if req.state in ("waiting", "running"):
+            req.state = "interrupted"
     tokens = sum(r.tokens for r in reqs)
+    seconds = result.get("seconds", 0.0)
+    preemptions = int(result["stats"]["preemptions"]) if "stats" in result else 0
+    if interrupted and not args.json and not live_mode:
+        for req in reqs:
+            if req.state == "interrupted" and req.tokens:
+                print(f"{chr(10) if concurrency == 1 else ''}[{req.index + 1}] (interrupted, {req.tokens} tokens)")
+    if interrupted:
+        print(f"tickloom: interrupted; {sum(r.state == 'interrupted' for r in reqs)} requests cancelled",
+              file=sys.stderr, flush=True)
     if args.json:
-        summary = {"requests": len(reqs), "tokens": tokens, "seconds": result["seconds"],
-                   "preemptions": int(result["stats"]["preemptions"]), "log": args.log,
-                   "errors": sum(r.state == "error" for r in reqs)}
+        summary = {"requests": len(reqs), "tokens": tokens, "seconds": seconds, "preemptions": preemptions,
+                   "log": args.log, "errors": sum(r.state == "error" for r in reqs), "interrupted": interrupted}
         print(json.dumps({"summary": summary}), flush=True)
-        return 1 if summary["errors"] else 0
-    print(summary_line(len(reqs), tokens, result["seconds"], int(result["stats"]["preemptions"]), args.log),
-          flush=True)
+    else:
+        print(summary_line(len(reqs), tokens, seconds, preemptions, args.log), flush=True)
+    if interrupted:
+        return EX_INTERRUPTED
     return 1 if any(r.state == "error" for r in reqs) else 0
-

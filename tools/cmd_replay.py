@@ -1,8 +1,11 @@
 """``tickloom replay LOG``: replay a log on the real core and prove every decision reproduces, or name the first
 tick that diverges.
 
+``--full`` re-runs the model the log names in its header (the engine configuration's ``model``: a name, a path
+as it was given then, or ``stub``); ``--model`` overrides it, e.g. for a log written elsewhere.
+
 Exit status: 0 identical (or nothing found by ``--bisect``); 1 divergent, the core raised while replaying, or
-``--bisect`` found a violation; 2 the log cannot be read; 64 usage errors.
+``--bisect`` found a violation; 2 the log cannot be read; 64 usage errors; 65 the model cannot be loaded.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 NAME = "replay"
 HELP = "replay a log on the core: identical, or the first divergent tick with a diff"
@@ -23,20 +27,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--bisect", action="store_true", help="find the first tick where check_invariants() fails")
     mode.add_argument("--until", type=int, metavar="TICK", help="replay up to TICK (seeking from a snapshot)")
     parser.add_argument("--dump", action="store_true", help="with --until: print the core state at TICK")
-    parser.add_argument("--model", help="with --full: the model (name, directory or .gguf) to re-run")
+    parser.add_argument("--model", help="with --full: the model (name, directory or .gguf) to re-run (default: the "
+                                        "one the log's header names)")
     parser.add_argument("--device", default=None, help="with --full: torch device (default cpu)")
-    parser.add_argument("--dtype", default=None, help="with --full: dtype (default: the log header's, else float32)")
+    parser.add_argument("--dtype", default=None, help="with --full: float32, float64, float16 or bfloat16 (default: "
+                                                      "the log header's, else float32)")
 
 
 def run(args: argparse.Namespace) -> int:
     from tools.cli import CliError
+    from tools.cmd_generate import check_dtype
 
     if args.dump and args.until is None:
         raise CliError("--dump needs --until TICK")
-    if args.model and not args.full:
-        raise CliError("--model needs --full")
-    if args.full and not args.model:
-        raise CliError("--full needs --model M (the model the log was written with)")
+    for flag in ("model", "device", "dtype"):
+        if getattr(args, flag) is not None and not args.full:
+            raise CliError(f"--{flag} needs --full")
+    check_dtype(args.dtype)
     if args.until is not None and args.until < 0:
         raise CliError("--until must be a tick number (0 or more)")
     if not os.path.isfile(args.log):
@@ -51,12 +58,13 @@ def run(args: argparse.Namespace) -> int:
         return _emit(args, report.to_json(), report.format_text(), report.exit_code)
     from replay import verify
 
+    model = _full_model(args) if args.full else None  # usage errors before any work
     report = verify(args.log)
-    if not args.full or report.exit_code != 0:
+    if model is None or report.exit_code != 0:
         return _emit(args, report.to_json(), report.format_text(), report.exit_code)
     if not args.json:
         print(report.format_text())
-    return _full(args, report.to_json())
+    return _full(args, model, report.to_json())
 
 
 def _emit(args: argparse.Namespace, obj: dict[str, object], text: str, code: int) -> int:
@@ -73,10 +81,44 @@ def _json_default(value: object) -> object:
     raise TypeError(type(value).__name__)
 
 
-def _full(args: argparse.Namespace, exact: dict[str, object]) -> int:
+def _logged_model(config_json: str) -> str | None:
+    """The model an engine log was written with (its configuration's ``model``), or None (e.g. a recorder's
+    log, which names none). The JSON was already parsed once by ``core_config_from_header``."""
+    data = json.loads(config_json)
+    engine = data.get("engine") if isinstance(data, dict) else None
+    model = engine.get("model") if isinstance(engine, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+def _full_model(args: argparse.Namespace) -> str | None:
+    """The model ``--full`` re-runs: ``--model``, else the header's; checked like ``generate``'s (a usage error
+    if it is not there). None if the log cannot be read: the exact replay reports that."""
+    from events import LogError, LogReader
+    from tools.cli import CliError
+    from tools.cmd_generate import check_device, check_model
+
+    check_device(args.device)
+    if args.model:
+        check_model(args.model)
+        return str(args.model)
+    try:
+        with LogReader(args.log) as reader:
+            config_json = reader.header.config_json
+        model = _logged_model(config_json)
+    except (LogError, ValueError, RecursionError):  # ValueError: config_json is not JSON
+        return None
+    if model is None:
+        raise CliError("--full: the log's header names no model (it was not written by the engine); pass --model M")
+    check_model(model, flag="the log's model")
+    return model
+
+
+def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int:
+    from engine.model import ModelLoadError
     from events import LogError, LogReader
     from replay import ReplayConfigError, core_config_from_header
-    from replay.full import load_device, verify_full
+    from replay.full import ModelDevice, load_device, verify_full
+    from tools.cli import EX_DATAERR, CliError
 
     try:
         with LogReader(args.log) as reader:
@@ -85,15 +127,27 @@ def _full(args: argparse.Namespace, exact: dict[str, object]) -> int:
     except (LogError, ReplayConfigError) as exc:
         print(f"unreadable: {exc}")
         return 2
-    device, fingerprint = load_device(args.model, config.num_blocks, config.block_size,
-                                      dtype=args.dtype or header.dtype or None, device=args.device)
+    device: Any
+    if model == "stub":
+        from engine.model.stub import StubExecutor
+
+        device = ModelDevice(StubExecutor(config.vocab_size, config.num_blocks, config.block_size))  # type: ignore[arg-type]
+        fingerprint = "stub"
+    else:
+        try:
+            device, fingerprint = load_device(model, config.num_blocks, config.block_size,
+                                              dtype=args.dtype or header.dtype or None, device=args.device)
+        except ModelLoadError as exc:
+            raise CliError(f"cannot load model {model!r}: {exc}", EX_DATAERR) from None
     note = None
     if header.model_fingerprint and header.model_fingerprint != fingerprint:
         note = f"model fingerprint {fingerprint} differs from the log's {header.model_fingerprint}"
     report = verify_full(args.log, device, note=note)
     if args.json:
-        print(json.dumps({**exact, "full": report.to_json(), "status": report.status}, default=_json_default))
+        print(json.dumps({**exact, "model": model, "full": report.to_json(), "status": report.status},
+                         default=_json_default))
     else:
+        print(f"model: {model}" + ("" if args.model else " (from the log's header)"))
         print(report.format_text())
     return report.exit_code
 

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +50,16 @@ def write_checkpoint_atomic(
     tokenizer: Tokenizer,
     tokenizer_config: dict[str, Any],
     torch_dtype: str = "float32",
+    finish: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write the checkpoint into a sibling temp dir, then rename it into place. If another process
-    won the race, its complete copy is kept."""
+    won the race, its complete copy is kept. ``finish(temp_dir)`` may add files before the rename."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         write_checkpoint_files(tmp, cfg, tensors, tokenizer, tokenizer_config, torch_dtype)
+        if finish is not None:
+            finish(tmp)
         try:
             os.replace(tmp, out_dir)
         except OSError:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -21,6 +23,8 @@ from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.llama import LlamaModel, expected_shapes
 from engine.model.tokenizer import TokenizerWrapper
+
+log = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -162,6 +166,63 @@ def fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _fingerprint_files(model_dir: Path) -> list[str]:
+    """The files a weight fingerprint depends on, relative to the directory: config.json, the shard index and
+    the shards."""
+    names = ["config.json", *(str(f.relative_to(model_dir)) for f in _shard_files(model_dir))]
+    if (model_dir / "model.safetensors.index.json").is_file():
+        names.append("model.safetensors.index.json")
+    return names
+
+
+def _identities(model_dir: Path, names: list[str]) -> dict[str, list[int]]:
+    from engine.model.registry import file_identity
+
+    out = {}
+    for n in names:
+        try:
+            out[n] = file_identity(model_dir / n)
+        except OSError as exc:
+            raise ModelLoadError(model_dir / n, f"cannot read: {exc}") from exc
+    return out
+
+
+def stored_fingerprint(model_dir: Path) -> str | None:
+    """The weight fingerprint recorded for this directory, if it still holds: a converted cache entry's
+    ``tickloom.json`` (its files' sizes unchanged), else the cache index's record for the directory (every
+    file's identity unchanged). None if there is none, so the caller computes it."""
+    from engine.model.registry import cache_dir, read_index, read_meta
+
+    real = model_dir.resolve()
+    if real.is_relative_to((cache_dir() / "models").resolve()):  # a user's directory cannot vouch for itself
+        meta = read_meta(real)
+        if meta is not None:
+            fp, sizes = meta.get("fingerprint"), meta.get("files")
+            if (isinstance(fp, str) and isinstance(sizes, dict) and "model.safetensors" in sizes
+                    and all((real / str(n)).is_file() and (real / str(n)).stat().st_size == size
+                            for n, size in sizes.items())):
+                return fp
+    record = read_index()["dirs"].get(str(real))
+    if not isinstance(record, dict) or not isinstance(record.get("fingerprint"), str):
+        return None
+    names = _fingerprint_files(model_dir)
+    if record.get("files") != _identities(model_dir, names):
+        return None
+    return str(record["fingerprint"])
+
+
+def _remember_fingerprint(model_dir: Path, identities: dict[str, list[int]], fp: str) -> None:
+    from engine.model.registry import locked_index
+
+    if _identities(model_dir, list(identities)) != identities:
+        return  # the files changed while they were read: remember nothing
+    try:
+        with locked_index() as index:
+            index["dirs"][str(model_dir.resolve())] = {"files": identities, "fingerprint": fp}
+    except OSError as exc:  # a read-only cache costs a hash at each load, nothing more
+        log.warning("cannot remember the weight fingerprint of %s in the tickloom cache: %s", model_dir, exc)
+
+
 def load_hf_dir(
     model_dir: Path, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
 ) -> LoadedModel:
@@ -173,10 +234,15 @@ def load_hf_dir(
     for name in CHECKPOINT_FILES:  # read below only if present; each must stay inside the directory
         contained(model_dir, name)
     cfg = ModelConfig.from_file(model_dir / "config.json")
+    fp = stored_fingerprint(model_dir)
+    identities = _identities(model_dir, _fingerprint_files(model_dir)) if fp is None else {}
     tensors, origin = read_safetensors(model_dir)
     needed = check_tensors(cfg, tensors, origin, model_dir)
     tok = TokenizerWrapper.from_dir(model_dir)
-    fp = fingerprint(cfg, needed)
+    if fp is None:
+        log.info("computing the weight fingerprint of %s (once per checkpoint)…", model_dir)
+        fp = fingerprint(cfg, needed)
+        _remember_fingerprint(model_dir, identities, fp)
     if tok.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
             model_dir / "tokenizer.json",
@@ -194,9 +260,16 @@ def load_model(
     device: str | torch.device | None = None,
     num_threads: int | None = None,
 ) -> LoadedModel:
-    """Load ``smollm2-135m``, a Hugging Face model directory, or a ``.gguf`` file."""
+    """Load ``smollm2-135m``, a Hugging Face model directory, or a ``.gguf`` file.
+
+    Progress goes to the ``engine.model`` logger at INFO ("loading ...", a first run's conversion, "loaded ...
+    in X s"); the command line shows it on stderr."""
     from engine.model.registry import resolve_model
 
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    return load_hf_dir(resolve_model(path_or_name), dtype, device)
+    started = time.monotonic()
+    log.info("loading %s…", path_or_name)
+    loaded = load_hf_dir(resolve_model(path_or_name), dtype, device)
+    log.info("loaded %s in %.1f s", path_or_name, time.monotonic() - started)
+    return loaded
