@@ -201,8 +201,12 @@ def write_trace(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> in
 
 
 def write_plot(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
-    """Plot batch size, free blocks and queue lengths over ticks to a PNG (matplotlib, Agg backend)."""
-    import matplotlib
+    """Plot batch size, free blocks and queue lengths over ticks to a PNG (matplotlib, Agg backend; matplotlib is
+    the optional extra ``tickloom[plot]``: without it, ``ImportError`` saying so)."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: install tickloom[plot]") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,8 +1,10 @@
-"""The ``tickloom`` command line: subcommands listed, usage errors exit 64, the log demo and bench log run."""
+"""The ``tickloom`` command line: subcommands listed, usage errors exit 64 (argparse's with the usage, ours as one
+line), the log demo and bench log run, ``--plot`` without matplotlib (the optional extra ``tickloom[plot]``)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,59 @@ def test_bench_log_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert all(r["bench"] == "log" and r["batch"] == 64 for r in lines)
     assert all(r["ratio"] > 0 for r in lines)
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself
+
+
+# --- usage mistakes: one line, exit 64 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--model", "stub", "--dtype", "float8", "x"], "--dtype 'float8': choose one of float32"),
+    (["chat", "--model", "stub", "--dtype", "half"], "--dtype 'half': choose one of"),
+    (["generate", "--model", "stub", "--device", "gpu", "x"], "--device 'gpu': not a torch device"),
+    (["generate", "--model", "stub", "--device", "cuda:7", "x"], "--device cuda:7: "),
+    (["generate", "--model", "/no/such/model", "x"], "cannot load model '/no/such/model': no such file"),
+    (["generate", "--model", "pyproject.toml", "x"], "--model 'pyproject.toml': a file must be a .gguf"),
+    (["generate", "--model", "stub", "--max-seq-len", "1", "x"], "--max-seq-len must be at least 2"),
+    (["generate", "--model", "stub", "--seed", "-1", "x"], "seed"),
+    (["generate", "--model", "stub", "--stub-step-time", "-1", "x"], "stub_step_time"),
+    (["generate", "--model", "stub", "--log", "pyproject.toml", "x"], "log_path"),
+    (["chat", "--model", "stub", "--log", "pyproject.toml"], "log_path"),
+    (["replay", "missing.tlog", "--full", "--dtype", "bad"], "--dtype 'bad': choose one of"),
+    (["replay", "missing.tlog", "--dtype", "float32"], "--dtype needs --full"),
+    (["replay", "missing.tlog", "--full", "--model", "/no/such/model"], "cannot load model '/no/such/model'"),
+    (["inspect", "missing.tlog", "--ticks", "a:b"], "--ticks 'a:b': expected A:B"),
+    (["models", "--all"], "--all needs --prune"),
+])
+def test_usage_mistakes_get_one_line_and_exit_64(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == EX_USAGE
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tickloom: error: ") and message in lines[0], captured.err
+    assert captured.out == ""
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "demo.tlog"
+    assert main(["log", "demo", str(log), "--ticks", "3"]) == 0
+    capsys.readouterr()
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert main(["inspect", str(log), "--plot", str(tmp_path / "p.png")]) == EX_USAGE
+    captured = capsys.readouterr()
+    assert captured.err == "tickloom: error: install tickloom[plot] for --plot (matplotlib is not installed)\n"
+    assert captured.out == "" and not (tmp_path / "p.png").exists()
+    from replay.trace import write_plot
+
+    with pytest.raises(ImportError, match=r"install tickloom\[plot\]"):
+        write_plot(log, tmp_path / "p.png")
+
+
+def test_matplotlib_is_not_a_hard_dependency() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("matplotlib") for d in project["dependencies"])
+    assert any(d.startswith("matplotlib") for d in project["optional-dependencies"]["plot"])

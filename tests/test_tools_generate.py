@@ -1,9 +1,11 @@
-"""``tickloom generate``, ``chat`` and ``models`` end to end, with the stub model (piped output, no TTY)."""
+"""``tickloom generate``, ``chat`` and ``models`` end to end, with the stub model (piped output, no TTY); Ctrl-C in
+``generate``; ``replay --full`` with the model the log names."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,9 +54,68 @@ def test_generate_usage_errors_exit_64(argv: list[str], capsys: pytest.CaptureFi
     assert "tickloom: error:" in capsys.readouterr().err
 
 
-def test_generate_unknown_model_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["generate", "--model", "no-such-model", "x"]) != 0
-    assert "cannot load model 'no-such-model'" in capsys.readouterr().err
+def test_generate_unknown_model_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", "no-such-model", "x"]) == EX_USAGE
+    assert "cannot load model 'no-such-model': no such file or directory" in capsys.readouterr().err
+
+
+def test_generate_ctrl_c_exits_130_and_the_log_replays(tmp_path: Path) -> None:
+    """SIGINT mid-run: the requests are cancelled, the engine shuts down, exit 130, no traceback; the log ends
+    every request explicitly and replays."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from events import Finish, LogReader
+
+    log = tmp_path / "int.tlog"
+    argv = [sys.executable, "-m", "tools", "generate", "--model", "stub", "--stub-step-time", "0.05",
+            "--max-tokens", "2000", "--log", str(log), "one", "two"]
+    proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (not log.exists() or log.stat().st_size < 2000) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the run is well under way
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "tickloom: interrupted; 2 requests cancelled" in err, err
+    assert "[1] (interrupted, " in out and "summary: 2 requests" in out
+    with LogReader(log) as reader:
+        finishes = {c.request_id: c.reason for r in reader.ticks() for c in r.outputs.commands
+                    if isinstance(c, Finish)}
+    assert finishes == {"prompt-1": "cancelled", "prompt-2": "cancelled"}
+    assert main(["replay", str(log)]) == 0
+
+
+def test_replay_full_takes_the_model_from_the_header(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.model.tiny import write_tiny_model
+
+    stub_log = tmp_path / "stub.tlog"
+    assert main(["generate", "--model", "stub", "--max-tokens", "6", "--log", str(stub_log), "a", "b"]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(stub_log), "--full"]) == 0
+    assert "model: stub (from the log's header)" in capsys.readouterr().out
+    model = write_tiny_model(tmp_path / "tiny", seed=2)
+    log = tmp_path / "tiny.tlog"
+    assert main(["generate", "--model", str(model), "--no-chat", "--max-tokens", "5", "--log", str(log),
+                 "hello", "there"]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(log), "--full"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {model} (from the log's header)" in out and "identical (full): " in out
+    assert "fingerprint" not in out  # the same weights
+    other = write_tiny_model(tmp_path / "other", seed=9)
+    assert main(["replay", str(log), "--full", "--model", str(other)]) == 1  # --model still overrides
+    assert "differs from the log's" in capsys.readouterr().out
+    shutil.rmtree(model)
+    assert main(["replay", str(log), "--full"]) == EX_USAGE
+    assert f"cannot load model '{model}': no such file" in capsys.readouterr().err
 
 
 def test_models_lists_the_default_and_the_stub(capsys: pytest.CaptureFixture[str]) -> None:

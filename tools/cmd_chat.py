@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from tools.cmd_generate import CtrlC, add_model_arguments, engine_config, sampling
+from tools.cmd_generate import CtrlC, add_model_arguments, engine_config, run_trio, sampling
 
 NAME = "chat"
 HELP = "chat interactively with a model (one message per stdin line; /reset, /exit)"
@@ -61,17 +62,14 @@ def _terminal_restored() -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     import trio
 
-    from engine import Engine, RequestRejected
+    from engine import ConfigError, Engine, RequestRejected
     from engine.model import ModelLoadError
     from tools.cli import EX_DATAERR, CliError
 
     config = engine_config(args)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
-    if interactive:
-        try:
-            import readline  # noqa: F401 - imported for its effect: input() gets line editing and history
-        except ImportError:
-            pass  # Python without readline (Windows): input() still works, without editing
+    if interactive and importlib.util.find_spec("readline") is not None:  # none on Windows: plain input()
+        import readline  # noqa: F401 - imported for its effect: input() gets line editing and history
     totals = {"turns": 0, "tokens": 0, "seconds": 0.0}
     ctrl_c = CtrlC()
 
@@ -178,9 +176,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with _terminal_restored() if interactive else contextlib.nullcontext():
-            trio.run(main)
+            run_trio(main)
     except ModelLoadError as exc:
         raise CliError(f"cannot load model {args.model!r}: {exc}", EX_DATAERR) from None
+    except ConfigError as exc:  # e.g. --log names a path that exists: logs are never overwritten
+        raise CliError(str(exc)) from None
     rate = totals["tokens"] / totals["seconds"] if totals["seconds"] > 0 else 0.0
     print(f"chat: {totals['turns']} replies, {totals['tokens']} tokens, {rate:.1f} tokens/s, "
           f"log {args.log if args.log else 'none (use --log PATH)'}", file=sys.stderr)

@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -242,6 +242,19 @@ class _Json:
         self.out.flush()
 
 
+def run_trio(main: Callable[[], Awaitable[None]]) -> None:
+    """``trio.run(main)``; a lone exception out of ``main``'s nursery (the one that holds ``CtrlC.watch``) comes
+    out as itself, not inside an exception group, so callers can catch ``ModelLoadError`` or ``ConfigError``."""
+    import trio
+
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+            raise group.exceptions[0] from None
+        raise
+
+
 class CtrlC:
     """Ctrl-C (SIGINT) inside ``trio.run``: each press cancels the scope registered with ``cancels`` (the
     innermost), so the code around it can clean up and carry on; a press while that scope is already cancelled
@@ -460,7 +473,7 @@ def run(args: argparse.Namespace) -> int:
     from tools.cli import EX_DATAERR
 
     try:
-        trio.run(main)
+        run_trio(main)
     except ModelLoadError as exc:
         raise CliError(f"cannot load model {args.model!r}: {exc}", EX_DATAERR) from None
     except ConfigError as exc:  # e.g. --log names a path that exists: logs are never overwritten

@@ -1,4 +1,5 @@
-"""``tickloom inspect LOG``: the header and a dense per-tick trace; optionally a Perfetto trace and a plot."""
+"""``tickloom inspect LOG``: the header and a dense per-tick trace; optionally a Perfetto trace and a plot
+(``--plot`` needs the optional extra ``tickloom[plot]``, matplotlib)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,24 @@ def _parse_ticks(text: str | None) -> tuple[int | None, int | None]:
         raise CliError(f"--ticks {text!r}: expected A:B with integer ticks") from exc
 
 
+def require_matplotlib(flag: str) -> None:
+    """A usage error (one line, exit 64) if matplotlib, the optional extra ``tickloom[plot]``, is missing."""
+    from tools.cli import CliError
+
+    try:
+        import matplotlib  # noqa: F401 - only checking that it is there
+    except ImportError:
+        raise CliError(f"install tickloom[plot] for {flag} (matplotlib is not installed)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from events import LogError, LogReader
     from replay.trace import format_row, header_line, involves, iter_ticks, tick_row, write_plot, write_trace
     from tools.cli import CliError
 
     first, last = _parse_ticks(args.ticks)
+    if args.plot:
+        require_matplotlib("--plot")
     if not os.path.isfile(args.log):
         raise CliError(f"{args.log}: no such file", status=2)
     try:

@@ -44,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None and not args.full:
             raise CliError(f"--{flag} needs --full")
     check_dtype(args.dtype)
+    if args.full:
+        from tools.cmd_generate import check_device, check_model
+
+        check_device(args.device)
+        if args.model:
+            check_model(args.model)
     if args.until is not None and args.until < 0:
         raise CliError("--until must be a tick number (0 or more)")
     if not os.path.isfile(args.log):
@@ -95,12 +101,10 @@ def _full_model(args: argparse.Namespace) -> str | None:
     if it is not there). None if the log cannot be read: the exact replay reports that."""
     from events import LogError, LogReader
     from tools.cli import CliError
-    from tools.cmd_generate import check_device, check_model
+    from tools.cmd_generate import check_model
 
-    check_device(args.device)
     if args.model:
-        check_model(args.model)
-        return str(args.model)
+        return str(args.model)  # checked already
     try:
         with LogReader(args.log) as reader:
             config_json = reader.header.config_json
