@@ -45,6 +45,13 @@ engine.core.apply.x_fail_step__mutmut_9	as mutant 8
 engine.core.apply.x_fail_step__mutmut_10	as mutant 8
 engine.core.apply.x_fail_step__mutmut_25	the error at len+1, not len-1: reasons after it in the tick (stop match, deadline sweep) come at len-1 or earlier and win either way, as they do over error, the lowest rank
 engine.core.apply.x_fail_step__mutmut_47	as mutant 25, for a request sharing the failed step's blocks
+engine.core.apply.x_apply_inputs__mutmut_2	always sorted: sorting none or one input changes nothing (the guard only skips the call)
+engine.core.apply.x_apply_inputs__mutmut_4	as mutant 2: a single input is sorted too
+engine.core.apply.x_apply_inputs__mutmut_82	a DeadlineReached entry keyed -2 instead of -1: due at once either way, and ordered among such entries by arrival alike
+engine.core.apply.x__invalid_arrival__mutmut_12	the fast guard <= 0: a prompt with token 0 takes the per-token scan, which finds it valid
+engine.core.apply.x__invalid_arrival__mutmut_13	as mutant 12 (< 1)
+engine.core.apply.x__commit_in_bulk__mutmut_4	discarded = None: falsy like False
+engine.core.apply.x__commit_in_bulk__mutmut_5	discarded = True: every step takes the per-row emit path, which emits the same rows (only slower)
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
