@@ -194,7 +194,7 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     match = SUMMARY.match(out.strip().splitlines()[-1])
     assert match is not None and match.groups() == ("1", "1")
 
-    for argv, message in ((["explore"], "not built yet"), (["explore", "--replay", "junk"], "replay token"),
+    for argv, message in ((["explore", "--replay", "junk"], "replay token"),
                           (["explore", "--actors", "--seeds", "0"], "at least 1"),
                           (["explore", "--actors", "some.tlog"], "core level"),
                           (["explore", "--actors", "--variant", "nope"], "unknown variant")):

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=("random", "pct", "delay"), default="random",
                         help="scheduling strategy (default random)")
     parser.add_argument("--faults", action="store_true",
-                        help="inject faults: failed steps, spill writes and swap-in reads, slow I/O, actor crashes")
+                        help="inject faults: failed steps, spill writes and swap-in reads, slow I/O (and, with --actors, actor crashes)")
     parser.add_argument("--actors", action="store_true", help="the actor level: real trio actors, stub device")
     parser.add_argument("--out", type=Path, metavar="DIR", help="keep a failing run's log in DIR")
     parser.add_argument("--replay", metavar="TOKEN", help="re-run one violation from its replay token")
@@ -54,7 +54,7 @@ def run_core_level(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.cli import EX_USAGE, CliError
+    from tools.cli import CliError
 
     if args.seeds < 1:
         raise CliError("--seeds must be at least 1")
@@ -63,10 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.replay is not None:
         return _replay(args)
     if not args.actors:
-        try:
-            return run_core_level(args)
-        except NotImplementedError as exc:
-            raise CliError(str(exc), EX_USAGE) from None
+        return run_core_level(args)
     if args.log is not None:
         raise CliError("--actors runs generated workloads; LOG is for the core level")
     from tools.explore_variants import VARIANTS
@@ -105,10 +102,7 @@ def _replay(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     if token.level != LEVEL:
-        try:
-            return run_core_level(args)
-        except NotImplementedError as exc:
-            raise CliError(str(exc)) from None
+        return run_core_level(args)
     if token.variant is not None and token.variant not in VARIANTS:
         raise CliError(f"the token names an unknown variant {token.variant!r}")
     import time
