@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=("random", "pct", "delay"), default="random",
                         help="scheduling strategy (default random)")
     parser.add_argument("--faults", action="store_true",
-                        help="inject faults: failed steps, spill writes and swap-in reads, slow I/O (and, with --actors, actor crashes)")
+                        help="inject faults: failed steps, spill writes and swap-in reads, slow I/O; with --actors "
+                             "also actor crashes")
     parser.add_argument("--actors", action="store_true", help="the actor level: real trio actors, stub device")
     parser.add_argument("--out", type=Path, metavar="DIR", help="keep a failing run's log in DIR")
     parser.add_argument("--replay", metavar="TOKEN", help="re-run one violation from its replay token")
