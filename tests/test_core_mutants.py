@@ -988,3 +988,54 @@ def test_c08_a_requeued_sequence_one_block_from_max_seq_len_resumes_in_the_small
     assert [c.request_id for _, c in h.commands(Preempted)] == ["p"]
     assert h.reason("q") == "length"
     assert h.finishes["p"].error == "" and h.reason("p") == "length" and len(h.output("p")) == 9
+
+
+# -- C04 / C15 / C16: what a step may hold -------------------------------------------------------------------------
+
+
+def test_c04_steps_fill_but_never_exceed_their_token_budgets() -> None:
+    config = CoreConfig(num_blocks=64, block_size=16, max_seq_len=128, max_batch_size=4, max_batch_tokens=6,
+                        max_prefill_tokens=4)
+    h = Harness(config)
+    prompts = {f"r{i}": 5 + 3 * i for i in range(6)}
+    h.step(*(arrival(rid, n, 6) for rid, n in prompts.items()))
+    h.run()
+    totals, prefills = [], []
+    for _, step in h.commands(RunStep):
+        prefill = sum(n for rid, pos, n in zip(step.request_ids, step.positions, step.num_tokens, strict=True)
+                      if pos < prompts[rid])
+        decode_rows = [i for i, (rid, pos) in enumerate(zip(step.request_ids, step.positions, strict=True))
+                       if pos >= prompts[rid]]
+        assert decode_rows == list(range(len(decode_rows))), "decode rows come first"
+        assert len(step.request_ids) <= 4
+        totals.append(sum(step.num_tokens))
+        prefills.append(prefill)
+    assert max(totals) == 6 and max(prefills) == 4, "max_batch_tokens and max_prefill_tokens bind, exactly"
+    assert all(h.reason(rid) == "length" and len(h.output(rid)) == 6 for rid in prompts)
+
+
+def test_c16_no_row_runs_past_max_seq_len() -> None:
+    # A 29-token prompt with max_seq_len 32 can sample 3 tokens (the third reaches 32 tokens); with two steps in
+    # flight no row is run ahead past the ceiling: the KV positions written are 0 .. 30.
+    config = CoreConfig(num_blocks=16, block_size=16, max_seq_len=32, pipeline_depth=2)
+    h = Harness(config, device_lag=1)
+    h.step(arrival("r", 29, 100))
+    h.run()
+    rows = [(p, n, s) for _, c in h.commands(RunStep) for p, n, s in
+            zip(c.positions, c.num_tokens, c.sample_indices, strict=True)]
+    assert max(p + n for p, n, _ in rows) == 31 and [s for *_, s in rows] == [0, 1, 2]
+    assert h.reason("r") == "length" and len(h.output("r")) == 3
+
+
+def test_c15_no_row_is_fed_from_a_step_whose_token_may_be_forced() -> None:
+    # Thinking with a budget of 2: the row that would sample after the budget is spent is not run ahead, since
+    # think-end will be forced as its input.
+    config = CoreConfig(num_blocks=16, max_seq_len=128, pipeline_depth=2,
+                        think_start_token=THINK_START, think_end_token=THINK_END)
+    h = Harness(config, oracle=OracleExecutor(config.vocab_size, avoid=(THINK_START, THINK_END)), device_lag=1)
+    h.step(arrival("r", [*range(100, 110), THINK_START], params=SamplingSpec(max_tokens=6, thinking_budget=2)))
+    h.run()
+    out = h.output("r")
+    assert out[2] == THINK_END and THINK_END not in out[:2] and len(out) == 6
+    sampled = [s for _, c in h.commands(RunStep) for s in c.sample_indices if s >= 0]
+    assert sampled == [0, 1, 3, 4, 5], "index 2 is forced, never sampled, and nothing was run ahead into it"
