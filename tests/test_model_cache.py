@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -82,7 +83,7 @@ def test_the_index_spares_a_second_hash(cache: Path, tiny_gguf: Path, monkeypatc
     def no_file_digest(*args: object, **kwargs: object) -> object:
         raise AssertionError("hashed again")
 
-    monkeypatch.setattr(registry.hashlib, "file_digest", no_file_digest)
+    monkeypatch.setattr(hashlib, "file_digest", no_file_digest)
     assert registry.content_key(tiny_gguf) == key
 
 

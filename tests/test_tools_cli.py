@@ -86,7 +86,9 @@ def test_bench_log_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     (["replay", "missing.tlog", "--full", "--dtype", "bad"], "--dtype 'bad': choose one of"),
     (["replay", "missing.tlog", "--dtype", "float32"], "--dtype needs --full"),
     (["replay", "missing.tlog", "--full", "--model", "/no/such/model"], "cannot load model '/no/such/model'"),
+    (["generate", "--model", "tests", "x"], "--model 'tests': a checkpoint directory needs config.json"),
     (["inspect", "missing.tlog", "--ticks", "a:b"], "--ticks 'a:b': expected A:B"),
+    (["inspect", "missing.tlog", "--trace", "/no/such/dir/t.json"], "--trace /no/such/dir/t.json: no such directory"),
     (["models", "--all"], "--all needs --prune"),
 ])
 def test_usage_mistakes_get_one_line_and_exit_64(argv: list[str], message: str,

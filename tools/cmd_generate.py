@@ -110,8 +110,8 @@ def check_device(device: str | None) -> None:
 
 
 def check_model(model: str, *, flag: str = "--model") -> None:
-    """A usage error if ``model`` is neither a model name nor an existing path (a path that exists but holds no
-    loadable model is found while loading: exit 65)."""
+    """A usage error if ``model`` is neither a model name nor an existing .gguf file or directory with a
+    config.json (what is wrong inside one is found while loading: exit 65)."""
     from engine.model.registry import available_models
     from tools.cli import CliError
 
@@ -125,6 +125,8 @@ def check_model(model: str, *, flag: str = "--model") -> None:
     if path.is_file() and path.suffix != ".gguf":
         raise CliError(f"{flag} {model!r}: a file must be a .gguf; a checkpoint is a directory (config.json + "
                        "safetensors)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise CliError(f"{flag} {model!r}: a checkpoint directory needs config.json (and safetensors weights)")
 
 
 def check_model_options(model: str, device: str | None, dtype: str | None, *, flag: str = "--model") -> None:

@@ -49,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from tools.cli import CliError
 
     first, last = _parse_ticks(args.ticks)
+    for flag, out in (("--trace", args.trace), ("--plot", args.plot)):
+        if out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            raise CliError(f"{flag} {out}: no such directory")
     if args.plot:
         require_matplotlib("--plot")
     if not os.path.isfile(args.log):

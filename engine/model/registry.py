@@ -119,12 +119,12 @@ def _read_index(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         log.warning("tickloom cache index %s is unreadable (%s); starting a new one", path, exc)
         return _empty_index()
-    ok = (isinstance(data, dict) and data.get("version") == _INDEX_VERSION
-          and isinstance(data.get("files"), dict) and isinstance(data.get("dirs"), dict))
-    if not ok:
+    if not (isinstance(data, dict) and data.get("version") == _INDEX_VERSION
+            and isinstance(data.get("files"), dict) and isinstance(data.get("dirs"), dict)):
         log.warning("tickloom cache index %s has an unknown layout; starting a new one", path)
         return _empty_index()
-    return data
+    index: dict[str, Any] = data
+    return index
 
 
 def _write_json_atomic(path: Path, data: object) -> None:
@@ -143,8 +143,8 @@ def _record_is_current(realpath: str, record: object, key: str) -> bool:
     if not isinstance(record, dict) or not isinstance(record.get(key), list):
         return False
     try:
-        return file_identity(Path(realpath)) == record[key]
-    except OSError:
+        return bool(file_identity(Path(realpath)) == record[key])
+    except OSError:  # gone or unreadable: the record describes nothing any more
         return False
 
 
@@ -153,7 +153,7 @@ def _dir_record_is_current(realpath: str, record: object) -> bool:
         return False
     try:
         return all(file_identity(Path(realpath) / name) == ident for name, ident in record["files"].items())
-    except OSError:
+    except OSError:  # gone or unreadable: the record describes nothing any more
         return False
 
 
