@@ -1039,3 +1039,21 @@ def test_c15_no_row_is_fed_from_a_step_whose_token_may_be_forced() -> None:
     assert out[2] == THINK_END and THINK_END not in out[:2] and len(out) == 6
     sampled = [s for _, c in h.commands(RunStep) for s in c.sample_indices if s >= 0]
     assert sampled == [0, 1, 3, 4, 5], "index 2 is forced, never sampled, and nothing was run ahead into it"
+
+
+def test_c14_a_cancel_and_a_stop_match_at_the_same_token_end_as_cancelled() -> None:
+    core = _decoding(3)
+    out = _tick(core, RequestCancelled("r"), StopMatched("r", 2))
+    [finish] = _of(out, Finish)
+    assert (finish.reason, finish.usage.completion_tokens) == ("cancelled", 3), "cancelled > stop at one token"
+
+
+def test_c17_rows_streamed_beside_a_discarded_row_are_not_reasoning() -> None:
+    h = Harness(CoreConfig(num_blocks=16, max_seq_len=128, pipeline_depth=2), device_lag=1)
+    h.step(arrival("r", 20, 50), arrival("s", 20, 12))
+    for _ in range(4):
+        h.step()
+    h.step(RequestCancelled("r"))  # r still has rows in both steps in flight: they are discarded as they settle
+    h.run()
+    assert h.reason("r") == "cancelled" and len(h.tokens["s"]) == 12
+    assert not any(any(c.reasoning) for _, c in h.commands(EmitTokens)), "no thinking markers: nothing is reasoning"
