@@ -55,6 +55,9 @@ engine.core.apply.x__commit_in_bulk__mutmut_5	discarded = True: every step takes
 engine.core.apply.x__commit_in_bulk__mutmut_8	zip without strict: settle_step has already refused a token count unlike the samplers
 engine.core.apply.x__commit_in_bulk__mutmut_11	as mutant 8
 engine.core.apply.x__commit_in_bulk__mutmut_12	as mutant 8
+engine.core.apply.x__settle_kv__mutmut_4	zip without strict: a step's rows and KV ends are built together, one each
+engine.core.apply.x__settle_kv__mutmut_7	as mutant 4
+engine.core.apply.x__settle_kv__mutmut_8	as mutant 4
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
