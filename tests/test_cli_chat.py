@@ -110,8 +110,8 @@ def test_chat_line_editing_and_ctrl_c_on_a_terminal(tmp_path: Path) -> None:
     log = tmp_path / "chat.tlog"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP", "INPUTRC")}
     env.update(TERM="xterm", INPUTRC="/dev/null", PYTHONUNBUFFERED="1")
-    argv = [sys.executable, "-m", "tools", "chat", "--model", "stub", "--stub-step-time", "0.1",
-            "--max-tokens", "40", "--temperature", "0", "--seed", "3", "--log", str(log)]
+    argv = [sys.executable, "-m", "tools", "chat", "--model", "stub", "--stub-step-time", "0.05",
+            "--max-tokens", "150", "--temperature", "0", "--seed", "3", "--log", str(log)]
     term = Terminal(argv, env)
     try:
         term.expect(rb"you> ")
@@ -119,7 +119,7 @@ def test_chat_line_editing_and_ctrl_c_on_a_terminal(tmp_path: Path) -> None:
         term.send(LEFT)
         term.send(b"l")
         term.send(ENTER)
-        term.expect(rb"assistant>\x1b\[0m [ -~]{3}")  # some of the reply: 40 steps at 0.1 s take 4 s
+        term.expect(rb"assistant>\x1b\[0m [ -~]{3}")  # some of the reply, which takes 150 steps of 0.05 s
         term.send(CTRL_C)
         term.expect(rb"\(interrupted\)")
         term.expect(rb"you> ")
@@ -144,5 +144,6 @@ def test_chat_line_editing_and_ctrl_c_on_a_terminal(tmp_path: Path) -> None:
     assert len(prompts) == 2, prompts
     assert "hello" in prompts[0] and "helo" not in prompts[0], prompts[0]
     assert "hello" in prompts[1] and "again" in prompts[1], prompts[1]  # the session kept its history
-    assert [finishes[a.request_id] for a in arrivals] == ["cancelled", "length"]
+    assert finishes[arrivals[0].request_id] == "cancelled"
+    assert finishes[arrivals[1].request_id] in ("length", "stop")
     assert main(["replay", str(log)]) == 0
