@@ -32,6 +32,7 @@ from events import (
     RunStep,
     SamplingSpec,
     Shutdown,
+    SpillDone,
     SpillOut,
     StepDone,
     StepFailed,
@@ -42,6 +43,7 @@ from events import (
     TickInputs,
     TickOutputs,
     Usage,
+    WatchDeadline,
 )
 from replay.oracle import OracleExecutor
 
@@ -1057,3 +1059,17 @@ def test_c17_rows_streamed_beside_a_discarded_row_are_not_reasoning() -> None:
     h.run()
     assert h.reason("r") == "cancelled" and len(h.tokens["s"]) == 12
     assert not any(any(c.reasoning) for _, c in h.commands(EmitTokens)), "no thinking markers: nothing is reasoning"
+
+
+def test_inputs_naming_unknown_requests_are_ignored() -> None:
+    # The request ended already (its notice raced its finish) or never reached the core: nothing happens.
+    core = make_core(num_blocks=16, max_seq_len=128, spill_enabled=True)
+    out = _tick(core, RequestCancelled("x"), ClientGone("x"), SpillDone("x", False, "e"), SwapInReady("x"),
+                SwapInFailed("x", "e"), StopMatched("x", 0), DeadlineReached("x", 5))
+    assert out.commands == [] and not out.needs_tick
+
+
+def test_c12_an_arrival_with_a_deadline_asks_for_a_wake_up() -> None:
+    core = make_core(num_blocks=16, max_seq_len=128)
+    out = _tick(core, arrival("r", 10, 4, deadline_ns=5_000), arrival("s", 10, 4))
+    assert _of(out, WatchDeadline) == [WatchDeadline("r", 5_000)], "only a request with a deadline is watched"
