@@ -106,7 +106,7 @@ def check_device(device: str | None) -> None:
         if not torch.backends.mps.is_available():
             raise CliError(f"--device {device}: MPS is not available here")
     elif dev.type != "cpu":
-        raise CliError(f"--device {device}: tickloom runs on cpu or cuda")
+        raise CliError(f"--device {device}: tickloom runs on cpu, cuda or mps")
 
 
 def check_model(model: str, *, flag: str = "--model") -> None:
@@ -129,10 +129,10 @@ def check_model(model: str, *, flag: str = "--model") -> None:
         raise CliError(f"{flag} {model!r}: a checkpoint directory needs config.json (and safetensors weights)")
 
 
-def check_model_options(model: str, device: str | None, dtype: str | None, *, flag: str = "--model") -> None:
+def check_model_options(model: str, device: str | None, dtype: str | None) -> None:
     """The obvious mistakes in ``--model``, ``--device`` and ``--dtype``, each as one line (``CliError``)."""
     check_dtype(dtype)
-    check_model(model, flag=flag)
+    check_model(model)
     check_device(device)
 
 
@@ -382,7 +382,7 @@ class _Live:
             tokens += req.tokens if req is not None else 0
             running += state == "running"
             done += state not in ("running", "waiting")
-            style = {"running": "cyan", "waiting": "dim"}.get(state, "red" if state == "error" else "green")
+            style = {"running": "cyan", "waiting": "dim", "interrupted": "yellow", "error": "red"}.get(state, "green")
             body = Text(req.text if req is not None else "")
             if req is not None and req.error:
                 body.append(f"\n{req.error}", style="red")
@@ -449,6 +449,8 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 for req in reqs:
                     display.reqs.setdefault(req.index, req)
+                    if ctrl_c.presses and req.state in ("waiting", "running"):
+                        req.state = "interrupted"
                 console.print(display.render(final=True))
         else:
             plain = _Json(sys.stdout) if args.json else _Plain(sys.stdout, stream_raw=concurrency == 1)
