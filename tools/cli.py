@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn, Protocol, cast
@@ -108,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"tickloom: error: {exc}", file=sys.stderr)
         return exc.status
+    except BrokenPipeError:
+        # The reader went away (`tickloom inspect LOG | head`): not an error of ours. Point stdout at devnull so
+        # the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return int(status)
 
 

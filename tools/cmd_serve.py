@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--drain-timeout must be at least 0")
     if args.stub_step_time is not None and args.model != "stub":
         raise CliError("--stub-step-time needs --model stub")
+    from tools.cmd_generate import check_model_options
+
+    check_model_options(args.model, args.device, args.dtype)
     log_path = None if args.no_log else (args.log or default_log_path())
     extra = {} if args.stub_step_time is None else {"stub_step_time": args.stub_step_time}
     try:

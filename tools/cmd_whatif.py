@@ -182,7 +182,7 @@ def _matplotlib() -> ModuleType:
     try:
         import matplotlib
     except ImportError as exc:
-        raise CliError("--plot needs matplotlib, which is not installed (pip install matplotlib)") from exc
+        raise CliError("install tickloom[plot] for --plot (matplotlib is not installed)") from exc
     return matplotlib
 
 
