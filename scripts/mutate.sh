@@ -58,6 +58,18 @@ engine.core.apply.x__commit_in_bulk__mutmut_12	as mutant 8
 engine.core.apply.x__settle_kv__mutmut_4	zip without strict: a step's rows and KV ends are built together, one each
 engine.core.apply.x__settle_kv__mutmut_7	as mutant 4
 engine.core.apply.x__settle_kv__mutmut_8	as mutant 4
+engine.core.planner.x_can_run_ahead__mutmut_1	> for >=: plan_step plans only with fewer than pipeline_depth steps in flight, so a sequence never has pipeline_depth rows in flight here
+engine.core.planner.x_can_run_ahead__mutmut_2	as mutant 1: the early return is never taken
+engine.core.planner.x__plan_decode__mutmut_22	looked_at_all = None for False: falsy alike
+engine.core.planner.x__plan_decode__mutmut_97	zip without strict: the columns zipped are built together from the same rows, equally long
+engine.core.planner.x__plan_decode__mutmut_100	zip without strict: the columns zipped are built together from the same rows, equally long
+engine.core.planner.x__plan_decode__mutmut_101	zip without strict: the columns zipped are built together from the same rows, equally long
+engine.core.planner.x__plan_decode__mutmut_107	zip without strict: the columns zipped are built together from the same rows, equally long
+engine.core.planner.x__plan_decode__mutmut_111	zip without strict: the columns zipped are built together from the same rows, equally long
+engine.core.planner.x__plan_decode__mutmut_112	zip without strict: the columns zipped are built together from the same rows, equally long
+engine.core.planner.x__plan_decode__mutmut_154	zip without strict: the columns zipped are built together from the same rows, equally long
+engine.core.planner.x__plan_decode__mutmut_157	zip without strict: the columns zipped are built together from the same rows, equally long
+engine.core.planner.x__plan_decode__mutmut_158	zip without strict: the columns zipped are built together from the same rows, equally long
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
