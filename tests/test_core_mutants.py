@@ -6,6 +6,7 @@ slightly wrong rule (an off-by-one, a dropped term, a flipped condition) behaves
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 
 import pytest
@@ -248,6 +249,8 @@ def test_c03_a_lone_head_reserves_its_prompt_only_if_that_fits(parked_prompt: in
         (SamplingSpec(max_tokens=4, thinking_budget=-1), 10, "thinking_budget=-1 must not be negative"),
         (SamplingSpec(max_tokens=4), [3, 1000], "prompt token id 1000 at position 1 is outside vocab_size=1000"),
         (SamplingSpec(max_tokens=4), [-1, 3], "prompt token id -1 at position 0 is outside vocab_size=1000"),
+        (SamplingSpec(max_tokens=4), [0, 1000], "prompt token id 1000 at position 1 is outside vocab_size=1000"),
+        (SamplingSpec(max_tokens=4), [], "empty prompt"),
         (SamplingSpec(max_tokens=4), 128, "prompt of 128 tokens does not fit max_seq_len=128"),
     ],
 )
@@ -1073,3 +1076,15 @@ def test_c12_an_arrival_with_a_deadline_asks_for_a_wake_up() -> None:
     core = make_core(num_blocks=16, max_seq_len=128)
     out = _tick(core, arrival("r", 10, 4, deadline_ns=5_000), arrival("s", 10, 4))
     assert _of(out, WatchDeadline) == [WatchDeadline("r", 5_000)], "only a request with a deadline is watched"
+
+
+def test_logprobs_stay_aligned_when_two_steps_settle_in_one_tick_and_only_the_first_has_them() -> None:
+    core = make_core(num_blocks=16, max_seq_len=128, pipeline_depth=2)
+    _tick(core, arrival("r", 10, 8))
+    [step1] = _of(_tick(core), RunStep)
+    assert step1.fed_from == [0]
+    out = _tick(core, StepDone(0, ["r"], [7], logprobs=[-0.5]), StepDone(1, ["r"], [8]))
+    [emit] = _of(out, EmitTokens)
+    assert emit.request_ids == ["r", "r"] and emit.token_ids == [7, 8]
+    assert emit.logprobs is not None and len(emit.logprobs) == 2
+    assert emit.logprobs[0] == -0.5 and math.isnan(emit.logprobs[1]), "no logprob for the second: NaN in its place"
