@@ -1088,3 +1088,12 @@ def test_logprobs_stay_aligned_when_two_steps_settle_in_one_tick_and_only_the_fi
     assert emit.request_ids == ["r", "r"] and emit.token_ids == [7, 8]
     assert emit.logprobs is not None and len(emit.logprobs) == 2
     assert emit.logprobs[0] == -0.5 and math.isnan(emit.logprobs[1]), "no logprob for the second: NaN in its place"
+
+
+def test_c14_a_deadline_due_when_a_swap_in_fails_ends_it_as_timeout() -> None:
+    core = make_core(num_blocks=16, max_seq_len=128, spill_enabled=True)
+    swapped = add_seq(core.state, "s", 20, outputs=5, status=Status.SWAPPED)
+    swapped.spill_tokens, swapped.has_spill, swapped.deadline_ns = 24, True, 0
+    core.state.deadlines.append((0, swapped.arrival, "s"))
+    [finish] = _of(_tick(core, SwapInFailed("s", "checksum mismatch")), Finish)
+    assert (finish.reason, finish.usage.completion_tokens) == ("timeout", 5), "timeout > error at the same token"
