@@ -72,6 +72,10 @@ engine.core.planner.x__plan_decode__mutmut_157	zip without strict: the columns z
 engine.core.planner.x__plan_decode__mutmut_158	zip without strict: the columns zipped are built together from the same rows, equally long
 engine.core.apply.x_arrive__mutmut_98	the forced call passes None for think-end: commit_token's first test replaces it by think-end, the zero budget being spent (as commit_token mutant 61)
 engine.core.apply.x_apply_inputs__mutmut_66	the swap-in error at len+1, not len-1: as fail_step mutant 25, every other reason in the tick comes at len-1 or earlier and wins either way
+engine.core.apply.x_apply_inputs__mutmut_47	unblocked not set by SwapInReady: the flag only matters when no step is in flight after the tick, and then this tick's own phases have acted already: a running sequence was planned or preempted, and with none running the swap-in (or admission, or resume) succeeded and set the flag itself
+engine.core.apply.x_apply_inputs__mutmut_48	as mutant 47
+engine.core.apply.x_arrive__mutmut_87	unblocked not set by an arrival: the flag only matters when no step is in flight after the tick, and then this tick's own phases have acted already: a running sequence was planned or preempted, and with none running the swap-in (or admission, or resume) succeeded and set the flag itself
+engine.core.apply.x_arrive__mutmut_88	as mutant 87
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
