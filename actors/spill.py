@@ -187,6 +187,11 @@ class SpillStore:
             raise OSError(f"checksum mismatch in spill file {path}")
         kv = _deserialize(payload)
         with self._lock:
+            # The read ran outside the lock, in the swap-in actor's thread, while the spill actor may have dropped
+            # this copy (the request ended: cancelled, timed out). Inserting it now would leave a host copy that
+            # nothing will ever drop.
+            if self._files.get(request_id) is not path:
+                raise KeyError(f"spilled KV for {request_id!r} was dropped while it was being read")
             self._host[request_id] = kv
             self._host_used += kv.nbytes()
 

@@ -49,6 +49,26 @@ def test_disk_tier_is_private_checksummed_and_removed(tmp_path: Path) -> None:
     assert not directory.exists()
 
 
+def test_a_drop_while_the_swap_in_reads_leaves_no_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The swap-in actor reads a disk copy in its thread while the spill actor drops it (the request ended): the
+    read must not put the copy back into the host tier, where nothing would ever drop it."""
+    import actors.spill
+
+    store = SpillStore(tmp_path, host_bytes=0)
+    store.store("r", _kv(1))
+    real = actors.spill._deserialize
+
+    def dropped_meanwhile(payload: bytes) -> HostKV:
+        store.drop("r")  # what the spill actor's thread does while this one reads
+        return real(payload)
+
+    monkeypatch.setattr(actors.spill, "_deserialize", dropped_meanwhile)
+    with pytest.raises(KeyError, match="dropped while it was being read"):
+        store.load("r")
+    assert store.held == 0
+    store.close()
+
+
 def test_host_tier_without_a_directory_refuses_overflow(tmp_path: Path) -> None:
     store = SpillStore(None, host_bytes=100)
     with pytest.raises(OSError, match="host spill tier full"):
