@@ -76,6 +76,12 @@ engine.core.apply.x_apply_inputs__mutmut_47	unblocked not set by SwapInReady: th
 engine.core.apply.x_apply_inputs__mutmut_48	as mutant 47
 engine.core.apply.x_arrive__mutmut_87	unblocked not set by an arrival: the flag only matters when no step is in flight after the tick, and then this tick's own phases have acted already: a running sequence was planned or preempted, and with none running the swap-in (or admission, or resume) succeeded and set the flag itself
 engine.core.apply.x_arrive__mutmut_88	as mutant 87
+engine.core.planner.x__unclaim_prefix__mutmut_1	unreachable (no test reaches _unclaim_prefix): a fresh sequence is itself always a victim candidate (settled, no row yet), so ensure_blocks fails for it only by preempting it, which releases the hits it claimed
+engine.core.planner.x__unclaim_prefix__mutmut_2	unreachable (no test reaches _unclaim_prefix): a fresh sequence is itself always a victim candidate (settled, no row yet), so ensure_blocks fails for it only by preempting it, which releases the hits it claimed
+engine.core.planner.x__unclaim_prefix__mutmut_3	unreachable (no test reaches _unclaim_prefix): a fresh sequence is itself always a victim candidate (settled, no row yet), so ensure_blocks fails for it only by preempting it, which releases the hits it claimed
+engine.core.planner.x__unclaim_prefix__mutmut_4	unreachable (no test reaches _unclaim_prefix): a fresh sequence is itself always a victim candidate (settled, no row yet), so ensure_blocks fails for it only by preempting it, which releases the hits it claimed
+engine.core.planner.x__unclaim_prefix__mutmut_5	unreachable (no test reaches _unclaim_prefix): a fresh sequence is itself always a victim candidate (settled, no row yet), so ensure_blocks fails for it only by preempting it, which releases the hits it claimed
+engine.core.planner.x__unclaim_prefix__mutmut_6	unreachable (no test reaches _unclaim_prefix): a fresh sequence is itself always a victim candidate (settled, no row yet), so ensure_blocks fails for it only by preempting it, which releases the hits it claimed
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing

@@ -1097,3 +1097,20 @@ def test_c14_a_deadline_due_when_a_swap_in_fails_ends_it_as_timeout() -> None:
     core.state.deadlines.append((0, swapped.arrival, "s"))
     [finish] = _of(_tick(core, SwapInFailed("s", "checksum mismatch")), Finish)
     assert (finish.reason, finish.usage.completion_tokens) == ("timeout", 5), "timeout > error at the same token"
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_c15_rows_run_ahead_up_to_the_context_ceiling(thinking: bool) -> None:
+    # Thinking markers configured: the general plan (not the decode lane) plans every step. A 29-token prompt with
+    # max_seq_len 32 samples 3 tokens; with a step always in flight each row after the prefill is fed from the
+    # step before it, the last one too: running ahead stops only where a token could be the last. A thinking
+    # section without a budget forces nothing, so it runs ahead alike.
+    config = CoreConfig(num_blocks=16, block_size=16, max_seq_len=32, pipeline_depth=2,
+                        think_start_token=THINK_START, think_end_token=THINK_END)
+    h = Harness(config, oracle=OracleExecutor(config.vocab_size, avoid=(THINK_START, THINK_END)), device_lag=1)
+    prompt = [*range(100, 128), THINK_START if thinking else 128]
+    h.step(arrival("r", prompt, 100))
+    h.run()
+    steps = [c for _, c in h.commands(RunStep)]
+    assert [s.fed_from[0] for s in steps] == [-1, 0, 1] and [s.sample_indices[0] for s in steps] == [0, 1, 2]
+    assert h.reason("r") == "length" and h.reasoning["r"] == [thinking] * 3
