@@ -1114,3 +1114,15 @@ def test_c15_rows_run_ahead_up_to_the_context_ceiling(thinking: bool) -> None:
     steps = [c for _, c in h.commands(RunStep)]
     assert [s.fed_from[0] for s in steps] == [-1, 0, 1] and [s.sample_indices[0] for s in steps] == [0, 1, 2]
     assert h.reason("r") == "length" and h.reasoning["r"] == [thinking] * 3
+
+
+def test_c04_each_chunk_carries_only_the_blocks_appended_since_the_last() -> None:
+    h = Harness(CoreConfig(num_blocks=64, block_size=16, max_seq_len=512, max_prefill_tokens=64))
+    h.step(arrival("r", 200, 2))
+    h.run()
+    steps = [c for _, c in h.commands(RunStep)]
+    deltas = [(s.positions[0], s.num_tokens[0], s.block_starts[0], s.num_new_blocks[0]) for s in steps]
+    # 64, 64, 64 and 8 tokens: tables of 4, 8, 12 and 13 blocks; then a decode row in block 13, already sent.
+    assert deltas == [(0, 64, 0, 4), (64, 64, 4, 4), (128, 64, 8, 4), (192, 8, 12, 1), (200, 1, 13, 0)]
+    table = [b for s in steps for b in s.new_block_ids]
+    assert len(table) == len(set(table)) == 13
