@@ -84,6 +84,7 @@ engine.core.planner.x__unclaim_prefix__mutmut_5	unreachable (no test reaches _un
 engine.core.planner.x__unclaim_prefix__mutmut_6	unreachable (no test reaches _unclaim_prefix): a fresh sequence is itself always a victim candidate (settled, no row yet), so ensure_blocks fails for it only by preempting it, which releases the hits it claimed
 engine.core.planner.x__add_delta__mutmut_6	>= for >: with nothing new, extending by no blocks and setting sent_blocks to what it is change nothing
 engine.core.planner.x__claim_prefix__mutmut_3	and for or: a fresh sequence holds no blocks, and with caching off no block has a hash, so the lookup finds nothing
+engine.core.planner.x_ensure_blocks__mutmut_2	<= for <: a table already of the wanted size enters the loop only to allocate no blocks and return True
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
