@@ -280,7 +280,8 @@ async def build_runtime(config: EngineConfig) -> Runtime:
         return Runtime(config, core_config, tokenizer, "stub", None, ("", "stub", "", 0))
     from engine.model import ModelExecutor, load_model
 
-    loaded = await trio.to_thread.run_sync(load_model, config.model, config.dtype, config.device, config.threads)
+    loaded = await trio.to_thread.run_sync(load_model, config.model, config.dtype, config.device, config.threads,
+                                           config.quant)
     import torch
 
     mcfg = loaded.config
@@ -294,6 +295,8 @@ async def build_runtime(config: EngineConfig) -> Runtime:
     core_config = CoreConfig(num_blocks=num_blocks, max_seq_len=max_seq_len, vocab_size=mcfg.vocab_size,
                              eos_token_ids=tuple(mcfg.eos_token_ids), **common)  # type: ignore[arg-type]
     executor = ModelExecutor(loaded.model, num_blocks, config.block_size)
-    info = (str(torch.__version__), str(loaded.model.device), str(loaded.model.dtype).removeprefix("torch."),
-            torch.get_num_threads())
+    dtype_name = str(loaded.model.dtype).removeprefix("torch.")
+    if loaded.model.quant != "none":  # "bfloat16+int4": what replay --full passes back to load_model
+        dtype_name = f"{dtype_name}+{loaded.model.quant}"
+    info = (str(torch.__version__), str(loaded.model.device), dtype_name, torch.get_num_threads())
     return Runtime(config, core_config, loaded.tokenizer, loaded.fingerprint, executor, info)

@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
+from engine.model.quant import RawBlocks
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
@@ -157,6 +158,44 @@ def gguf_tensors(path: Path, reader: GGUFReader, cfg: ModelConfig) -> dict[str, 
                 arr = unpermute_rope(arr, cfg.num_kv_heads)
         out[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
     return out
+
+
+BLOCK_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})
+"""Types ``gguf_weights`` keeps in block form (``engine.model.quant.RawBlocks``) for quantized loading."""
+
+
+def gguf_weights(path: Path, reader: GGUFReader, cfg: ModelConfig) -> dict[str, torch.Tensor | RawBlocks]:
+    """Like ``gguf_tensors``, but Q4_0/Q4_1/Q8_0 matrices stay as their raw blocks (rows un-permuted for
+    rope like the floats), for layers that pack them without a float32 detour."""
+    out: dict[str, torch.Tensor | RawBlocks] = {}
+    floats = [t for t in reader.tensors if GGMLQuantizationType(int(t.tensor_type)) not in BLOCK_TYPES
+              or len(t.shape) != 2]
+    float_ids = {id(t) for t in floats}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        qtype = GGMLQuantizationType(int(t.tensor_type))
+        if name is None or id(t) in float_ids:
+            continue
+        rows = np.asarray(t.data)
+        if cfg.architecture == "llama":
+            if t.name.endswith("attn_q.weight"):
+                rows = unpermute_rope(rows, cfg.num_heads)
+            elif t.name.endswith("attn_k.weight"):
+                rows = unpermute_rope(rows, cfg.num_kv_heads)
+        shape = (int(t.shape[1]), int(t.shape[0]))
+        out[name] = RawBlocks(qtype.name, np.ascontiguousarray(rows), shape)
+    if floats:
+        rest = gguf_tensors(path, _Only(reader, floats), cfg)  # type: ignore[arg-type]
+        out.update(rest)
+    return out
+
+
+class _Only:
+    """A reader view with only some of its tensors."""
+
+    def __init__(self, reader: GGUFReader, tensors: list[Any]) -> None:
+        self.tensors = tensors
+        self.fields = reader.fields
 
 
 def gguf_tokenizer(path: Path, reader: GGUFReader) -> tuple[Tokenizer, dict[str, Any]]:

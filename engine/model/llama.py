@@ -6,12 +6,24 @@ cache. One forward runs a mixed batch of prefill chunks and decode rows, flatten
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
 from engine.model.batch import AttnGroup, StepBatch
 from engine.model.config import ModelConfig, rope_inv_freq
 from engine.model.kv_cache import PagedKVCache
+from engine.model.quant import (
+    Embedding,
+    Linear,
+    RawBlocks,
+    Weight,
+    activation_dtype,
+    check_quant,
+    head_quant,
+    join_linear,
+)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -43,22 +55,30 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 class LayerWeights:
     """One decoder layer's weights, with q/k/v fused. Gate and up stay separate: on CPU two GEMMs
-    beat one fused GEMM for prefill-sized inputs, and silu on a contiguous tensor is faster."""
+    beat one fused GEMM for prefill-sized inputs, and silu on a contiguous tensor is faster.
 
-    __slots__ = ("attn_norm", "bqkv", "mlp_norm", "w1", "w2", "w3", "wo", "wqkv")
+    Projections are ``Linear`` callables (``engine.model.quant``): dense, int8 or int4."""
 
-    def __init__(self, t: dict[str, torch.Tensor], prefix: str, bias: bool) -> None:
+    __slots__ = ("attn_norm", "mlp_norm", "qkv", "w1", "w2", "w3", "wo")
+
+    def __init__(
+        self, t: Mapping[str, Weight], prefix: str, bias: bool, quant: str, dtype: torch.dtype, act: torch.dtype
+    ) -> None:
         a = prefix + "self_attn."
-        self.attn_norm = t[prefix + "input_layernorm.weight"]
-        self.mlp_norm = t[prefix + "post_attention_layernorm.weight"]
-        self.wqkv = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]])
-        self.bqkv: torch.Tensor | None = None
+        self.attn_norm = _dense(t[prefix + "input_layernorm.weight"], dtype)
+        self.mlp_norm = _dense(t[prefix + "post_attention_layernorm.weight"], dtype)
+        biases = None
         if bias:
-            self.bqkv = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
-        self.wo = t[a + "o_proj.weight"]
-        self.w1 = t[prefix + "mlp.gate_proj.weight"]
-        self.w3 = t[prefix + "mlp.up_proj.weight"]
-        self.w2 = t[prefix + "mlp.down_proj.weight"]
+            biases = [_dense(t[a + f"{p}_proj.bias"], dtype) for p in "qkv"]
+        self.qkv: Linear = join_linear([t[a + f"{p}_proj.weight"] for p in "qkv"], biases, quant, act)
+        self.wo: Linear = join_linear([t[a + "o_proj.weight"]], None, quant, act)
+        self.w1: Linear = join_linear([t[prefix + "mlp.gate_proj.weight"]], None, quant, act)
+        self.w3: Linear = join_linear([t[prefix + "mlp.up_proj.weight"]], None, quant, act)
+        self.w2: Linear = join_linear([t[prefix + "mlp.down_proj.weight"]], None, quant, act)
+
+
+def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    return (w.dequantize() if isinstance(w, RawBlocks) else w).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,19 +95,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel:
-    """Weights plus the paged-attention forward. Not an ``nn.Module``: it never trains."""
+    """Weights plus the paged-attention forward. Not an ``nn.Module``: it never trains.
+
+    ``quant`` (``engine.model.quant.QUANT_SETTINGS``) picks the projections' and the LM head's form; the
+    embedding table stays in ``dtype`` for lookup (or GGUF Q8_0 rows, dequantized per lookup). Tensors may be
+    GGUF ``RawBlocks``; float tensors are converted to ``dtype`` as they are used."""
 
     def __init__(
-        self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        tensors: Mapping[str, Weight],
+        dtype: torch.dtype,
+        device: torch.device,
+        quant: str = "none",
     ) -> None:
+        check_quant(quant, dtype, device)
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        t = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
-        self.embed = t["model.embed_tokens.weight"]
-        self.norm = t["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
-        self.layers = [LayerWeights(t, f"model.layers.{n}.", cfg.attention_bias) for n in range(cfg.num_layers)]
+        self.quant = quant
+        act = dtype if quant == "none" else activation_dtype(dtype)
+        t: dict[str, Weight] = {
+            k: v if isinstance(v, RawBlocks) else v.to(device=device, dtype=dtype if quant == "none" else v.dtype)
+            for k, v in tensors.items()
+        }
+        self.embed = Embedding(t["model.embed_tokens.weight"], dtype)
+        self.norm = _dense(t["model.norm.weight"], dtype)
+        head = self.embed.weight() if cfg.tie_word_embeddings else t["lm_head.weight"]
+        self.lm_head: Linear = join_linear([head], None, head_quant(quant), act)
+        self.layers = [
+            LayerWeights(t, f"model.layers.{n}.", cfg.attention_bias, quant, dtype, act) for n in range(cfg.num_layers)
+        ]
         self.scale = cfg.head_dim**-0.5
         inv = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64)
         self._inv_freq = inv
@@ -113,17 +151,27 @@ class LlamaModel:
             self._grow_rope(max(2 * self._cos.shape[0], max_pos + 1))
         cos = self._cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self._sin.index_select(0, batch.positions).unsqueeze(1)
-        x = F.embedding(batch.input_ids, self.embed)
+        x = self.embed(batch.input_ids)
         for n, layer in enumerate(self.layers):
             x = x + self._attention(n, layer, rms_norm(x, layer.attn_norm, self.cfg.rms_norm_eps), cos, sin, batch, kv)
             x = x + self._mlp(layer, rms_norm(x, layer.mlp_norm, self.cfg.rms_norm_eps))
         h = x if batch.logit_index is None else x.index_select(0, batch.logit_index)
         h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward reads (every projection and the head; the embedding rows are few)."""
+        linears = [self.lm_head, *(p for ly in self.layers for p in (ly.qkv, ly.wo, ly.w1, ly.w2, ly.w3))]
+        return sum(lin.nbytes() for lin in linears)
+
+    def resident_bytes(self) -> int:
+        """Bytes of all weights held (the head shares the embedding's storage when dense and tied)."""
+        shared = self.cfg.tie_word_embeddings and self.quant == "none" and self.embed.table is not None
+        return self.weight_bytes() + (0 if shared else self.embed.nbytes())
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(F.linear(x, layer.w1))
-        return F.linear(gate.mul_(F.linear(x, layer.w3)), layer.w2)
+        gate = F.silu(layer.w1(x))
+        return layer.w2(gate.mul_(layer.w3(x)))
 
     def _attention(
         self,
@@ -137,7 +185,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.cfg
         t = x.shape[0]
-        qkv = F.linear(x, layer.wqkv, layer.bqkv)
+        qkv = layer.qkv(x)
         q = qkv[:, : c.q_size]
         k = qkv[:, c.q_size : c.q_size + c.kv_size]
         v = qkv[:, c.q_size + c.kv_size :]
@@ -154,7 +202,7 @@ class LlamaModel:
                 else:
                     part = self._attend(n, q.index_select(0, g.token_index), g, kv)
                     out.index_copy_(0, g.token_index, part)
-        return F.linear(out.reshape(t, c.q_size), layer.wo)
+        return layer.wo(out.reshape(t, c.q_size))
 
     def _attend(self, n: int, q: torch.Tensor, g: AttnGroup, kv: PagedKVCache) -> torch.Tensor:
         """Attention for ``g.rows`` rows of ``g.q_len`` queries each over their gathered blocks.

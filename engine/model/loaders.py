@@ -22,6 +22,7 @@ from safetensors import safe_open
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.llama import LlamaModel, expected_shapes
+from engine.model.quant import Weight, bf16_supported
 from engine.model.tokenizer import TokenizerWrapper
 
 log = logging.getLogger(__name__)
@@ -224,8 +225,14 @@ def _remember_fingerprint(model_dir: Path, identities: dict[str, list[int]], fp:
 
 
 def load_hf_dir(
-    model_dir: Path, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
+    model_dir: Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    quant: str = "none",
+    gguf: Path | None = None,
 ) -> LoadedModel:
+    """``gguf``: the file ``model_dir`` was converted from; with a ``quant`` setting its Q4_0/Q4_1/Q8_0 blocks
+    are read straight from it (no float32 weights are read or made). The fingerprint gains ``+<quant>``."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(model_dir, "not a directory")
@@ -236,12 +243,16 @@ def load_hf_dir(
     cfg = ModelConfig.from_file(model_dir / "config.json")
     fp = stored_fingerprint(model_dir)
     identities = _identities(model_dir, _fingerprint_files(model_dir)) if fp is None else {}
-    tensors, origin = read_safetensors(model_dir)
-    needed = check_tensors(cfg, tensors, origin, model_dir)
+    needed: dict[str, Weight]
+    if gguf is not None and quant != "none" and fp is not None:
+        needed = _gguf_weights(gguf, cfg)
+    else:
+        tensors, origin = read_safetensors(model_dir)
+        needed = dict(check_tensors(cfg, tensors, origin, model_dir))
     tok = TokenizerWrapper.from_dir(model_dir)
     if fp is None:
         log.info("computing the weight fingerprint of %s (once per checkpoint)…", model_dir)
-        fp = fingerprint(cfg, needed)
+        fp = fingerprint(cfg, {k: v for k, v in needed.items() if isinstance(v, torch.Tensor)})
         _remember_fingerprint(model_dir, identities, fp)
     if tok.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
@@ -250,8 +261,72 @@ def load_hf_dir(
         )
     if not tok.eos_token_ids and cfg.eos_token_ids:
         tok.eos_token_ids = cfg.eos_token_ids
-    model = LlamaModel(cfg, needed, dt, dev)
+    model = LlamaModel(cfg, needed, dt, dev, quant)
+    if quant != "none":
+        fp = f"{fp}+{quant}"
     return LoadedModel(model=model, tokenizer=tok, config=cfg, fingerprint=fp, path=model_dir)
+
+
+def _gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, Weight]:
+    from engine.model.gguf_loader import gguf_weights, open_gguf
+
+    got = gguf_weights(path, open_gguf(path), cfg)
+    out: dict[str, Weight] = {}
+    for name, shape in expected_shapes(cfg).items():
+        w = got.get(name)
+        if w is None:
+            raise ModelLoadError(path, f"missing tensor {name!r}")
+        if tuple(w.shape) != shape:
+            raise ModelLoadError(path, f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
+        out[name] = w
+    return out
+
+
+def split_setting(dtype: str | torch.dtype | None, quant: str | None) -> tuple[str | torch.dtype | None, str | None]:
+    """``"bfloat16+int4"`` (how a log's header records a quantized model's dtype) is dtype and quant in one."""
+    if isinstance(dtype, str) and "+" in dtype:
+        dtype, _, q = dtype.partition("+")
+        if quant is not None and quant != q:
+            raise ValueError(f"dtype {dtype}+{q} contradicts quant {quant!r}")
+        quant = q
+    return dtype, quant
+
+
+def default_setting(path_or_name: str | os.PathLike[str], device: torch.device) -> tuple[str | None, str]:
+    """(dtype, quant) when neither is given: for the bundled model on a CPU with native bfloat16, bfloat16
+    activations and int4 weights packed from its Q4_1 blocks (the fastest setting that passes
+    tests/test_model_agreement.py); for every other model, float32 on CPU (bfloat16 on CUDA), unquantized."""
+    from engine.model.registry import DEFAULT_MODEL
+
+    if str(path_or_name) == DEFAULT_MODEL and device.type == "cpu" and bf16_supported():
+        return DEFAULT_SETTING
+    return None, "none"
+
+
+DEFAULT_SETTING = ("bfloat16", "int4")
+"""The bundled model's setting on a CPU with native bfloat16 (``default_setting``)."""
+
+
+def _source_gguf(path_or_name: str | os.PathLike[str]) -> Path | None:
+    from engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
+
+    if str(path_or_name) == DEFAULT_MODEL:
+        return smollm2_gguf_path()
+    p = Path(path_or_name).expanduser()
+    return p if p.suffix == ".gguf" and p.is_file() else None
+
+
+def _use_cores(num_threads: int | None) -> None:
+    """``num_threads``, else every core this process may run on, unless torch's thread count was already
+    chosen: ``OMP_NUM_THREADS`` is set, or it is 1 (tests pin 1; a deliberate 1 is kept)."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+        return
+    if "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() == 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores > torch.get_num_threads():
+        torch.set_num_threads(cores)
 
 
 def load_model(
@@ -259,6 +334,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     num_threads: int | None = None,
+    quant: str | None = None,
 ) -> LoadedModel:
     """Load ``smollm2-135m``, a Hugging Face model directory, or a ``.gguf`` file.
 
@@ -266,10 +342,16 @@ def load_model(
     in X s"); the command line shows it on stderr."""
     from engine.model.registry import resolve_model
 
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
+    _use_cores(num_threads)
     started = time.monotonic()
-    log.info("loading %s…", path_or_name)
-    loaded = load_hf_dir(resolve_model(path_or_name), dtype, device)
+    dtype, quant = split_setting(dtype, quant)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dtype is None and quant is None:
+        dtype, quant = default_setting(path_or_name, dev)
+    quant = quant or "none"
+    if dtype is None and quant != "none" and dev.type == "cpu":
+        dtype = "bfloat16"  # the quantized kernels take 16-bit activations
+    log.info("loading %s%s…", path_or_name, "" if quant == "none" else f" ({quant})")
+    loaded = load_hf_dir(resolve_model(path_or_name), dtype, device, quant, _source_gguf(path_or_name))
     log.info("loaded %s in %.1f s", path_or_name, time.monotonic() - started)
     return loaded

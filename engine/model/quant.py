@@ -1,0 +1,317 @@
+"""Weight-only quantized linear layers for CPU: int8 per output channel, int4 in groups along the input axis.
+
+Both run torch's own kernels with bfloat16 (or float16) activations; float32 activations are cast for the
+matmul and the result cast back (torch has no fast float32 path for these ops):
+
+- ``Int8Linear``: ``aten._weight_int8pack_mm(x, q, scales)``: ``w[n, k] = q[n, k] * scales[n]``, ``q`` int8.
+- ``Int4Linear``: ``aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)``:
+  ``w[n, k] = (q[n, k] - 8) * scale[k // group, n] + zero[k // group, n]``, ``q`` in 0..15, packed by
+  ``aten._convert_weight_to_int4pack_for_cpu``; ``scales_and_zeros`` is ``[K / group, N, 2]`` in the activation
+  dtype. A GGUF Q4_1 block (``w = d * q + m``) is exactly ``scale = d, zero = m + 8 d``; Q4_0 (``w = d (q - 8)``)
+  is ``scale = d, zero = 0`` (``from_gguf_blocks``).
+
+``QUANT_SETTINGS`` names the settings ``EngineConfig.quant`` accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+QUANT_SETTINGS: dict[str, tuple[int, int]] = {
+    "none": (0, 0),
+    "int8": (8, 0),
+    "int4": (4, 32),
+    "int4-g64": (4, 64),
+    "int4-g128": (4, 128),
+}
+"""Setting -> (bits, group size); 0 bits: dense weights in the model dtype."""
+
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
+_INT4_PACK = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+_INT8_MM = torch.ops.aten._weight_int8pack_mm
+
+
+class Linear(Protocol):
+    """``y = x @ w.T (+ b)`` for ``x`` of shape ``... x in_features``."""
+
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def nbytes(self) -> int: ...
+
+
+class DenseLinear:
+    __slots__ = ("bias", "in_features", "out_features", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+
+def _nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _matmul_2d(x: torch.Tensor, act: torch.dtype, in_features: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    lead = tuple(x.shape[:-1])
+    return x.reshape(-1, in_features).to(act).contiguous(), lead
+
+
+class Int8Linear:
+    """Weight-only int8, one scale per output channel (symmetric, ``q`` in -127..127)."""
+
+    __slots__ = ("act", "bias", "in_features", "out_features", "q", "scales")
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype) -> None:
+        self.q, self.scales, self.act = q.contiguous(), scales.to(act).contiguous(), act
+        self.bias = None if bias is None else bias.to(act)
+        self.out_features, self.in_features = q.shape
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None,
+                   act: torch.dtype = torch.bfloat16) -> Int8Linear:
+        w = w.float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales, bias, act)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scales.float()[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _matmul_2d(x, self.act, self.in_features)
+        y = _INT8_MM(x2, self.q, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.q, self.scales, self.bias)
+
+
+class Int4Linear:
+    """Weight-only asymmetric int4 in groups of ``group`` input features (torch's CPU int4 pack)."""
+
+    __slots__ = ("act", "bias", "group", "in_features", "out_features", "packed", "scales_zeros")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                 bias: torch.Tensor | None, act: torch.dtype) -> None:
+        """``q``: ``N x K`` integers in 0..15; ``scale``, ``zero``: ``N x K/group``."""
+        n, k = q.shape
+        if k % group or scale.shape != (n, k // group) or zero.shape != scale.shape:
+            raise ValueError(f"int4: bad shapes q {tuple(q.shape)}, scale {tuple(scale.shape)}, group {group}")
+        self.packed = _INT4_PACK(q.to(torch.int32).contiguous(), 2)
+        self.scales_zeros = torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).to(act).contiguous()
+        self.group, self.act = group, act
+        self.bias = None if bias is None else bias.to(act)
+        self.out_features, self.in_features = n, k
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group: int, bias: torch.Tensor | None = None,
+                   act: torch.dtype = torch.bfloat16) -> Int4Linear:
+        """Min/max asymmetric quantization per group (what GGUF Q4_1 does)."""
+        n, k = w.shape
+        wg = w.float().reshape(n, k // group, group)
+        lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).reshape(n, k)
+        return cls(q, scale, lo + 8.0 * scale, group, bias, act)
+
+    @classmethod
+    def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None,
+                         act: torch.dtype = torch.bfloat16) -> Int4Linear:
+        """``blocks``: a GGUF Q4_0 or Q4_1 tensor's raw bytes, ``N x (K / 32 * block bytes)`` uint8."""
+        d, m, q = gguf_q4_fields(blocks, kind)
+        n = blocks.shape[0]
+        scale = torch.from_numpy(d.astype(np.float32))
+        zero = torch.from_numpy((m + 8.0 * d).astype(np.float32)) if m is not None else torch.zeros_like(scale)
+        return cls(torch.from_numpy(q.reshape(n, -1)), scale, zero, 32, bias, act)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``N x K`` weight this layer multiplies by (unpacked by multiplying the identity)."""
+        eye = torch.eye(self.in_features, dtype=self.act)
+        return _INT4_MM(eye, self.packed, self.group, self.scales_zeros).float().t().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _matmul_2d(x, self.act, self.in_features)
+        y = _INT4_MM(x2, self.packed, self.group, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_zeros, self.bias)
+
+
+def gguf_q4_fields(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(d ``N x G``, m ``N x G`` or None, q ``N x G x 32`` uint8 in 0..15) of Q4_0 (18-byte blocks: fp16 d,
+    16 bytes) or Q4_1 (20-byte blocks: fp16 d, fp16 m, 16 bytes) rows. Byte ``j`` of a block holds element
+    ``j`` in its low nibble and element ``j + 16`` in its high nibble."""
+    size = {"Q4_0": 18, "Q4_1": 20}[kind]
+    n = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(n, -1, size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    m = b[..., 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else None
+    qs = b[..., size - 16 :]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return d, m, q
+
+
+def gguf_q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d ``N x G`` float32, q ``N x G x 32`` int8) of Q8_0 rows (34-byte blocks: fp16 d, 32 int8)."""
+    n = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(n, -1, 34)
+    return b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32), b[..., 2:].copy().view(np.int8)
+
+
+class RawBlocks:
+    """A GGUF tensor kept in its block form (Q4_0, Q4_1 or Q8_0): ``data`` is ``N x row bytes`` uint8."""
+
+    __slots__ = ("data", "kind", "shape")
+
+    def __init__(self, kind: str, data: np.ndarray, shape: tuple[int, int]) -> None:
+        if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+            raise ValueError(f"no block form for {kind}")
+        self.kind, self.data, self.shape = kind, data, shape
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``N x K``."""
+        n = self.shape[0]
+        if self.kind == "Q8_0":
+            d8, q8 = gguf_q8_0(self.data)
+            return torch.from_numpy((q8.astype(np.float32) * d8[..., None]).reshape(n, -1))
+        d, m, q = gguf_q4_fields(self.data, self.kind)
+        df = d.astype(np.float32)[..., None]
+        w = q.astype(np.float32) * df + m.astype(np.float32)[..., None] if m is not None else (q - 8.0) * df
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(n, -1))
+
+    @staticmethod
+    def concat(parts: list[RawBlocks]) -> RawBlocks | None:
+        """The row-wise concatenation of blocks of one kind and width, else None."""
+        kinds = {p.kind for p in parts}
+        widths = {p.shape[1] for p in parts}
+        if len(kinds) != 1 or len(widths) != 1:
+            return None
+        rows = sum(p.shape[0] for p in parts)
+        return RawBlocks(parts[0].kind, np.concatenate([p.data for p in parts]), (rows, parts[0].shape[1]))
+
+
+Weight = torch.Tensor | RawBlocks
+
+
+def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch.dtype) -> Linear:
+    """A linear layer for weight ``w`` under ``quant`` (a ``QUANT_SETTINGS`` key). GGUF Q4_0/Q4_1 blocks under
+    ``"int4"`` are packed as they are (no float detour, no second rounding); anything else is dequantized and
+    quantized. Int4 falls back to the largest group (128, 64, 32) that divides the input size, then (or for
+    output sizes that are not a multiple of 16) to int8. ``act`` is the activation dtype (and, with ``"none"``,
+    the weight dtype)."""
+    bits, group = QUANT_SETTINGS[quant]
+    if isinstance(w, RawBlocks):
+        if bits == 4 and group == 32 and w.kind in ("Q4_0", "Q4_1") and w.shape[0] % 16 == 0:
+            return Int4Linear.from_gguf_blocks(w.data, w.kind, bias, act)
+        w = w.dequantize()
+    if bits == 4 and w.shape[0] % 16 == 0:  # the int4 pack wants output rows in sixteens
+        k = w.shape[1]
+        for g in (group, 128, 64, 32):
+            if g <= group and k % g == 0:
+                return Int4Linear.from_float(w, g, bias, act)
+        bits = 8
+    if bits:
+        return Int8Linear.from_float(w, bias, act)
+    return DenseLinear(w.to(act), None if bias is None else bias.to(act))
+
+
+def join_linear(ws: list[Weight], biases: list[torch.Tensor] | None, quant: str, act: torch.dtype) -> Linear:
+    """One linear layer for several weights stacked along the output axis (fused q/k/v)."""
+    bias = None if biases is None else torch.cat(biases)
+    if len(ws) == 1:
+        return quantize_linear(ws[0], bias, quant, act)
+    if all(isinstance(w, RawBlocks) for w in ws):
+        joined = RawBlocks.concat([w for w in ws if isinstance(w, RawBlocks)])
+        if joined is not None:
+            return quantize_linear(joined, bias, quant, act)
+    floats = [w.dequantize() if isinstance(w, RawBlocks) else w for w in ws]
+    dense = torch.cat([f.to(act) if quant == "none" else f.float() for f in floats])
+    return quantize_linear(dense, bias, quant, act)
+
+
+class Embedding:
+    """Token lookup: a dense table, or GGUF Q8_0 rows dequantized per lookup (a quarter of float32's bytes)."""
+
+    __slots__ = ("d", "dtype", "q", "table")
+
+    def __init__(self, w: Weight, dtype: torch.dtype) -> None:
+        self.table: torch.Tensor | None = None
+        self.q: torch.Tensor | None = None
+        self.d: torch.Tensor | None = None
+        if isinstance(w, RawBlocks) and w.kind == "Q8_0":
+            d8, q8 = gguf_q8_0(w.data)
+            self.q, self.d = torch.from_numpy(q8), torch.from_numpy(d8)
+        else:
+            self.table = (w.dequantize() if isinstance(w, RawBlocks) else w).to(dtype)
+        self.dtype = dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return F.embedding(ids, self.table)
+        assert self.q is not None and self.d is not None
+        rows = self.q.index_select(0, ids).float() * self.d.index_select(0, ids)[..., None]
+        return rows.reshape(ids.shape[0], -1).to(self.dtype)
+
+    def weight(self) -> Weight:
+        """The table as a weight (for a tied head)."""
+        if self.table is not None:
+            return self.table
+        assert self.q is not None and self.d is not None
+        return (self.q.float() * self.d[..., None]).reshape(self.q.shape[0], -1)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.table, self.q, self.d)
+
+
+HEAD_QUANT: dict[str, str] = {"int4": "int8", "int4-g64": "int8", "int4-g128": "int8"}
+"""The LM head's setting under each model setting: int4 settings keep an int8 head (an int4 head costs about
+a tenth of the greedy agreement with float32 on SmolLM2-135M; llama.cpp's Q4 files keep a Q8_0 head too)."""
+
+
+def head_quant(quant: str) -> str:
+    return HEAD_QUANT.get(quant, quant)
+
+
+def check_quant(quant: str, dtype: torch.dtype, device: torch.device) -> None:
+    if quant not in QUANT_SETTINGS:
+        raise ValueError(f"unknown quant {quant!r}; choose one of {sorted(QUANT_SETTINGS)}")
+    if quant != "none" and device.type != "cpu":
+        raise ValueError(f"quant {quant!r} runs on CPU only (device {device})")
+    if quant != "none" and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quant {quant!r} needs a float32, bfloat16 or float16 model, not {dtype}")
+
+
+def activation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype quantized matmuls take: the model's if it is 16-bit, else bfloat16."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX), so bf16 matmuls are fast."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX512", "AMX"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            flags = fh.read(1 << 16)
+    except OSError:
+        return cap == "AMX"
+    return "avx512_bf16" in flags or "amx_bf16" in flags
