@@ -47,9 +47,9 @@ class _EngineFields(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Literal["float32", "float64", "float16", "bfloat16"] | None = None
     """None: float32 on CPU, bfloat16 on CUDA; for the bundled model on a CPU with native bfloat16 (with ``quant``
     also None), bfloat16 with int4 weights (``engine.model.loaders.default_setting``)."""
-    quant: Literal["none", "int8", "int4", "int4-g64", "int4-g128"] | None = None
+    quant: Literal["none", "int8", "int4"] | None = None
     """Weight-only quantization (CPU): int8 per output channel, or int4 in groups of 32 (GGUF Q4_0/Q4_1 blocks
-    packed as they are), 64 or 128. None: the model's default (see ``dtype``)."""
+    packed as they are; the LM head stays int8). None: the model's default (see ``dtype``)."""
     device: Annotated[str, Meta(min_length=1, max_length=64)] = "cpu"
     threads: Annotated[int, Meta(ge=1, le=4096)] | None = None
     num_blocks: Positive | None = None

@@ -46,8 +46,7 @@ PROMPTS = [
 ]
 NEW_TOKENS = 64
 MIN_AGREEMENT = 0.95
-SETTINGS = [("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"), ("bfloat16", "int4-g64"),
-            ("bfloat16", "int4-g128")]
+SETTINGS = [("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
 
 
 def teacher_forced_argmax(model: LlamaModel, ids: list[int]) -> torch.Tensor:

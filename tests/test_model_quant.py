@@ -96,9 +96,24 @@ def test_fused_blocks_and_dense_fallback() -> None:
                       torch.bfloat16)
     assert lin.out_features == 48
     assert _rel_err(lin.dequantize(), torch.cat([wa, wb])) < 1e-2  # type: ignore[attr-defined]
-    assert isinstance(quantize_linear(torch.randn(16, 96), None, "int4-g128", torch.bfloat16), Int4Linear)
     assert isinstance(quantize_linear(torch.randn(16, 40), None, "int4", torch.bfloat16), Int8Linear)  # 40 % 32
     assert isinstance(quantize_linear(torch.randn(8, 64), None, "int4", torch.bfloat16), Int8Linear)  # 8 % 16
+
+
+def test_q8_0_head_moves_each_value_by_under_a_step() -> None:
+    """Half a step from rounding onto the row's scale, at most a quarter step more from that scale's bfloat16
+    rounding (127 steps x 2^-9)."""
+    rng = np.random.default_rng(4)
+    n, nb = 32, 4
+    d = (rng.random((n, nb)) * 0.02 + 0.001).astype(np.float16)
+    q = rng.integers(-127, 128, (n, nb, 32), dtype=np.int8)
+    rows = np.concatenate([d.view(np.uint8).reshape(n, nb, 2), q.view(np.uint8)], axis=-1).reshape(n, -1)
+    w = RawBlocks("Q8_0", rows, (n, nb * 32)).dequantize()
+    assert torch.allclose(w, torch.from_numpy((q * d.astype(np.float32)[..., None]).reshape(n, -1)))
+    lin = quantize_linear(RawBlocks("Q8_0", rows, (n, nb * 32)), None, "int8", torch.bfloat16)
+    assert isinstance(lin, Int8Linear)
+    step = lin.scales.float()[:, None]
+    assert bool(((lin.dequantize() - w).abs() <= step * 0.76).all())
 
 
 def test_setting_string() -> None:

@@ -268,9 +268,12 @@ def load_hf_dir(
 
 
 def _gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, Weight]:
+    from engine.model.gguf_blocks import read_gguf_blocks
     from engine.model.gguf_loader import gguf_weights, open_gguf
 
-    got = gguf_weights(path, open_gguf(path), cfg)
+    got = read_gguf_blocks(path, cfg)
+    if got is None:
+        got = gguf_weights(path, open_gguf(path), cfg)
     out: dict[str, Weight] = {}
     for name, shape in expected_shapes(cfg).items():
         w = got.get(name)
