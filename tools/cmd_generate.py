@@ -58,7 +58,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, tem
                         help="write the engine's log here (replay it with `tickloom replay PATH`)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N (default cpu)")
     parser.add_argument("--dtype", default=None,
-                        help=f"model dtype: {', '.join(DTYPES)} (default: float32 on CPU, bfloat16 on CUDA)")
+                        help=f"model dtype: {', '.join(DTYPES)} (default: float32 on CPU, bfloat16 on CUDA; "
+                             f"{DEFAULT_MODEL} on a CPU with native bfloat16: bfloat16 with --quant int4)")
+    parser.add_argument("--quant", default=None, choices=["none", "int8", "int4"],
+                        help="weight-only quantization on CPU: int8 per channel, int4 in groups of 32 (a GGUF's "
+                             "Q4 blocks as they are); none: the --dtype weights (default: the model's)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
     parser.add_argument("--stub-step-time", type=float, default=None, metavar="SECONDS",
                         help="with --model stub: seconds per model step (default: the engine's, 0.01)")
@@ -150,7 +154,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     extra = {} if args.stub_step_time is None else {"stub_step_time": args.stub_step_time}
     try:
         return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, log_path=args.log,
-                            max_seq_len=args.max_seq_len, **extra)
+                            max_seq_len=args.max_seq_len, quant=getattr(args, "quant", None), **extra)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 
