@@ -85,6 +85,11 @@ engine.core.planner.x__unclaim_prefix__mutmut_6	unreachable (no test reaches _un
 engine.core.planner.x__add_delta__mutmut_6	>= for >: with nothing new, extending by no blocks and setting sent_blocks to what it is change nothing
 engine.core.planner.x__claim_prefix__mutmut_3	and for or: a fresh sequence holds no blocks, and with caching off no block has a hash, so the lookup finds nothing
 engine.core.planner.x_ensure_blocks__mutmut_2	<= for <: a table already of the wanted size enters the loop only to allocate no blocks and return True
+engine.core.planner.x_ensure_blocks__mutmut_6	>= for >: reclaim(0) frees nothing
+engine.core.planner.x_ensure_blocks__mutmut_17	choose_victim without the step id: a row in the step being planned has set last_step to its id, above settled_step, so the unsettled test excludes it already
+engine.core.planner.x__plan_decode__mutmut_20	< for <=: the decode loop's budget check before a sequence never fires: after the prune, running holds at most max_batch_size live sequences, each taking at most one token, and the config keeps max_batch_tokens >= max_batch_size
+engine.core.planner.x__plan_decode__mutmut_23	looked_at_all left True: the decode loop's budget check before a sequence never fires: after the prune, running holds at most max_batch_size live sequences, each taking at most one token, and the config keeps max_batch_tokens >= max_batch_size
+engine.core.planner.x__plan_decode__mutmut_24	return for break: the decode loop's budget check before a sequence never fires: after the prune, running holds at most max_batch_size live sequences, each taking at most one token, and the config keeps max_batch_tokens >= max_batch_size
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing

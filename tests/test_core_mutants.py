@@ -1126,3 +1126,30 @@ def test_c04_each_chunk_carries_only_the_blocks_appended_since_the_last() -> Non
     assert deltas == [(0, 64, 0, 4), (64, 64, 4, 4), (128, 64, 8, 4), (192, 8, 12, 1), (200, 1, 13, 0)]
     table = [b for s in steps for b in s.new_block_ids]
     assert len(table) == len(set(table)) == 13
+
+
+def test_c05_a_sequence_with_a_row_in_the_step_being_planned_is_no_victim() -> None:
+    # a and c got their rows (no new block needed); b, last in running order, needs a third block and none is
+    # free. a and c are not victims, though they have fewer outputs: b itself is requeued.
+    core = make_core(num_blocks=4, block_size=16, max_seq_len=48)
+    state = core.state
+    hold_blocks(state, add_seq(state, "a", 10, outputs=2), 1)
+    hold_blocks(state, add_seq(state, "c", 10, outputs=2), 1)
+    hold_blocks(state, add_seq(state, "b", 30, outputs=3), 2)  # pending token at position 32: block 3
+    out = _tick(core)
+    assert _of(out, Preempted) == [Preempted("b", "requeue")]
+    [step] = _of(out, RunStep)
+    assert step.request_ids == ["a", "c"]
+
+
+def test_c04_a_batch_of_exactly_max_batch_tokens_decode_rows_all_decode() -> None:
+    # Thinking markers configured (never used): the general plan, not the decode lane, plans every step.
+    config = CoreConfig(num_blocks=16, block_size=16, max_seq_len=64, max_batch_size=2, max_batch_tokens=2,
+                        max_prefill_tokens=2, think_start_token=THINK_START, think_end_token=THINK_END)
+    h = Harness(config, oracle=OracleExecutor(config.vocab_size, avoid=(THINK_START, THINK_END)))
+    h.step(arrival("a", 4, 20), arrival("b", 4, 5))
+    h.run()
+    both = [c for _, c in h.commands(RunStep) if c.request_ids == ["a", "b"] and c.sample_indices[1] >= 1]
+    assert len(both) == 4, "once b decodes, both rows fit the budget of 2 tokens in every step"
+    finished = [c.request_id for _, c in h.commands(Finish)]
+    assert finished == ["b", "a"] and h.reason("a") == h.reason("b") == "length"
