@@ -90,6 +90,7 @@ engine.core.planner.x_ensure_blocks__mutmut_17	choose_victim without the step id
 engine.core.planner.x__plan_decode__mutmut_20	< for <=: the decode loop's budget check before a sequence never fires: after the prune, running holds at most max_batch_size live sequences, each taking at most one token, and the config keeps max_batch_tokens >= max_batch_size
 engine.core.planner.x__plan_decode__mutmut_23	looked_at_all left True: the decode loop's budget check before a sequence never fires: after the prune, running holds at most max_batch_size live sequences, each taking at most one token, and the config keeps max_batch_tokens >= max_batch_size
 engine.core.planner.x__plan_decode__mutmut_24	return for break: the decode loop's budget check before a sequence never fires: after the prune, running holds at most max_batch_size live sequences, each taking at most one token, and the config keeps max_batch_tokens >= max_batch_size
+engine.core.planner.x__plan_decode__mutmut_48	/ for //: for an integer n, position / block_size >= n exactly when position // block_size >= n
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing

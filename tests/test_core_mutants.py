@@ -1153,3 +1153,16 @@ def test_c04_a_batch_of_exactly_max_batch_tokens_decode_rows_all_decode() -> Non
     assert len(both) == 4, "once b decodes, both rows fit the budget of 2 tokens in every step"
     finished = [c.request_id for _, c in h.commands(Finish)]
     assert finished == ["b", "a"] and h.reason("a") == h.reason("b") == "length"
+
+
+def test_c05_rows_after_a_victim_in_running_order_still_run() -> None:
+    # a needs a third block and none is free: b (fewest outputs) is requeued; c, after b, still gets its row.
+    core = make_core(num_blocks=4, block_size=16, max_seq_len=48)
+    state = core.state
+    hold_blocks(state, add_seq(state, "a", 30, outputs=3), 2)  # pending token at position 32: block 3
+    hold_blocks(state, add_seq(state, "b", 10, outputs=1), 1)
+    hold_blocks(state, add_seq(state, "c", 10, outputs=2), 1)
+    out = _tick(core)
+    assert _of(out, Preempted) == [Preempted("b", "requeue")]
+    [step] = _of(out, RunStep)
+    assert step.request_ids == ["a", "c"]
