@@ -1,7 +1,12 @@
-"""``tickloom bench model``: this runner's decode/prefill throughput against transformers ``generate``.
+"""``tickloom bench model``: this runner's decode/prefill throughput against transformers ``generate``, or with
+``--against llama.cpp`` against llama-cpp-python on the same GGUF.
 
-Both run in one process, on the same prompts and weights, with ``torch.set_num_threads(1)`` (unless
-``--threads`` says otherwise). Greedy decoding; eos never stops either side.
+Both run in one process, on the same prompts, with ``torch.set_num_threads(1)`` (``--threads`` takes a list).
+Greedy decoding; eos never stops either side. ``--settings`` lists the weight settings to run (``dtype+quant``:
+``float32+none``, ``bfloat16+none``, ``bfloat16+int8``, ``bfloat16+int4``; ``default`` is the model's own).
+With llama.cpp, runs alternate (ours, theirs, ours, ...), the median of ``--repeat`` counts, and each batch-1 row
+shows the physical limit: weight bytes read per token over the memory bandwidth of a large torch copy. A child
+process per setting measures resident memory (the model loaded, a 4096-token KV cache) and the warm load time.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, nargs="+", default=[1])
+    p.add_argument("--settings", nargs="+", default=["default"], help="dtype+quant settings (default: the model's)")
+    p.add_argument("--against", choices=["transformers", "llama.cpp"], default="transformers")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=2, help="runs per measurement; the fastest counts")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -95,7 +102,9 @@ def _hf(ref: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, flo
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    torch.set_num_threads(args.threads)
+    if args.against == "llama.cpp":
+        return run_llamacpp(args)
+    torch.set_num_threads(args.threads[0])
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -150,3 +159,109 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def memory_bandwidth(nbytes: int = 256 << 20, repeat: int = 5) -> float:
+    """Bytes per second of a large torch copy (read + write counted), the best of ``repeat``."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+_FOOTPRINT = """
+import json, sys, time, torch
+torch.set_num_threads(1)
+t = time.perf_counter()
+from engine.model.loaders import load_model
+d, q = sys.argv[2].split("+") if sys.argv[2] != "default" else (None, None)
+lm = load_model(sys.argv[1], dtype=d, quant=q)
+kv = lm.model.new_kv_cache(4096 // 16, 16)
+load = time.perf_counter() - t
+rss = int(open("/proc/self/statm").read().split()[1]) * 4096
+print(json.dumps({"load_s": load, "rss": rss, "setting": f"{lm.model.dtype}+{lm.model.quant}"}))
+"""
+
+
+def footprint(model: str, setting: str) -> dict[str, Any]:
+    """Load time (imports included) and RSS with the model and a 4096-token KV cache, in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FOOTPRINT, model, setting], capture_output=True, text=True,
+                         check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def run_llamacpp(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every setting of every GGUF-backed model against llama.cpp, threads x batch, alternating runs."""
+    from engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
+    from tools import bench_llamacpp
+
+    new_tokens = args.new_tokens if args.new_tokens != 32 else 128
+    have = bench_llamacpp.available()
+    if not have:
+        print(f"llama.cpp: llama_cpp is not importable; to compare, {bench_llamacpp.INSTALL_HINT}", flush=True)
+    bw = memory_bandwidth()
+    print(f"memory bandwidth (torch copy): {bw / 1e9:.1f} GB/s", flush=True)
+    rows: list[dict[str, Any]] = []
+    for name in args.models:
+        gguf = smollm2_gguf_path() if name == DEFAULT_MODEL else (Path(name) if name.endswith(".gguf") else None)
+        if gguf is None:
+            print(f"{name}: not a GGUF model, skipped (llama.cpp runs GGUF files)", flush=True)
+            continue
+        theirs = bench_llamacpp.LlamaCppRunner(gguf) if have else None
+        if theirs is not None:
+            fp = bench_llamacpp.footprint(gguf)
+            print(f"llama.cpp: RSS {fp['rss'] / 2**20:.0f} MiB, load {fp['load_s']:.2f} s", flush=True)
+        for setting in args.settings:
+            fp = footprint(name, setting)
+            d, q = setting.split("+") if setting != "default" else (None, None)
+            lm = load_model(name, dtype=d, quant=q)
+            wbytes = lm.model.weight_bytes()
+            print(f"{name} {fp['setting']}: RSS {fp['rss'] / 2**20:.0f} MiB, load {fp['load_s']:.2f} s, "
+                  f"weights read per token {wbytes / 2**20:.0f} MiB", flush=True)
+            rng = random.Random(0)
+            vocab = min(lm.config.vocab_size, lm.tokenizer.vocab_size)
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                for b in args.batch_sizes:
+                    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
+                    _ours(lm, prompts[:1], 3, args.block_size)  # warm-up
+                    if theirs is not None:
+                        theirs.decode(prompts[:1], 3, threads)
+                    ours_t, theirs_t = [], []
+                    for _ in range(args.repeat):
+                        ours_t.append(_ours(lm, prompts, new_tokens, args.block_size)[1])
+                        if theirs is not None:
+                            theirs_t.append(theirs.decode(prompts, new_tokens, threads)[1])
+                    row: dict[str, Any] = {"model": name, "setting": fp["setting"], "threads": threads, "batch": b,
+                                           "decode_tok_s": b * (new_tokens - 1) / _median(ours_t),
+                                           "rss": fp["rss"], "load_s": fp["load_s"]}
+                    if b == 1:
+                        row["limit_tok_s"] = bw / wbytes
+                    if theirs_t:
+                        row["llamacpp_tok_s"] = b * (new_tokens - 1) / _median(theirs_t)
+                        row["ratio"] = row["decode_tok_s"] / row["llamacpp_tok_s"]
+                    rows.append(row)
+                    _print_llamacpp_row(row)
+    return rows
+
+
+def _print_llamacpp_row(row: dict[str, Any]) -> None:
+    parts = [f"{row['setting']:>16} t={row['threads']} b={row['batch']:<3} decode {row['decode_tok_s']:8.1f} tok/s"]
+    if "llamacpp_tok_s" in row:
+        parts.append(f"| llama.cpp {row['llamacpp_tok_s']:8.1f} | x{row['ratio']:.2f}")
+    if "limit_tok_s" in row:
+        parts.append(f"| batch-1 limit {row['limit_tok_s']:7.1f}")
+    print("  ".join(parts), flush=True)

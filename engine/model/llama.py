@@ -123,6 +123,7 @@ class LlamaModel:
         self.norm = _dense(t["model.norm.weight"], dtype)
         head = self.embed.weight() if cfg.tie_word_embeddings else t["lm_head.weight"]
         self.lm_head: Linear = join_linear([head], None, head_quant(quant), act)
+        self.embed.raw = None  # the head has what it needed from the blocks
         self.layers = [
             LayerWeights(t, f"model.layers.{n}.", cfg.attention_bias, quant, dtype, act) for n in range(cfg.num_layers)
         ]

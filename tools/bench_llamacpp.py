@@ -1,0 +1,112 @@
+"""llama.cpp's side of ``tickloom bench model --against llama.cpp``: batched greedy decoding through
+llama-cpp-python's low-level API (one context, one sequence id per row, argmax in numpy), and its resident memory
+and load time measured in a child process."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+INSTALL_HINT = "pip install 'tickloom[bench]'  (llama-cpp-python; it compiles llama.cpp, several minutes)"
+
+
+def available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+class LlamaCppRunner:
+    """One model, a context per (threads, batch)."""
+
+    def __init__(self, gguf: Path) -> None:
+        import llama_cpp
+
+        self.lc: Any = llama_cpp
+        llama_cpp.llama_backend_init()
+        llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p())
+        self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp cannot load {gguf}")
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+
+    def decode(self, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[float, float]:
+        """(prefill seconds, decode seconds for new_tokens - 1 steps), greedy, eos ignored."""
+        lc, b, plen = self.lc, len(prompts), len(prompts[0])
+        p = lc.llama_context_default_params()
+        p.n_ctx = b * (plen + new_tokens) + 16
+        p.n_batch = p.n_ubatch = max(b * plen, 512)
+        p.n_seq_max = b
+        p.n_threads = p.n_threads_batch = threads
+        ctx = lc.llama_init_from_model(self.model, p)
+        batch = lc.llama_batch_init(b * plen, 0, b)
+        try:
+            t0 = time.perf_counter()
+            n = 0
+            for s, prompt in enumerate(prompts):
+                for j, tok in enumerate(prompt):
+                    _put(batch, n, tok, j, s, j == plen - 1)
+                    n += 1
+            batch.n_tokens = n
+            last = self._step(ctx, batch, [(s + 1) * plen - 1 for s in range(b)])
+            t1 = time.perf_counter()
+            for k in range(1, new_tokens):
+                for s in range(b):
+                    _put(batch, s, last[s], plen + k - 1, s, True)
+                batch.n_tokens = b
+                last = self._step(ctx, batch, list(range(b)))
+            t2 = time.perf_counter()
+        finally:
+            lc.llama_batch_free(batch)
+            lc.llama_free(ctx)
+        return t1 - t0, t2 - t1
+
+    def _step(self, ctx: Any, batch: Any, rows: list[int]) -> list[int]:
+        if self.lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        out = []
+        for i in rows:
+            ptr = self.lc.llama_get_logits_ith(ctx, i)
+            out.append(int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax()))
+        return out
+
+
+def _put(batch: Any, i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
+    batch.token[i] = tok
+    batch.pos[i] = pos
+    batch.n_seq_id[i] = 1
+    batch.seq_id[i][0] = seq
+    batch.logits[i] = logits
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _QUIET(level: int, text: bytes, data: int) -> None:
+    return None
+
+
+_CHILD = """
+import json, sys, time
+t = time.perf_counter()
+import llama_cpp
+from tools.bench_llamacpp import LlamaCppRunner
+r = LlamaCppRunner(sys.argv[1])
+import ctypes, llama_cpp as lc
+p = lc.llama_context_default_params(); p.n_ctx = 4096; p.n_threads = p.n_threads_batch = 1
+ctx = lc.llama_init_from_model(r.model, p)
+load = time.perf_counter() - t
+rss = int(open("/proc/self/statm").read().split()[1]) * 4096
+print(json.dumps({"load_s": load, "rss": rss}))
+"""
+
+
+def footprint(gguf: Path) -> dict[str, float]:
+    """llama.cpp's load time (import + model + a 4096-token context) and RSS, in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(gguf)], capture_output=True, text=True, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
