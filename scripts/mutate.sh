@@ -91,6 +91,12 @@ engine.core.planner.x__plan_decode__mutmut_20	< for <=: the decode loop's budget
 engine.core.planner.x__plan_decode__mutmut_23	looked_at_all left True: the decode loop's budget check before a sequence never fires: after the prune, running holds at most max_batch_size live sequences, each taking at most one token, and the config keeps max_batch_tokens >= max_batch_size
 engine.core.planner.x__plan_decode__mutmut_24	return for break: the decode loop's budget check before a sequence never fires: after the prune, running holds at most max_batch_size live sequences, each taking at most one token, and the config keeps max_batch_tokens >= max_batch_size
 engine.core.planner.x__plan_decode__mutmut_48	/ for //: for an integer n, position / block_size >= n exactly when position // block_size >= n
+engine.core.planner.x__plan_decode__mutmut_55	ensure_blocks without the step id: as ensure_blocks mutant 17
+engine.core.planner.x__plan_decode__mutmut_83	the decode token budget stays 1: the budget check it feeds never fires (see mutant 20), and the prefill budget is computed from the row count
+engine.core.planner.x__plan_decode__mutmut_84	the decode token budget grows: the budget check it feeds never fires (see mutant 20), and the prefill budget is computed from the row count
+engine.core.planner.x__plan_decode__mutmut_88	looked_at_all is always True here (see mutant 20): the early return is never taken either way
+engine.core.planner.x__plan_decode__mutmut_160	a row listed as ending one token early only adds a settle-time candidate for the stop rules, which finish nothing it would not
+engine.core.planner.x__plan_decode__mutmut_168	looked_at_all is always True here (see mutant 20)
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
