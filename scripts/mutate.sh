@@ -97,6 +97,11 @@ engine.core.planner.x__plan_decode__mutmut_84	the decode token budget grows: the
 engine.core.planner.x__plan_decode__mutmut_88	looked_at_all is always True here (see mutant 20): the early return is never taken either way
 engine.core.planner.x__plan_decode__mutmut_160	a row listed as ending one token early only adds a settle-time candidate for the stop rules, which finish nothing it would not
 engine.core.planner.x__plan_decode__mutmut_168	looked_at_all is always True here (see mutant 20)
+engine.core.planner.x_plan_prefill__mutmut_22	> for >= in the completed test, whose branch is never taken (no test reaches it): a sequence is handed to plan_prefill only while num_computed < prefill_target (the decode pass's prefilling list, or the lane's, which join_running fills only with such sequences and plan_prefill empties of completed ones)
+engine.core.planner.x_plan_prefill__mutmut_23	appends None in the completed branch, never taken (no test reaches it): a sequence is handed to plan_prefill only while num_computed < prefill_target (the decode pass's prefilling list, or the lane's, which join_running fills only with such sequences and plan_prefill empties of completed ones)
+engine.core.planner.x_plan_prefill__mutmut_24	break for continue in the completed branch, never taken (no test reaches it): a sequence is handed to plan_prefill only while num_computed < prefill_target (the decode pass's prefilling list, or the lane's, which join_running fills only with such sequences and plan_prefill empties of completed ones)
+engine.core.planner.x_plan_prefill__mutmut_43	ensure_blocks without the step id: as ensure_blocks mutant 17
+engine.core.planner.x_plan_prefill__mutmut_57	_unclaim_prefix(None, ...): unreachable, as the _unclaim_prefix mutants
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
