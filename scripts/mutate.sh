@@ -102,6 +102,12 @@ engine.core.planner.x_plan_prefill__mutmut_23	appends None in the completed bran
 engine.core.planner.x_plan_prefill__mutmut_24	break for continue in the completed branch, never taken (no test reaches it): a sequence is handed to plan_prefill only while num_computed < prefill_target (the decode pass's prefilling list, or the lane's, which join_running fills only with such sequences and plan_prefill empties of completed ones)
 engine.core.planner.x_plan_prefill__mutmut_43	ensure_blocks without the step id: as ensure_blocks mutant 17
 engine.core.planner.x_plan_prefill__mutmut_57	_unclaim_prefix(None, ...): unreachable, as the _unclaim_prefix mutants
+engine.core.planner.x_plan_prefill__mutmut_58	_unclaim_prefix with a None argument: unreachable, as the _unclaim_prefix mutants
+engine.core.planner.x_plan_prefill__mutmut_59	as mutant 58
+engine.core.planner.x_plan_prefill__mutmut_60	as mutant 58
+engine.core.planner.x_plan_prefill__mutmut_80	stop_rule without the config: the rule was computed and cached at arrival (track_stops), and again at restore
+engine.core.planner.x_plan_prefill__mutmut_86	a prefill row listed as ending with a limit of 2: only an extra settle-time candidate for the stop rules, which finish nothing they would not
+engine.core.planner.x_plan_prefill__mutmut_91	inflight = 1 for += 1: a prompt's last chunk is its first sampling row, so inflight was 0
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
