@@ -108,6 +108,7 @@ engine.core.planner.x_plan_prefill__mutmut_60	as mutant 58
 engine.core.planner.x_plan_prefill__mutmut_80	stop_rule without the config: the rule was computed and cached at arrival (track_stops), and again at restore
 engine.core.planner.x_plan_prefill__mutmut_86	a prefill row listed as ending with a limit of 2: only an extra settle-time candidate for the stop rules, which finish nothing they would not
 engine.core.planner.x_plan_prefill__mutmut_91	inflight = 1 for += 1: a prompt's last chunk is its first sampling row, so inflight was 0
+engine.core.planner.x_emit_step__mutmut_5	sampler ids always rebuilt from the samplers: when every row samples, that is the same list (the shortcut only saves building it)
 engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
 engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
 engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing

@@ -1166,3 +1166,12 @@ def test_c05_rows_after_a_victim_in_running_order_still_run() -> None:
     assert _of(out, Preempted) == [Preempted("b", "requeue")]
     [step] = _of(out, RunStep)
     assert step.request_ids == ["a", "c"]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_c15_a_planned_step_asks_for_a_tick_only_while_the_pipeline_has_room(depth: int) -> None:
+    core = make_core(num_blocks=16, max_seq_len=128, pipeline_depth=depth)
+    out = _tick(core, arrival("r", 10, 8))
+    assert _of(out, RunStep) and out.needs_tick is (depth == 2), "at depth 2 the next step is fed from this one"
+    out = _tick(core)
+    assert out.needs_tick is False, "the pipeline is full (or, at depth 1, waits for the step)"
