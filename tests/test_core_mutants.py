@@ -979,9 +979,6 @@ def test_c10_swap_in_failed_ends_a_swapped_request_and_is_ignored_after() -> Non
 # -- C08: resuming needs need + 1 blocks, but never more than the sequence can still use ----------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: resume_preempted demands need + 1 blocks even when the sequence "
-                   "cannot grow past its last block (max_seq_len % block_size != 0, smallest legal pool), and ends it "
-                   "with 'needs 8 KV blocks to resume, more than the pool's 7' instead of resuming it")
 def test_c08_a_requeued_sequence_one_block_from_max_seq_len_resumes_in_the_smallest_pool() -> None:
     # max_seq_len 100 at block size 16: the config needs 100 // 16 + 1 = 7 blocks, and that is the pool. p (less
     # important) is requeued at 97 tokens when it needs its 7th block. Its history (96 tokens) takes 7 blocks and

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from engine.core.blocks import blocks_for
 from engine.core.context import TickContext
-from engine.core.lifecycle import full_block_hashes, is_settled, preempt, resume_blocks
+from engine.core.lifecycle import full_block_hashes, is_settled, preempt, resume_want
 from engine.core.state import CoreState, Seq, Status
 from events import BindRequest
 
@@ -27,7 +27,7 @@ def in_flight_demand(state: CoreState) -> int:
     state.reserving = [s for s in state.reserving if s.status is running and s.reserve > len(s.block_ids)]
     demand = sum([seq.reserve - len(seq.block_ids) for seq in state.reserving])
     for seq in state.preempted:
-        demand += resume_blocks(state, seq) + 1
+        demand += resume_want(state, seq)
     return demand
 
 

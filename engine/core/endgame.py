@@ -18,6 +18,7 @@ from engine.core.lifecycle import (
     mark_finish,
     release_blocks,
     resume_blocks,
+    resume_want,
     untrack_stops,
 )
 from engine.core.state import CoreState, Seq, Status, ends_in_thinking
@@ -157,7 +158,7 @@ def _resume(state: CoreState, seq: Seq) -> None:
 
 
 def resume_preempted(state: CoreState, ctx: TickContext) -> None:
-    """Resume requeued sequences, fewest blocks first, each when ``need + 1`` blocks can be had.
+    """Resume requeued sequences, fewest blocks first, each when ``need + 1`` blocks (``resume_want``) can be had.
 
     The sequence's own cached prefix counts towards its need and is never reclaimed to make room for it; a
     sequence that needs more blocks than the pool has gets an error instead of waiting forever.
@@ -170,14 +171,15 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
     while state.preempted and active < state.config.max_batch_size:
         seq = min(state.preempted, key=lambda s: (resume_blocks(state, s), s.arrival))
         need = resume_blocks(state, seq)
-        if need + 1 > pool.num_blocks:
+        want = resume_want(state, seq)
+        if want > pool.num_blocks:
             mark_finish(state, seq, "error", len(seq.outputs) - 1,
-                        f"needs {need + 1} KV blocks to resume, more than the pool's {pool.num_blocks}")
+                        f"needs {want} KV blocks to resume, more than the pool's {pool.num_blocks}")
             continue
         # A fresh prompt keeps its last token to compute (it samples); a history's pending token is fed later.
         reusable = seq.prefill_target if seq.outputs else seq.prefill_target - 1
         hits = pool.lookup(full_block_hashes(state, seq, reusable)) if state.config.prefix_caching else []
-        new_blocks = need + 1 - len(hits)
+        new_blocks = want - len(hits)
         if new_blocks > pool.capacity(hits):
             return
         if pool.num_free < new_blocks:
@@ -186,7 +188,7 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
         seq.block_ids = list(hits) + pool.allocate(need - len(hits))
         seq.num_computed = seq.kv_settled = len(hits) * size
         seq.first_planned = True
-        seq.reserve = need + 1
+        seq.reserve = want
         if seq not in state.reserving:  # it may still be listed from before it was preempted
             state.reserving.append(seq)
         state.preempted.remove(seq)

@@ -144,6 +144,14 @@ def resume_blocks(state: CoreState, seq: Seq) -> int:
     return blocks_for(seq.prefill_target, state.config.block_size)
 
 
+def resume_want(state: CoreState, seq: Seq) -> int:
+    """Blocks a parked sequence comes back to: its need plus one block of growth, but never more than a sequence of
+    ``max_seq_len`` tokens can use. Without the cap, a sequence parked one block from ``max_seq_len`` in the
+    smallest legal pool would ask for a block beyond the pool and be ended, though it fits."""
+    config = state.config
+    return min(resume_blocks(state, seq) + 1, blocks_for(config.max_seq_len, config.block_size))
+
+
 def preempt(state: CoreState, ctx: TickContext, victim: Seq) -> None:
     """Take a settled running sequence off the device: swap it out if a spill store exists, else requeue it.
 
