@@ -15,6 +15,7 @@ matmul and the result cast back (torch has no fast float32 path for these ops):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -30,9 +31,13 @@ QUANT_SETTINGS: dict[str, tuple[int, int]] = {
 kernel takes them) but are not offered: requantizing the bundled model's Q4_1 weights to them drops its greedy
 agreement with float32 to 78% and 75%."""
 
-_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # the overloads: less Python per call
+_INT4_MM: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor] = (
+    torch.ops.aten._weight_int4pack_mm_for_cpu.default
+)  # the overloads: less Python per call
 _INT4_PACK = torch.ops.aten._convert_weight_to_int4pack_for_cpu.default
-_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+_INT8_MM: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
+    torch.ops.aten._weight_int8pack_mm.default
+)
 
 
 class Linear(Protocol):
