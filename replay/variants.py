@@ -164,7 +164,8 @@ def stop_matched_unless_finishing(state: CoreState, msg: StopMatched) -> None:
 
 
 @contextmanager
-def _patch(module: ModuleType, name: str, replacement: Callable[..., object]) -> Iterator[None]:
+def patched(module: ModuleType, name: str, replacement: object) -> Iterator[None]:
+    """``module.name`` is ``replacement`` inside the block, and what it was after."""
     original = getattr(module, name)
     setattr(module, name, replacement)
     try:
@@ -174,12 +175,12 @@ def _patch(module: ModuleType, name: str, replacement: Callable[..., object]) ->
 
 
 VARIANTS: dict[str, Callable[[], AbstractContextManager[None]]] = {
-    "fence": lambda: _patch(endgame_module, "release_blocks", release_blocks_unfenced),
-    "preempt-unsettled": lambda: _patch(planner_module, "ensure_blocks", ensure_blocks_any_victim),
-    "swapped-deadline": lambda: _patch(scheduler_module, "sweep_deadlines", sweep_deadlines_skipping_swapped),
-    "swap-in-no-reclaim": lambda: _patch(scheduler_module, "swap_in", swap_in_without_reclaim),
-    "stream-overrun": lambda: _patch(apply_module, "_commit_in_bulk", commit_streaming_overruns),
-    "stop-loses": lambda: _patch(apply_module, "stop_matched", stop_matched_unless_finishing),
+    "fence": lambda: patched(endgame_module, "release_blocks", release_blocks_unfenced),
+    "preempt-unsettled": lambda: patched(planner_module, "ensure_blocks", ensure_blocks_any_victim),
+    "swapped-deadline": lambda: patched(scheduler_module, "sweep_deadlines", sweep_deadlines_skipping_swapped),
+    "swap-in-no-reclaim": lambda: patched(scheduler_module, "swap_in", swap_in_without_reclaim),
+    "stream-overrun": lambda: patched(apply_module, "_commit_in_bulk", commit_streaming_overruns),
+    "stop-loses": lambda: patched(apply_module, "stop_matched", stop_matched_unless_finishing),
 }
 """Name -> a context manager under which every ``SchedulerCore`` runs with that broken function."""
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from engine.core import CoreConfig, SchedulerCore
 from engine.core.context import TickContext
 from engine.core.lifecycle import full_block_hashes
+from engine.core.snapshot import CoreSnapshot
 from engine.core.state import CoreState, Seq, Status
-from events import SamplingSpec
+from events import BindRequest, Command, Input, SamplingSpec, TickInputs, TickOutputs
 
 
 def make_core(**config: object) -> SchedulerCore:
@@ -76,3 +77,23 @@ def cache_prefix_of(state: CoreState, seq: Seq, tokens: int) -> list[int]:
 
 def context() -> TickContext:
     return TickContext(now_ns=0)
+
+
+def tick(core: SchedulerCore, *inputs: Input) -> TickOutputs:
+    """The core's next tick at an unchanged clock, then its invariants."""
+    out = core.tick(TickInputs(core.state.tick + 1, core.state.now_ns, list(inputs)))
+    core.check_invariants()
+    return out
+
+
+def commands_of(out: TickOutputs, kind: type) -> list[Command]:
+    return [c for c in out.commands if isinstance(c, kind)]
+
+
+def bound(out: TickOutputs) -> list[str]:
+    """Request ids given a ``BindRequest`` in ``out``: the ones admitted or resumed."""
+    return [c.request_id for c in commands_of(out, BindRequest)]
+
+
+def snap_seq(snap: CoreSnapshot, request_id: str) -> Seq:
+    return next(seq for seq in snap.seqs[: snap.live] if seq.request_id == request_id)

@@ -11,18 +11,19 @@ import msgspec
 import pytest
 from core_harness import Harness, arrival
 from core_state import add_seq, cache_unrelated, context, hold_blocks, make_core
+from core_state import bound as _bound
+from core_state import commands_of as _of
+from core_state import snap_seq as _snap_seq
+from core_state import tick as _tick
 
 from engine.core import CoreConfig, SchedulerCore
 from engine.core.blocks import BlockPool
 from engine.core.lifecycle import choose_victim, preempt
 from engine.core.snapshot import CoreSnapshot
-from engine.core.state import Seq, Status
+from engine.core.state import Status
 from events import (
-    BindRequest,
-    Command,
     EmitTokens,
     Finish,
-    Input,
     Preempted,
     RequestCancelled,
     RunStep,
@@ -31,31 +32,11 @@ from events import (
     StepDone,
     SwapIn,
     SwapInReady,
-    TickInputs,
-    TickOutputs,
 )
 from replay.oracle import OracleExecutor
 
 EOS = 2
 THINK_START, THINK_END = 5, 6
-
-
-def _tick(core: SchedulerCore, *inputs: Input) -> TickOutputs:
-    out = core.tick(TickInputs(core.state.tick + 1, core.state.now_ns, list(inputs)))
-    core.check_invariants()
-    return out
-
-
-def _of(out: TickOutputs, kind: type) -> list[Command]:
-    return [c for c in out.commands if isinstance(c, kind)]
-
-
-def _bound(out: TickOutputs) -> list[str]:
-    return [c.request_id for c in _of(out, BindRequest)]
-
-
-def _snap_seq(snap: CoreSnapshot, request_id: str) -> Seq:
-    return next(seq for seq in snap.seqs[: snap.live] if seq.request_id == request_id)
 
 
 def _running_ids(snap: CoreSnapshot) -> list[str]:

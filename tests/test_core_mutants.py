@@ -12,6 +12,10 @@ from collections.abc import Callable
 import pytest
 from core_harness import TICK_NS, Harness, arrival
 from core_state import add_seq, cache_prefix_of, cache_unrelated, hold_blocks, make_core
+from core_state import bound as _bound
+from core_state import commands_of as _of
+from core_state import snap_seq as _snap_seq
+from core_state import tick as _tick
 
 from engine.core import CoreConfig, InvariantViolation, SchedulerCore
 from engine.core.lifecycle import cache_full_blocks
@@ -21,12 +25,10 @@ from events import (
     NO_SAMPLE,
     BindRequest,
     ClientGone,
-    Command,
     DeadlineReached,
     DropSpill,
     EmitTokens,
     Finish,
-    Input,
     Preempted,
     ReleaseRequest,
     RequestCancelled,
@@ -42,29 +44,10 @@ from events import (
     SwapInFailed,
     SwapInReady,
     TickInputs,
-    TickOutputs,
     Usage,
     WatchDeadline,
 )
 from replay.oracle import OracleExecutor
-
-
-def _tick(core: SchedulerCore, *inputs: Input) -> TickOutputs:
-    out = core.tick(TickInputs(core.state.tick + 1, core.state.now_ns, list(inputs)))
-    core.check_invariants()
-    return out
-
-
-def _of(out: TickOutputs, kind: type) -> list[Command]:
-    return [c for c in out.commands if isinstance(c, kind)]
-
-
-def _bound(out: TickOutputs) -> list[str]:
-    return [c.request_id for c in _of(out, BindRequest)]
-
-
-def _snap_seq(snap: CoreSnapshot, request_id: str) -> Seq:
-    return next(seq for seq in snap.seqs[: snap.live] if seq.request_id == request_id)
 
 
 def _waiting_ids(snap: CoreSnapshot) -> list[str]:

@@ -49,6 +49,7 @@ import engine.runtime as runtime_module
 from engine import Engine, EngineConfig, EngineError, EngineOverloaded, SamplingParams
 from engine.core.errors import InvariantViolation
 from events import RunStep
+from replay.shrink import ddmin
 from tools.explore_checks import Monitor, Seen, Violation, check_log
 from tools.explore_schedule import STRATEGIES, deterministic_trio
 from tools.explore_script import (
@@ -371,31 +372,6 @@ def shrink_violation(seed: int, strategy: str, faults: bool, variant: str | None
     assert shrunk is not None
     return Found(seed, strategy, faults, variant, shrunk, violation, len(script.actions), keep, runs,
                  time.perf_counter() - started)
-
-
-def ddmin(items: list[int], test: Callable[[list[int]], bool]) -> list[int]:
-    """Zeller's delta debugging: a 1-minimal sublist of ``items`` for which ``test`` holds (it holds for all)."""
-    if test([]):
-        return []
-    n = 2
-    while len(items) >= 2:
-        size = math.ceil(len(items) / n)
-        chunks = [items[i:i + size] for i in range(0, len(items), size)]
-        for chunk in chunks:
-            if test(chunk):
-                items, n = chunk, 2
-                break
-        else:
-            for chunk in chunks:
-                rest = [x for x in items if x not in chunk]
-                if test(rest):
-                    items, n = rest, max(n - 1, 2)
-                    break
-            else:
-                if n >= len(items):
-                    break
-                n = min(len(items), 2 * n)
-    return items
 
 
 def keep_log(found: Found, log: Path, out: Path) -> Path:

@@ -29,6 +29,7 @@ from actors.mailbox import ChannelOverflow
 from actors.spill import SpillActor
 from actors.step import StepActor
 from events import Command, DeadlineReached, EmitTokens, Finish, SpillDone, UnwatchDeadline, WatchDeadline
+from replay.variants import patched
 
 
 class WakeBlindDeadlineActor(DeadlineActor):
@@ -84,14 +85,8 @@ class RetireFirstStepActor(StepActor):
             self._flush_for_clients()
 
 
-@contextmanager
-def _swap(name: str, replacement: type) -> Iterator[None]:
-    original = getattr(runtime_module, name)
-    setattr(runtime_module, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(runtime_module, name, original)
+def _swap(name: str, replacement: type) -> AbstractContextManager[None]:
+    return patched(runtime_module, name, replacement)
 
 
 VARIANTS: dict[str, Callable[[], AbstractContextManager[None]]] = {
