@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, wait this long for running requests (default 30; inf waits for all)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--quant", default=None, choices=["none", "int8", "int4"],
+                        help="weight-only quantization on CPU, as for `tickloom generate` (default: the model's)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
     parser.add_argument("--max-batch-size", type=int, default=32, help="sequences per step at most (default 32)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from the KV memory)")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, log_path=log_path,
                               max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                               num_blocks=args.num_blocks, max_waiting=args.max_waiting, overload=args.overload,
-                              **extra)
+                              quant=args.quant, **extra)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     options = ServeOptions(host=args.host, port=args.port, model_name=args.served_model_name,
