@@ -21,7 +21,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tools.cmd_generate import CtrlC, add_model_arguments, engine_config, run_trio, sampling
+from tools.cmd_generate import CtrlC, run_trio
+from tools.model_options import add_model_arguments, engine_config, sampling
 
 NAME = "chat"
 HELP = "chat interactively with a model (one message per stdin line; /reset, /exit)"

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tools.cli import CliError
-    from tools.cmd_generate import check_dtype
+    from tools.model_options import check_dtype
 
     if args.dump and args.until is None:
         raise CliError("--dump needs --until TICK")
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{flag} needs --full")
     check_dtype(args.dtype)
     if args.full:
-        from tools.cmd_generate import check_device, check_model
+        from tools.model_options import check_device, check_model
 
         check_device(args.device)
         if args.model:
@@ -101,7 +101,7 @@ def _full_model(args: argparse.Namespace) -> str | None:
     if it is not there). None if the log cannot be read: the exact replay reports that."""
     from events import LogError, LogReader
     from tools.cli import CliError
-    from tools.cmd_generate import check_model
+    from tools.model_options import check_model
 
     if args.model:
         return str(args.model)  # checked already

@@ -16,7 +16,7 @@ HELP = "serve the engine over HTTP with an OpenAI-compatible API"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tools.cmd_generate import DEFAULT_MODEL
+    from tools.model_options import DEFAULT_MODEL
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--drain-timeout must be at least 0")
     if args.stub_step_time is not None and args.model != "stub":
         raise CliError("--stub-step-time needs --model stub")
-    from tools.cmd_generate import check_model_options
+    from tools.model_options import check_model_options
 
     check_model_options(args.model, args.device, args.dtype)
     log_path = None if args.no_log else (args.log or default_log_path())
