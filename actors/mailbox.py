@@ -1,6 +1,6 @@
 """How inputs reach the step actor: one bounded inbox, stamped by (source, per-source sequence).
 
-Channel rules (DESIGN.md, "No channel cycle may block"):
+Channel rules (ARCHITECTURE.md, "Channels"):
 
 * Edges **into** the step actor block when the inbox is full. That is backpressure, and safe, because the step
   actor never waits on anything but its inbox and the log.

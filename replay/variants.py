@@ -3,7 +3,7 @@
 Each variant is a context manager that swaps one function in the module of ``engine.core`` that calls it for a broken
 copy and puts the real one back on exit. The core holds no flag for them and nothing in the public API reaches them:
 only ``tickloom explore --variant NAME`` (a hidden option) and the tests enable one. Each breaks one rule of
-DESIGN.md:
+the scheduler (ARCHITECTURE.md):
 
 * ``fence``: ``retire_finished`` frees a finished row's blocks at once, even while the newest step that references
   them has not reported back (the rule ``lifecycle.release_blocks`` keeps with a fence).

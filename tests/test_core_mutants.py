@@ -1,5 +1,5 @@
 """Rules pinned at their edges, found by mutation testing (``scripts/mutate.sh``): each test asserts one rule of
-DESIGN.md / SCENARIOS.md through the commands the core emits and its snapshot, at the boundary where a
+ARCHITECTURE.md and the scenario ids through the commands the core emits and its snapshot, at the boundary where a
 slightly wrong rule (an off-by-one, a dropped term, a flipped condition) behaves differently.
 """
 
@@ -397,7 +397,7 @@ def test_c14_c25_a_deadline_due_in_the_shutdown_tick_wins_as_timeout() -> None:
     assert finish.usage.completion_tokens == len(h.tokens["r"]) == 3
 
 
-# -- The invariant checker (DESIGN.md, Invariants): each corruption is caught and named ---------------------------
+# -- The invariant checker (ARCHITECTURE.md, Invariants): each corruption is caught and named --------------------
 
 
 def _checked_core() -> SchedulerCore:

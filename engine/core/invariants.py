@@ -1,4 +1,6 @@
-"""The invariants of DESIGN.md, checked against the whole state (on in tests, the simulator and debug runs).
+"""The invariants (ARCHITECTURE.md, "Invariants"), checked against the whole state.
+
+They are on in tests, the simulator and debug runs.
 
 Each check raises ``InvariantViolation`` naming the invariant and the requests or blocks involved. The
 liveness and "every request ends exactly once" invariants span many ticks; the test harness checks those.
