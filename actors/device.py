@@ -184,7 +184,7 @@ class ThreadDevice:
             try:
                 if command.step_id in self.fail_steps:
                     raise RuntimeError("injected device fault")
-                dead = self._poisoned.intersection(command.request_ids)
+                dead = self._poisoned.intersection(command.request_ids) if self._poisoned else set()
                 step = without_requests(command, dead) if dead else command
                 result = None
                 if step.request_ids:
