@@ -19,8 +19,8 @@ import math
 
 import trio
 
-from actors.mailbox import ChannelOverflow, Outbox
-from events import Command, DeadlineReached, UnwatchDeadline, WatchDeadline
+from tickloom.actors.mailbox import ChannelOverflow, Outbox
+from tickloom.events import Command, DeadlineReached, UnwatchDeadline, WatchDeadline
 
 
 class DeadlineActor:

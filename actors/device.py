@@ -26,10 +26,10 @@ from typing import Any, Protocol, cast
 
 import trio
 
-from actors.mailbox import ChannelOverflow, Outbox
-from actors.spill import SpillActor
-from engine.model.types import HostKV, SamplingSpecLike, StepResult
-from events import (
+from tickloom.actors.mailbox import ChannelOverflow, Outbox
+from tickloom.actors.spill import SpillActor
+from tickloom.engine.model.types import HostKV, SamplingSpecLike, StepResult
+from tickloom.events import (
     NO_SAMPLE,
     NOT_FED,
     BindRequest,
@@ -43,7 +43,7 @@ from events import (
     SwapIn,
     SwapInFailed,
 )
-from events.oracle import oracle_token
+from tickloom.events.oracle import oracle_token
 
 
 class Executor(Protocol):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import trio
 
-from events import LogWriter
+from tickloom.events import LogWriter
 
 FLUSH_INTERVAL = 0.05
 FLUSH_BYTES = 1 << 16

@@ -19,7 +19,7 @@ from enum import IntEnum
 import attrs
 import trio
 
-from events import Input
+from tickloom.events import Input
 
 
 class Source(IntEnum):
@@ -70,12 +70,27 @@ class Reporter:
         self._limit = limit
         self._name = name
         self._wakeup = trio.Event()
+        self._reported = 0
+        self._sent = 0
+        self._sent_lot = trio.lowlevel.ParkingLot()
 
     def report_nowait(self, msg: Input) -> None:
         if len(self._pending) >= self._limit:
             raise ChannelOverflow(f"{self._name} reporter overflowed its bound of {self._limit} pending inputs")
         self._pending.append(msg)
+        self._reported += 1
         self._wakeup.set()
+
+    async def wait_flushed(self) -> None:
+        """Wait until everything reported so far is in the inbox.
+
+        Why: the engine's shutdown goes into the inbox directly, not through here. Without this, a stream closed
+        just before the engine (its ``ClientGone`` still pending here) would reach the core after ``Shutdown`` and
+        end as a shutdown error rather than cancelled.
+        """
+        target = self._reported
+        while self._sent < target:
+            await self._sent_lot.park()
 
     async def run(self) -> None:
         while True:
@@ -83,5 +98,7 @@ class Reporter:
                 if self._delay:
                     await trio.sleep(self._delay)
                 await self._outbox.send(self._pending.popleft())
+                self._sent += 1
+                self._sent_lot.unpark_all()
             await self._wakeup.wait()
             self._wakeup = trio.Event()

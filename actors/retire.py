@@ -18,11 +18,11 @@ from types import TracebackType
 
 import trio
 
-from actors.outputs import RequestOutput
-from actors.streams import Detokenizer, StreamAssembler
-from events.commands import Command, EmitTokens, Finish
-from events.inputs import ClientGone, Input, StopMatched
-from events.types import SamplingSpec
+from tickloom.actors.outputs import RequestOutput
+from tickloom.actors.streams import Detokenizer, StreamAssembler
+from tickloom.events.commands import Command, EmitTokens, Finish
+from tickloom.events.inputs import ClientGone, Input, StopMatched
+from tickloom.events.types import SamplingSpec
 
 __all__ = ["RequestStream", "RetireActor", "merge_frames"]
 

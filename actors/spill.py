@@ -33,9 +33,9 @@ from pathlib import Path
 
 import trio
 
-from actors.mailbox import ChannelOverflow, Outbox
-from engine.model.types import HostKV
-from events import Command, DropSpill, PrefetchSpill, SpillDone, SpillOut, SwapInFailed, SwapInReady
+from tickloom.actors.mailbox import ChannelOverflow, Outbox
+from tickloom.engine.model.types import HostKV
+from tickloom.events import Command, DropSpill, PrefetchSpill, SpillDone, SpillOut, SwapInFailed, SwapInReady
 
 _CHECKSUM = 32
 _PREFIX = "tickloom-spill-"

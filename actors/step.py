@@ -26,11 +26,11 @@ from typing import Protocol
 import attrs
 import trio
 
-from actors.log import LogActor
-from actors.mailbox import Envelope
-from engine.core import SchedulerCore
-from engine.core.snapshot import encode_snapshot
-from events import (
+from tickloom.actors.log import LogActor
+from tickloom.actors.mailbox import Envelope
+from tickloom.engine.core import SchedulerCore
+from tickloom.engine.core.snapshot import encode_snapshot
+from tickloom.events import (
     Command,
     EmitTokens,
     Input,
@@ -39,7 +39,7 @@ from events import (
     SnapshotRecord,
     TickInputs,
 )
-from events.routing import ROUTES, Actor
+from tickloom.events.routing import ROUTES, Actor
 
 
 class Submits(Protocol):

@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from actors.outputs import RequestOutput, RequestUsage
-from events.commands import Finish
-from events.types import FinishReason, SamplingSpec
+from tickloom.actors.outputs import RequestOutput, RequestUsage
+from tickloom.events.commands import Finish
+from tickloom.events.types import FinishReason, SamplingSpec
 
 REPLACEMENT_CHAR = "\ufffd"
 

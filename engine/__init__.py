@@ -9,17 +9,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Engine": "engine.api",
-    "RequestStream": "engine.api",
-    "EngineConfig": "engine.config",
-    "FaultPlan": "engine.config",
-    "SamplingParams": "engine.params",
-    "RequestOutput": "actors.outputs",
-    "RequestUsage": "actors.outputs",
-    "EngineError": "engine.errors",
-    "EngineOverloaded": "engine.errors",
-    "RequestRejected": "engine.errors",
-    "ConfigError": "engine.errors",
+    "Engine": "tickloom.engine.api",
+    "RequestStream": "tickloom.engine.api",
+    "EngineConfig": "tickloom.engine.config",
+    "FaultPlan": "tickloom.engine.config",
+    "SamplingParams": "tickloom.engine.params",
+    "RequestOutput": "tickloom.actors.outputs",
+    "RequestUsage": "tickloom.actors.outputs",
+    "EngineError": "tickloom.engine.errors",
+    "EngineOverloaded": "tickloom.engine.errors",
+    "RequestRejected": "tickloom.engine.errors",
+    "ConfigError": "tickloom.engine.errors",
 }
 
 __all__ = [
@@ -37,11 +37,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from actors.outputs import RequestOutput, RequestUsage
-    from engine.api import Engine, RequestStream
-    from engine.config import EngineConfig, FaultPlan
-    from engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
-    from engine.params import SamplingParams
+    from tickloom.actors.outputs import RequestOutput, RequestUsage
+    from tickloom.engine.api import Engine, RequestStream
+    from tickloom.engine.config import EngineConfig, FaultPlan
+    from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
+    from tickloom.engine.params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -16,10 +16,10 @@ import msgspec
 import trio
 from msgspec import Meta
 
-from actors.outputs import RequestOutput, RequestUsage
-from engine.config import EngineConfig
-from engine.errors import EngineError, EngineOverloaded, RequestRejected
-from engine.params import (
+from tickloom.actors.outputs import RequestOutput, RequestUsage
+from tickloom.engine.config import EngineConfig
+from tickloom.engine.errors import EngineError, EngineOverloaded, RequestRejected
+from tickloom.engine.params import (
     INT32_MAX,
     INT32_MIN,
     INT64_MAX,
@@ -29,8 +29,8 @@ from engine.params import (
     encodable,
     unencodable,
 )
-from engine.runtime import Runtime, build_runtime
-from events import RequestArrived, RequestCancelled
+from tickloom.engine.runtime import Runtime, build_runtime
+from tickloom.events import RequestArrived, RequestCancelled
 
 Prompt = str | list[int] | Sequence[dict[str, Any]]
 """Text, token ids (used as given: no BOS is added) or chat messages (rendered with the model's template)."""

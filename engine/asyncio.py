@@ -1,8 +1,8 @@
 """The engine for asyncio apps: the same API as ``engine.Engine``, running trio in guest mode on the asyncio loop.
 
     import asyncio
-    from engine import EngineConfig, SamplingParams
-    from engine.asyncio import Engine
+    from tickloom.engine import EngineConfig, SamplingParams
+    from tickloom.engine.asyncio import Engine
 
     async def main() -> None:
         async with Engine.open(EngineConfig(log_path="run.tlog")) as engine:
@@ -45,11 +45,11 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
-from actors.outputs import RequestOutput
-from engine import api
-from engine.config import EngineConfig
-from engine.params import SamplingParams
-from engine.runtime import Runtime
+from tickloom.actors.outputs import RequestOutput
+from tickloom.engine import api
+from tickloom.engine.config import EngineConfig
+from tickloom.engine.params import SamplingParams
+from tickloom.engine.runtime import Runtime
 
 __all__ = ["MAX_PENDING_CALLS", "Engine", "GuestRunError", "RequestStream"]
 

@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.core import ConfigError
-from engine.params import FLOAT_MAX, INT64_MAX, TokenId, checked
+from tickloom.engine.core import ConfigError
+from tickloom.engine.params import FLOAT_MAX, INT64_MAX, TokenId, checked
 
 Positive = Annotated[int, Meta(ge=1, le=2**24)]
 """Sizes and counts: at least 1, and small enough that the lists and tensors they size stay allocatable."""
@@ -98,7 +98,7 @@ class EngineConfig(_EngineFields, frozen=True, kw_only=True):
         if (fields.think_start_token is None) != (fields.think_end_token is None):
             raise ConfigError(f"EngineConfig.think_start_token={fields.think_start_token} and "
                               f"think_end_token={fields.think_end_token} must be set together")
-        from actors.log import parse_fsync
+        from tickloom.actors.log import parse_fsync
 
         try:
             parse_fsync(fields.fsync)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.core.errors import ConfigError
+from tickloom.engine.core.errors import ConfigError
 
 
 class EngineError(RuntimeError):

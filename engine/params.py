@@ -19,8 +19,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
-from engine.errors import RequestRejected
-from events import SamplingSpec
+from tickloom.engine.errors import RequestRejected
+from tickloom.events import SamplingSpec
 
 T = TypeVar("T")
 

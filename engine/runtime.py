@@ -16,18 +16,18 @@ from typing import Any
 import msgspec
 import trio
 
-from actors.deadlines import DeadlineActor
-from actors.device import StubDevice, ThreadDevice
-from actors.log import LogActor, LogWriteFailed
-from actors.mailbox import Envelope, Outbox, Reporter, Source
-from actors.retire import RetireActor
-from actors.spill import SpillActor, SpillStore, SwapInActor
-from actors.step import StepActor
-from engine.config import EngineConfig
-from engine.core import CoreConfig, SchedulerCore
-from engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
-from engine.stub import StubTokenizer
-from events import (
+from tickloom.actors.deadlines import DeadlineActor
+from tickloom.actors.device import StubDevice, ThreadDevice
+from tickloom.actors.log import LogActor, LogWriteFailed
+from tickloom.actors.mailbox import Envelope, Outbox, Reporter, Source
+from tickloom.actors.retire import RetireActor
+from tickloom.actors.spill import SpillActor, SpillStore, SwapInActor
+from tickloom.actors.step import StepActor
+from tickloom.engine.config import EngineConfig
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
+from tickloom.engine.stub import StubTokenizer
+from tickloom.events import (
     DIGEST_VERSION,
     FORMAT_VERSION,
     SCHEMA_HASH,
@@ -164,6 +164,7 @@ class Runtime:
         self.closing = True
         if self.fatal is None:
             with trio.move_on_after(10):
+                await self.reporter.wait_flushed()  # streams closed before this end cancelled, not shut down
                 await self.client.send(Shutdown())
                 await self.step.shut_down.wait()
         self.device.stop_nowait()
@@ -278,7 +279,7 @@ async def build_runtime(config: EngineConfig) -> Runtime:
                                  vocab_size=config.stub_vocab_size, eos_token_ids=(tokenizer.eos_token_id,),
                                  **common)  # type: ignore[arg-type]
         return Runtime(config, core_config, tokenizer, "stub", None, ("", "stub", "", 0))
-    from engine.model import ModelExecutor, load_model
+    from tickloom.engine.model import ModelExecutor, load_model
 
     loaded = await trio.to_thread.run_sync(load_model, config.model, config.dtype, config.device, config.threads,
                                            config.quant)

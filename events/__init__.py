@@ -4,7 +4,7 @@ This package imports only msgspec and the standard library, so replay tools and 
 can depend on it alone.
 """
 
-from events.codec import (
+from tickloom.events.codec import (
     FORMAT_VERSION,
     SCHEMA_HASH,
     decode_commands,
@@ -13,7 +13,7 @@ from events.codec import (
     encode_commands,
     encode_tick,
 )
-from events.commands import (
+from tickloom.events.commands import (
     COMMAND_TYPES,
     NO_SAMPLE,
     NOT_FED,
@@ -31,9 +31,9 @@ from events.commands import (
     UnwatchDeadline,
     WatchDeadline,
 )
-from events.digest import DIGEST_VERSION, GENESIS_DIGEST, chain_digest
-from events.errors import LogCorrupt, LogError, LogExists, LogFrameTooLarge, LogIncompatible
-from events.inputs import (
+from tickloom.events.digest import DIGEST_VERSION, GENESIS_DIGEST, chain_digest
+from tickloom.events.errors import LogCorrupt, LogError, LogExists, LogFrameTooLarge, LogIncompatible
+from tickloom.events.inputs import (
     INPUT_TYPES,
     ClientGone,
     DeadlineReached,
@@ -48,9 +48,9 @@ from events.inputs import (
     SwapInFailed,
     SwapInReady,
 )
-from events.log import LogReader, LogWriter, Recovery, check_new_log_path, known_schema_hashes, recover_log
-from events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
-from events.types import FINISH_REASONS, CoreGauges, FinishReason, Record, SamplingSpec, Usage
+from tickloom.events.log import LogReader, LogWriter, Recovery, check_new_log_path, known_schema_hashes, recover_log
+from tickloom.events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
+from tickloom.events.types import FINISH_REASONS, CoreGauges, FinishReason, Record, SamplingSpec, Usage
 
 __all__ = [
     "COMMAND_TYPES",

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from events.commands import Command
-from events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
-from events.types import CoreGauges, Record
+from tickloom.events.commands import Command
+from tickloom.events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
+from tickloom.events.types import CoreGauges, Record
 
 FORMAT_VERSION = 1
 """Version of the frame layout (see ``events.log``); the payload schema is versioned by ``SCHEMA_HASH``."""

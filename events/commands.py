@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from events.types import FinishReason, Record, SamplingSpec, Usage
+from tickloom.events.types import FinishReason, Record, SamplingSpec, Usage
 
 NOT_FED = -1
 """``RunStep.fed_from`` value of a row whose input token is known when the step is planned."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from events.types import CoreGauges
+from tickloom.events.types import CoreGauges
 
 DIGEST_VERSION = 1
 DIGEST_SIZE = 16

@@ -24,8 +24,8 @@ import struct
 import zlib
 from typing import Literal
 
-from events.codec import FORMAT_VERSION
-from events.errors import LogCorrupt, LogFrameTooLarge
+from tickloom.events.codec import FORMAT_VERSION
+from tickloom.events.errors import LogCorrupt, LogFrameTooLarge
 
 FrameKind = Literal["header", "tick", "snapshot"]
 

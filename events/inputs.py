@@ -5,7 +5,7 @@ Tags are pinned short strings; never change one, never reuse one.
 
 from __future__ import annotations
 
-from events.types import Record, SamplingSpec
+from tickloom.events.types import Record, SamplingSpec
 
 
 class RequestArrived(Record, frozen=True, tag="arrive"):

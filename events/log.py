@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import msgspec
 
-from events.codec import (
+from tickloom.events.codec import (
     FORMAT_VERSION,
     SCHEMA_HASH,
     RawTickRecord,
@@ -28,8 +28,8 @@ from events.codec import (
     encode_into,
     encode_tick_into,
 )
-from events.errors import LogCorrupt, LogError, LogExists, LogIncompatible
-from events.frames import (
+from tickloom.events.errors import LogCorrupt, LogError, LogExists, LogIncompatible
+from tickloom.events.frames import (
     DEFAULT_MAX_FRAME_BYTES,
     FrameInfo,
     begin_frame,
@@ -37,14 +37,14 @@ from events.frames import (
     framed_format_version,
     read_frame,
 )
-from events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
+from tickloom.events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
 
 _Tick = TypeVar("_Tick", TickRecord, RawTickRecord)
 
 
 def known_schema_hashes() -> tuple[str, ...]:
     """Schema hashes this build reads, from the checked-in, append-only ``known_schemas.txt``."""
-    text = resources.files("events").joinpath("known_schemas.txt").read_text(encoding="utf-8")
+    text = resources.files(__package__).joinpath("known_schemas.txt").read_text(encoding="utf-8")
     lines = (line.split("#", 1)[0].split() for line in text.splitlines())
     return tuple(parts[0] for parts in lines if parts)
 

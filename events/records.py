@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from events.commands import Command
-from events.inputs import Input
-from events.types import CoreGauges, Record
+from tickloom.events.commands import Command
+from tickloom.events.inputs import Input
+from tickloom.events.types import CoreGauges, Record
 
 
 class TickInputs(Record, frozen=True):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from events.commands import (
+from tickloom.events.commands import (
     BindRequest,
     DropSpill,
     EmitTokens,
@@ -23,7 +23,7 @@ from events.commands import (
     UnwatchDeadline,
     WatchDeadline,
 )
-from events.types import Record
+from tickloom.events.types import Record
 
 
 class Actor(enum.Enum):

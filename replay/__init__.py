@@ -3,8 +3,8 @@
 Imports the core and ``events`` only; neither trio nor torch (``replay.full`` imports torch when it runs a model).
 """
 
-from replay.header import ReplayConfigError, core_config_from_header
-from replay.verify import ReplayReport, bisect, core_at, format_report, open_log, state_at, verify
+from tickloom.replay.header import ReplayConfigError, core_config_from_header
+from tickloom.replay.verify import ReplayReport, bisect, core_at, format_report, open_log, state_at, verify
 
 __all__ = [
     "ReplayConfigError",

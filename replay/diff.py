@@ -9,8 +9,8 @@ from typing import Any
 import attrs
 import msgspec
 
-from engine.core.snapshot import CoreSnapshot
-from events import Command, CoreGauges, Input, RunStep
+from tickloom.engine.core.snapshot import CoreSnapshot
+from tickloom.events import Command, CoreGauges, Input, RunStep
 
 MAX_ITEMS = 20
 """At most this many element differences are listed per field."""

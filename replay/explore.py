@@ -37,9 +37,9 @@ import traceback
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from engine.core import CoreConfig, SchedulerCore
-from engine.core.errors import InvariantViolation
-from events import (
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.engine.core.errors import InvariantViolation
+from tickloom.events import (
     ClientGone,
     DeadlineReached,
     EmitTokens,
@@ -53,13 +53,13 @@ from events import (
     TickInputs,
     TickOutputs,
 )
-from replay.explore_checks import ClientCheck, StrandCheck, Violation, check_end
-from replay.header import core_config_from_header
-from replay.oracle import OracleExecutor
-from replay.policy import Completion, Decision, Kind, Policy
-from replay.record import header_for
-from replay.sim import Simulator
-from replay.verify import verify
+from tickloom.replay.explore_checks import ClientCheck, StrandCheck, Violation, check_end
+from tickloom.replay.header import core_config_from_header
+from tickloom.replay.oracle import OracleExecutor
+from tickloom.replay.policy import Completion, Decision, Kind, Policy
+from tickloom.replay.record import header_for
+from tickloom.replay.sim import Simulator
+from tickloom.replay.verify import verify
 
 LEVEL = "core"
 STRATEGIES = ("random", "pct", "delay")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from engine.core import SchedulerCore
-from engine.core.blocks import blocks_for
-from engine.core.errors import InvariantViolation
-from engine.core.state import Status
-from events import EmitTokens, Finish, LogReader, RequestArrived, StopMatched, TickInputs, TickOutputs
+from tickloom.engine.core import SchedulerCore
+from tickloom.engine.core.blocks import blocks_for
+from tickloom.engine.core.errors import InvariantViolation
+from tickloom.engine.core.state import Status
+from tickloom.events import EmitTokens, Finish, LogReader, RequestArrived, StopMatched, TickInputs, TickOutputs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
-from events import (
+from tickloom.events import (
     NOT_FED,
     BindRequest,
     Command,
@@ -29,10 +29,10 @@ from events import (
     StepFailed,
     SwapIn,
 )
-from replay.record import DEVICE_COMMANDS, Device
+from tickloom.replay.record import DEVICE_COMMANDS, Device
 
 if TYPE_CHECKING:
-    from engine.model.executor import ModelExecutor
+    from tickloom.engine.model.executor import ModelExecutor
 
 
 @dataclasses.dataclass(slots=True)
@@ -208,8 +208,8 @@ def load_device(model: str, num_blocks: int, block_size: int, *, dtype: str | No
                 device: str | None = None) -> tuple[ModelDevice, str]:
     """Load ``model`` (a name or path ``engine.model.loaders.load_model`` knows) as a ``ModelDevice``; returns it
     and the model's fingerprint."""
-    from engine.model.executor import ModelExecutor
-    from engine.model.loaders import load_model
+    from tickloom.engine.model.executor import ModelExecutor
+    from tickloom.engine.model.loaders import load_model
 
     loaded = load_model(model, dtype=dtype or None, device=device or None)
     return ModelDevice(ModelExecutor(loaded.model, num_blocks=num_blocks, block_size=block_size)), loaded.fingerprint

@@ -6,9 +6,9 @@ import json
 
 import msgspec
 
-from engine.core import CoreConfig
-from engine.core.errors import ConfigError
-from events import DIGEST_VERSION, LogHeader
+from tickloom.engine.core import CoreConfig
+from tickloom.engine.core.errors import ConfigError
+from tickloom.events import DIGEST_VERSION, LogHeader
 
 
 class ReplayConfigError(ValueError):

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from events import (
+from tickloom.events import (
     NO_SAMPLE,
     NOT_FED,
     BindRequest,
@@ -26,7 +26,7 @@ from events import (
     StepFailed,
     SwapIn,
 )
-from events.oracle import oracle_token
+from tickloom.events.oracle import oracle_token
 
 __all__ = ["OracleExecutor", "oracle_token"]
 

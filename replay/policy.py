@@ -28,7 +28,7 @@ import enum
 import random
 from collections.abc import Sequence
 
-from events import DeadlineReached, Input, PrefetchSpill, SpillOut
+from tickloom.events import DeadlineReached, Input, PrefetchSpill, SpillOut
 
 MS = 1_000_000
 

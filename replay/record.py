@@ -16,8 +16,8 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from engine.core import CoreConfig, SchedulerCore
-from events import (
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.events import (
     DIGEST_VERSION,
     FORMAT_VERSION,
     SCHEMA_HASH,
@@ -31,10 +31,10 @@ from events import (
     TickInputs,
     TickOutputs,
 )
-from events.routing import Actor, routed_to
-from replay.oracle import OracleExecutor
-from replay.policy import Policy
-from replay.sim import TICK_NS, Device, Simulator
+from tickloom.events.routing import Actor, routed_to
+from tickloom.replay.oracle import OracleExecutor
+from tickloom.replay.policy import Policy
+from tickloom.replay.sim import TICK_NS, Device, Simulator
 
 __all__ = [
     "DEVICE_COMMANDS", "ENGINE_VERSION", "TICK_NS", "Device", "RecordResult", "Scenario", "arrival",

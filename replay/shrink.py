@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from replay.explore import (
+from tickloom.replay.explore import (
     LEVEL,
     STRAND_TICKS,
     STRATEGIES,
@@ -40,10 +40,10 @@ from replay.explore import (
     seed_workload,
     strategy_policy,
 )
-from replay.explore_checks import StrandCheck, Violation, check_log
-from replay.policy import Decision
-from replay.variants import VARIANTS, enabled
-from replay.verify import bisect, verify
+from tickloom.replay.explore_checks import StrandCheck, Violation, check_log
+from tickloom.replay.policy import Decision
+from tickloom.replay.variants import VARIANTS, enabled
+from tickloom.replay.verify import bisect, verify
 
 SAMPLE_EVERY = 100
 """Every this many seeds (seed % SAMPLE_EVERY == 0), the run also writes its log and replays it."""
@@ -314,7 +314,7 @@ def regression_test(found: Found) -> str:
     return f'''def test_explore_{LEVEL}_seed_{found.seed}_{found.strategy}() -> None:
     """Found by the race explorer ({LEVEL} level, seed {found.seed}, strategy {found.strategy}{variant})."""
 {body}
-    from replay.shrink import replay_token
+    from tickloom.replay.shrink import replay_token
 
     violation = replay_token(
 {chunks}
@@ -362,7 +362,7 @@ def run_cli(*, log: str | None, seeds: Sequence[int], strategy: str, faults: boo
             out: Path | None, shrink: bool, verbose: bool, replay: str | None) -> int:
     """``tickloom explore [LOG]`` at the core level (and ``--replay`` of a core-level token): prints the report and
     the summary line; 0 no violation, 1 a violation. Raises ``UsageError`` for bad arguments."""
-    from events import LogError
+    from tickloom.events import LogError
 
     if replay is not None:
         with _usage():

@@ -37,9 +37,9 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar, cast
 
-from engine.core import SchedulerCore
-from engine.core.snapshot import encode_snapshot
-from events import (
+from tickloom.engine.core import SchedulerCore
+from tickloom.engine.core.snapshot import encode_snapshot
+from tickloom.events import (
     Command,
     DeadlineReached,
     DropSpill,
@@ -62,8 +62,8 @@ from events import (
     UnwatchDeadline,
     WatchDeadline,
 )
-from events.routing import ROUTES, Actor
-from replay.policy import Completion, Decision, Key, Kind, Policy, Value
+from tickloom.events.routing import ROUTES, Actor
+from tickloom.replay.policy import Completion, Decision, Key, Kind, Policy, Value
 
 TICK_NS = 1_000_000
 FLUSH_EVERY = 64

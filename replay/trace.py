@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from events import (
+from tickloom.events import (
     NO_SAMPLE,
     LogReader,
     Preempted,
@@ -27,7 +27,7 @@ from events import (
     SwapInReady,
     TickRecord,
 )
-from events import Finish as FinishCmd
+from tickloom.events import Finish as FinishCmd
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -26,16 +26,16 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 
-import engine.core.apply as apply_module
-import engine.core.endgame as endgame_module
-import engine.core.planner as planner_module
-import engine.core.scheduler as scheduler_module
-from engine.core.blocks import blocks_for
-from engine.core.context import TickContext
-from engine.core.endgame import _resume
-from engine.core.lifecycle import cache_full_blocks, mark_finish
-from engine.core.state import CoreState, InflightStep, Seq, Status
-from events import Preempted, SpillOut, StepDone, StopMatched, SwapIn
+import tickloom.engine.core.apply as apply_module
+import tickloom.engine.core.endgame as endgame_module
+import tickloom.engine.core.planner as planner_module
+import tickloom.engine.core.scheduler as scheduler_module
+from tickloom.engine.core.blocks import blocks_for
+from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.endgame import _resume
+from tickloom.engine.core.lifecycle import cache_full_blocks, mark_finish
+from tickloom.engine.core.state import CoreState, InflightStep, Seq, Status
+from tickloom.events import Preempted, SpillOut, StepDone, StopMatched, SwapIn
 
 
 def release_blocks_unfenced(state: CoreState, ctx: TickContext, seq: Seq) -> None:

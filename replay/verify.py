@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from engine.core import CoreConfig, SchedulerCore
-from engine.core.snapshot import CoreSnapshot, decode_snapshot, encode_snapshot
-from events import (
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.engine.core.snapshot import CoreSnapshot, decode_snapshot, encode_snapshot
+from tickloom.events import (
     Command,
     LogCorrupt,
     LogError,
@@ -28,10 +28,10 @@ from events import (
     TickRecord,
     decode_commands,
 )
-from events.codec import RawTickRecord
-from events.frames import FrameInfo
-from replay.diff import diff_commands, diff_gauges, diff_state, summarise_inputs
-from replay.header import ReplayConfigError, core_config_from_header, digest_problem
+from tickloom.events.codec import RawTickRecord
+from tickloom.events.frames import FrameInfo
+from tickloom.replay.diff import diff_commands, diff_gauges, diff_state, summarise_inputs
+from tickloom.replay.header import ReplayConfigError, core_config_from_header, digest_problem
 
 Status = Literal["identical", "divergent", "unreadable", "violation", "clean"]
 

@@ -57,8 +57,8 @@ from typing import Literal
 import attrs
 import msgspec
 
-from engine.core import CoreConfig, SchedulerCore
-from events import (
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.events import (
     NO_SAMPLE,
     ClientGone,
     DeadlineReached,
@@ -81,11 +81,11 @@ from events import (
     TickInputs,
     TickOutputs,
 )
-from replay.header import core_config_from_header
-from replay.oracle import OracleExecutor
-from replay.policy import Completion, Key, Policy
-from replay.sim import Simulator
-from replay.whatif_measure import RunMetrics, StepModel, StepSample, Tick, fit_step_model, measure
+from tickloom.replay.header import core_config_from_header
+from tickloom.replay.oracle import OracleExecutor
+from tickloom.replay.policy import Completion, Key, Policy
+from tickloom.replay.sim import Simulator
+from tickloom.replay.whatif_measure import RunMetrics, StepModel, StepSample, Tick, fit_step_model, measure
 
 CLIENT_INPUTS = (RequestArrived, RequestCancelled, ClientGone, Shutdown)
 NEVER = 1 << 40

@@ -17,8 +17,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from events import EmitTokens, Finish, Preempted, RequestArrived, RunStep, SwapIn, TickInputs, TickOutputs
-from replay.sim import TICK_NS
+from tickloom.events import EmitTokens, Finish, Preempted, RequestArrived, RunStep, SwapIn, TickInputs, TickOutputs
+from tickloom.replay.sim import TICK_NS
 
 Tick = tuple[TickInputs, TickOutputs]
 

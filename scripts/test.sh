@@ -8,6 +8,6 @@ cd "$ROOT"
 echo "== ruff"
 ruff check .
 echo "== mypy"
-mypy --strict events engine/core
+mypy --strict -p tickloom.events -p tickloom.engine.core
 echo "== pytest"
 HF_HUB_OFFLINE=1 python -m pytest -q "$@"

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.core import CoreConfig, SchedulerCore
-from events import RequestArrived, SamplingSpec
-from replay.oracle import OracleExecutor
-from replay.policy import Policy
-from replay.sim import TICK_NS, Simulator
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.events import RequestArrived, SamplingSpec
+from tickloom.replay.oracle import OracleExecutor
+from tickloom.replay.policy import Policy
+from tickloom.replay.sim import TICK_NS, Simulator
 
 __all__ = ["TICK_NS", "Harness", "arrival"]
 

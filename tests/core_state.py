@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.core import CoreConfig, SchedulerCore
-from engine.core.context import TickContext
-from engine.core.lifecycle import full_block_hashes
-from engine.core.snapshot import CoreSnapshot
-from engine.core.state import CoreState, Seq, Status
-from events import BindRequest, Command, Input, SamplingSpec, TickInputs, TickOutputs
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.lifecycle import full_block_hashes
+from tickloom.engine.core.snapshot import CoreSnapshot
+from tickloom.engine.core.state import CoreState, Seq, Status
+from tickloom.events import BindRequest, Command, Input, SamplingSpec, TickInputs, TickOutputs
 
 
 def make_core(**config: object) -> SchedulerCore:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine import EngineConfig, RequestOutput
-from events import Finish, LogReader
-from replay import verify
+from tickloom.engine import EngineConfig, RequestOutput
+from tickloom.events import Finish, LogReader
+from tickloom.replay import verify
 
 
 def stub_config(log: Path, **kw: Any) -> EngineConfig:

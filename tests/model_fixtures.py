@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from engine.model.executor import ModelExecutor
-from engine.model.types import StepResult
+from tickloom.engine.model.executor import ModelExecutor
+from tickloom.engine.model.types import StepResult
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Driver:
 
 
 def make_executor(model_dir: Path, dtype: str = "float32", num_blocks: int = 256, block_size: int = 4) -> ModelExecutor:
-    from engine.model.loaders import load_model
+    from tickloom.engine.model.loaders import load_model
 
     torch.set_num_threads(1)
     lm = load_model(model_dir, dtype=dtype)

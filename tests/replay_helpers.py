@@ -6,8 +6,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from events import LogHeader, LogReader, LogWriter, SnapshotRecord, TickRecord
-from replay.record import RecordResult, everything_scenario
+from tickloom.events import LogHeader, LogReader, LogWriter, SnapshotRecord, TickRecord
+from tickloom.replay.record import RecordResult, everything_scenario
 
 Records = list[TickRecord | SnapshotRecord]
 

@@ -10,10 +10,10 @@ import trio
 import trio.testing
 from engine_helpers import assert_replays, core_finishes, stub_config
 
-from actors.deadlines import DeadlineActor
-from actors.mailbox import Envelope, Outbox, Source
-from engine import Engine, SamplingParams
-from events import DeadlineReached, UnwatchDeadline, WatchDeadline
+from tickloom.actors.deadlines import DeadlineActor
+from tickloom.actors.mailbox import Envelope, Outbox, Source
+from tickloom.engine import Engine, SamplingParams
+from tickloom.events import DeadlineReached, UnwatchDeadline, WatchDeadline
 
 
 async def test_a_request_that_finishes_before_its_deadline_does_not_crash_the_engine(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from actors.device import executor_inputs, with_placeholders, without_requests
-from engine.model.types import StepResult
-from events import NO_SAMPLE, NOT_FED, RunStep
+from tickloom.actors.device import executor_inputs, with_placeholders, without_requests
+from tickloom.engine.model.types import StepResult
+from tickloom.events import NO_SAMPLE, NOT_FED, RunStep
 
 STEP = RunStep(
     step_id=7, request_ids=["a", "dead", "b"], positions=[10, 3, 0], num_tokens=[1, 1, 3], token_ids=[5, 6, 7, 8, 9],

@@ -15,11 +15,11 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 
-from actors.outputs import RequestOutput
-from actors.retire import RequestStream, RetireActor, merge_frames
-from actors.streams import FINISH_PRECEDENCE, StreamAssembler, StreamProtocolError
-from events import ClientGone, Command, EmitTokens, Finish, Input, SamplingSpec, StopMatched, Usage
-from events.types import FINISH_REASONS, FinishReason
+from tickloom.actors.outputs import RequestOutput
+from tickloom.actors.retire import RequestStream, RetireActor, merge_frames
+from tickloom.actors.streams import FINISH_PRECEDENCE, StreamAssembler, StreamProtocolError
+from tickloom.events import ClientGone, Command, EmitTokens, Finish, Input, SamplingSpec, StopMatched, Usage
+from tickloom.events.types import FINISH_REASONS, FinishReason
 
 VOCAB: dict[int, bytes] = {
     0: b"a",

@@ -14,10 +14,10 @@ import torch
 import trio
 import trio.testing
 
-from actors.mailbox import Envelope, Outbox, Source
-from actors.spill import SpillActor, SpillStore, SwapInActor, host_tag, process_start
-from engine.model.types import HostKV
-from events import DropSpill, PrefetchSpill, SpillDone, SpillOut, SwapInFailed, SwapInReady
+from tickloom.actors.mailbox import Envelope, Outbox, Source
+from tickloom.actors.spill import SpillActor, SpillStore, SwapInActor, host_tag, process_start
+from tickloom.engine.model.types import HostKV
+from tickloom.events import DropSpill, PrefetchSpill, SpillDone, SpillOut, SwapInFailed, SwapInReady
 
 
 def _kv(seed: int) -> HostKV:
@@ -52,17 +52,17 @@ def test_disk_tier_is_private_checksummed_and_removed(tmp_path: Path) -> None:
 def test_a_drop_while_the_swap_in_reads_leaves_no_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The swap-in actor reads a disk copy in its thread while the spill actor drops it (the request ended): the
     read must not put the copy back into the host tier, where nothing would ever drop it."""
-    import actors.spill
+    import tickloom.actors.spill as spill_module
 
     store = SpillStore(tmp_path, host_bytes=0)
     store.store("r", _kv(1))
-    real = actors.spill._deserialize
+    real = spill_module._deserialize
 
     def dropped_meanwhile(payload: bytes) -> HostKV:
         store.drop("r")  # what the spill actor's thread does while this one reads
         return real(payload)
 
-    monkeypatch.setattr(actors.spill, "_deserialize", dropped_meanwhile)
+    monkeypatch.setattr(spill_module, "_deserialize", dropped_meanwhile)
     with pytest.raises(KeyError, match="dropped while it was being read"):
         store.load("r")
     assert store.held == 0

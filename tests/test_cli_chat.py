@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from events import Finish, LogReader, RequestArrived
-from tools.cli import main
+from tickloom.events import Finish, LogReader, RequestArrived
+from tickloom.tools.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 LEFT = b"\x1b[D"
@@ -110,7 +110,7 @@ def test_chat_line_editing_and_ctrl_c_on_a_terminal(tmp_path: Path) -> None:
     log = tmp_path / "chat.tlog"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP", "INPUTRC")}
     env.update(TERM="xterm", INPUTRC="/dev/null", PYTHONUNBUFFERED="1")
-    argv = [sys.executable, "-m", "tools", "chat", "--model", "stub", "--stub-step-time", "0.05",
+    argv = [sys.executable, "-m", "tickloom", "chat", "--model", "stub", "--stub-step-time", "0.05",
             "--max-tokens", "150", "--temperature", "0", "--seed", "3", "--log", str(log)]
     term = Terminal(argv, env)
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from core_harness import Harness, arrival
 
-from engine.core import ConfigError, CoreConfig
-from events import BindRequest, Finish, RunStep, SamplingSpec, SpillOut
+from tickloom.engine.core import ConfigError, CoreConfig
+from tickloom.events import BindRequest, Finish, RunStep, SamplingSpec, SpillOut
 
 
 def _bind_ticks(h: Harness) -> dict[str, int]:

@@ -16,12 +16,12 @@ from core_state import commands_of as _of
 from core_state import snap_seq as _snap_seq
 from core_state import tick as _tick
 
-from engine.core import CoreConfig, SchedulerCore
-from engine.core.blocks import BlockPool
-from engine.core.lifecycle import choose_victim, preempt
-from engine.core.snapshot import CoreSnapshot
-from engine.core.state import Status
-from events import (
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.engine.core.blocks import BlockPool
+from tickloom.engine.core.lifecycle import choose_victim, preempt
+from tickloom.engine.core.snapshot import CoreSnapshot
+from tickloom.engine.core.state import Status
+from tickloom.events import (
     EmitTokens,
     Finish,
     Preempted,
@@ -33,7 +33,7 @@ from events import (
     SwapIn,
     SwapInReady,
 )
-from replay.oracle import OracleExecutor
+from tickloom.replay.oracle import OracleExecutor
 
 EOS = 2
 THINK_START, THINK_END = 5, 6

@@ -27,9 +27,9 @@ from collections.abc import Iterable
 import pytest
 from core_harness import Harness
 
-from engine.core import CoreConfig
-from engine.core.state import Status
-from events import (
+from tickloom.engine.core import CoreConfig
+from tickloom.engine.core.state import Status
+from tickloom.events import (
     FINISH_REASONS,
     NO_SAMPLE,
     BindRequest,
@@ -46,8 +46,8 @@ from events import (
     SwapIn,
     TickOutputs,
 )
-from replay.oracle import OracleExecutor, oracle_token
-from replay.policy import RandomPolicy
+from tickloom.replay.oracle import OracleExecutor, oracle_token
+from tickloom.replay.policy import RandomPolicy
 
 EOS = 1
 STOP_TOKEN = 2

@@ -6,12 +6,12 @@ from core_harness import Harness, arrival
 from core_state import add_seq, cache_prefix_of, context, hold_blocks, make_core
 from tests_shared import PROMPT_40
 
-from engine.core import CoreConfig
-from engine.core.blocks import ROOT_HASH, BlockPool, block_hash
-from engine.core.lifecycle import full_block_hashes, preempt
-from engine.core.planner import plan_step
-from engine.core.state import Status
-from events import (
+from tickloom.engine.core import CoreConfig
+from tickloom.engine.core.blocks import ROOT_HASH, BlockPool, block_hash
+from tickloom.engine.core.lifecycle import full_block_hashes, preempt
+from tickloom.engine.core.planner import plan_step
+from tickloom.engine.core.state import Status
+from tickloom.events import (
     DropSpill,
     EmitTokens,
     Finish,

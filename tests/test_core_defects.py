@@ -12,9 +12,9 @@ from __future__ import annotations
 from core_harness import Harness, arrival
 from core_state import add_seq, make_core
 
-from engine.core import CoreConfig, SchedulerCore
-from engine.core.state import Status
-from events import (
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.engine.core.state import Status
+from tickloom.events import (
     BindRequest,
     Command,
     DeadlineReached,
@@ -27,7 +27,7 @@ from events import (
     Shutdown,
     TickInputs,
 )
-from replay.oracle import OracleExecutor
+from tickloom.replay.oracle import OracleExecutor
 
 # -- 1. the watermark must not stall the head for good --------------------------------------------------------
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import msgspec
 from test_core_blast import BlastHarness, blast_config, run_blast
 
-from engine.core import SchedulerCore
-from engine.core.snapshot import CoreSnapshot, decode_snapshot, encode_snapshot
-from engine.core.state import Status
-from events import (
+from tickloom.engine.core import SchedulerCore
+from tickloom.engine.core.snapshot import CoreSnapshot, decode_snapshot, encode_snapshot
+from tickloom.engine.core.state import Status
+from tickloom.events import (
     Finish,
     RequestArrived,
     RunStep,
@@ -39,7 +39,7 @@ _SCRIPT = """
 import sys
 sys.path[:0] = [{tests!r}, {repo!r}]
 from test_core_blast import blast_config, run_blast
-from events import encode_tick
+from tickloom.events import encode_tick
 h = run_blast({seed}, {ticks}, blast_config(2, True, True, 24))
 with open(sys.argv[1], "wb") as f:
     for inputs, outputs in zip(h.inputs, h.outputs, strict=True):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from core_harness import Harness, arrival
 
-from engine.core import CoreConfig
-from events import DropSpill, Finish, Preempted, RequestCancelled, RunStep, SpillOut, SwapIn
+from tickloom.engine.core import CoreConfig
+from tickloom.events import DropSpill, Finish, Preempted, RequestCancelled, RunStep, SpillOut, SwapIn
 
 
 def unpressured_output(request_id: str, prompt: int, max_tokens: int) -> list[int]:

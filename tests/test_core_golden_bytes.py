@@ -20,9 +20,9 @@ import pytest
 from core_harness import Harness
 from test_core_blast import blast_config, random_config, run_blast
 
-from engine.core import CoreConfig
-from events import Command, Input, RequestArrived, SamplingSpec, StepDone, TickInputs, TickOutputs, encode
-from replay.oracle import OracleExecutor
+from tickloom.engine.core import CoreConfig
+from tickloom.events import Command, Input, RequestArrived, SamplingSpec, StepDone, TickInputs, TickOutputs, encode
+from tickloom.replay.oracle import OracleExecutor
 
 
 def _digest(outputs: list[TickOutputs]) -> str:
@@ -41,7 +41,7 @@ def _random_blast(seed: int) -> str:
 
 
 def _bench(batch: int, depth: int, ticks: int) -> str:
-    from tools.bench_core import _Workload
+    from tickloom.tools.bench_core import _Workload
 
     work = _Workload(batch, depth, seed=7)
     outputs: list[TickOutputs] = []

@@ -10,10 +10,10 @@ import pytest
 from core_harness import Harness, arrival
 from core_state import add_seq, cache_unrelated
 
-from engine.core import CoreConfig, InvariantViolation, SchedulerCore
-from engine.core.snapshot import CoreSnapshot
-from engine.core.state import CoreState, DecodeLane, Status
-from events import (
+from tickloom.engine.core import CoreConfig, InvariantViolation, SchedulerCore
+from tickloom.engine.core.snapshot import CoreSnapshot
+from tickloom.engine.core.state import CoreState, DecodeLane, Status
+from tickloom.events import (
     RequestCancelled,
     SamplingSpec,
 )

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import pytest
 from test_core_blast import BLAST_RUNS, blast_config, random_config, run_blast
 
-import engine.core.planner as planner
-from engine.core import CoreConfig
-from engine.core.state import CoreState, DecodeLane
-from events import TickOutputs, encode
+import tickloom.engine.core.planner as planner
+from tickloom.engine.core import CoreConfig
+from tickloom.engine.core.state import CoreState, DecodeLane
+from tickloom.events import TickOutputs, encode
 
 
 def _run(
@@ -84,7 +84,7 @@ def test_lane_matches_the_general_plan_in_the_c26_blasts(
 @pytest.mark.parametrize("depth", [1, 2])
 def test_lane_matches_the_general_plan_in_the_steady_state(depth: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tickloom bench core``'s workload at a small N: the lane should plan nearly every step."""
-    from tools.bench_core import _Workload
+    from tickloom.tools.bench_core import _Workload
 
     def workload() -> list[TickOutputs]:
         work = _Workload(24, depth, seed=random.Random(depth).randrange(1000))

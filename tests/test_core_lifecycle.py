@@ -6,9 +6,9 @@ import pytest
 from core_harness import Harness, arrival
 from core_state import add_seq, hold_blocks, make_core
 
-from engine.core import CoreConfig
-from engine.core.state import Status
-from events import (
+from tickloom.engine.core import CoreConfig
+from tickloom.engine.core.state import Status
+from tickloom.events import (
     BindRequest,
     DeadlineReached,
     DropSpill,
@@ -23,8 +23,8 @@ from events import (
     UnwatchDeadline,
     WatchDeadline,
 )
-from events.inputs import StopMatched
-from replay.oracle import OracleExecutor
+from tickloom.events.inputs import StopMatched
+from tickloom.replay.oracle import OracleExecutor
 
 EOS = 2
 

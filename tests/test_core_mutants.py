@@ -15,11 +15,11 @@ from core_state import commands_of as _of
 from core_state import snap_seq as _snap_seq
 from core_state import tick as _tick
 
-from engine.core import CoreConfig, InvariantViolation, SchedulerCore
-from engine.core.lifecycle import cache_full_blocks
-from engine.core.snapshot import CoreSnapshot
-from engine.core.state import Seq, Status
-from events import (
+from tickloom.engine.core import CoreConfig, InvariantViolation, SchedulerCore
+from tickloom.engine.core.lifecycle import cache_full_blocks
+from tickloom.engine.core.snapshot import CoreSnapshot
+from tickloom.engine.core.state import Seq, Status
+from tickloom.events import (
     BindRequest,
     ClientGone,
     EmitTokens,
@@ -33,7 +33,7 @@ from events import (
     StepDone,
     Usage,
 )
-from replay.oracle import OracleExecutor
+from tickloom.replay.oracle import OracleExecutor
 
 
 def _waiting_ids(snap: CoreSnapshot) -> list[str]:

@@ -14,10 +14,10 @@ from core_state import commands_of as _of
 from core_state import snap_seq as _snap_seq
 from core_state import tick as _tick
 
-from engine.core import CoreConfig, InvariantViolation, SchedulerCore
-from engine.core.snapshot import CoreSnapshot
-from engine.core.state import Status
-from events import (
+from tickloom.engine.core import CoreConfig, InvariantViolation, SchedulerCore
+from tickloom.engine.core.snapshot import CoreSnapshot
+from tickloom.engine.core.state import Status
+from tickloom.events import (
     NO_SAMPLE,
     ClientGone,
     DeadlineReached,
@@ -40,7 +40,7 @@ from events import (
     Usage,
     WatchDeadline,
 )
-from replay.oracle import OracleExecutor
+from tickloom.replay.oracle import OracleExecutor
 
 
 def _waiting_ids(snap: CoreSnapshot) -> list[str]:

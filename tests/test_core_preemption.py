@@ -6,12 +6,12 @@ from core_harness import Harness, arrival
 from core_state import add_seq, cache_prefix_of, cache_unrelated, context, hold_blocks, make_core
 from test_core_golden import unpressured_output
 
-from engine.core import CoreConfig
-from engine.core.apply import apply_inputs
-from engine.core.endgame import resume_preempted, retire_finished, swap_in
-from engine.core.lifecycle import choose_victim
-from engine.core.state import Status
-from events import DropSpill, EmitTokens, Finish, Preempted, RunStep, SpillOut, SwapIn, SwapInFailed
+from tickloom.engine.core import CoreConfig
+from tickloom.engine.core.apply import apply_inputs
+from tickloom.engine.core.endgame import resume_preempted, retire_finished, swap_in
+from tickloom.engine.core.lifecycle import choose_victim
+from tickloom.engine.core.state import Status
+from tickloom.events import DropSpill, EmitTokens, Finish, Preempted, RunStep, SpillOut, SwapIn, SwapInFailed
 
 
 def test_c05_victim_least_important_then_fewest_generated_then_latest() -> None:

@@ -10,7 +10,7 @@ CORE = REPO / "engine" / "core"
 CORE_BANNED = {
     "trio", "torch", "time", "random", "threading", "asyncio", "multiprocessing", "concurrent", "os", "io",
     "socket", "pathlib", "subprocess", "shutil", "tempfile", "mmap", "sys", "datetime", "uuid", "secrets",
-    "numpy", "cupy", "engine.model", "actors", "replay", "tools",
+    "numpy", "cupy", "tickloom.engine.model", "tickloom.actors", "tickloom.replay", "tickloom.tools",
 }
 IMPURE_CALLS = {"open", "print", "input", "hash", "id", "exec", "eval", "breakpoint"}
 

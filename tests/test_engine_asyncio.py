@@ -12,10 +12,10 @@ from typing import Literal
 
 import pytest
 
-from engine import EngineConfig, EngineError, RequestOutput, RequestRejected, SamplingParams
-from engine.asyncio import Engine, _hosts
-from events import Finish, LogReader
-from replay import verify
+from tickloom.engine import EngineConfig, EngineError, RequestOutput, RequestRejected, SamplingParams
+from tickloom.engine.asyncio import Engine, _hosts
+from tickloom.events import Finish, LogReader
+from tickloom.replay import verify
 
 
 def _config(tmp_path: Path, name: str = "e06.tlog", **kw: object) -> EngineConfig:
@@ -126,7 +126,7 @@ def test_asyncio_complete_stream_and_two_engines_share_the_guest_run(tmp_path: P
 
 
 def test_asyncio_actor_crash_raises_engine_error(tmp_path: Path) -> None:
-    from engine import FaultPlan
+    from tickloom.engine import FaultPlan
 
     config = _config(tmp_path, faults=FaultPlan(crash_actor="deadlines", crash_after=0.05))
 

@@ -17,10 +17,10 @@ import trio.testing
 from engine_helpers import assert_replays, stub_config
 from model_fixtures import Spec
 
-from engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from engine.model import write_tiny_model
-from engine.model.sampling import Sampler, SampleRow
-from events import LogReader, StepDone, StepFailed
+from tickloom.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from tickloom.engine.model import write_tiny_model
+from tickloom.engine.model.sampling import Sampler, SampleRow
+from tickloom.events import LogReader, StepDone, StepFailed
 
 TINY = 5e-324
 HUGE = 1.7976931348623157e308

@@ -10,8 +10,16 @@ import pytest
 import trio
 from engine_helpers import assert_replays, core_finishes, joined, stub_config
 
-from engine import Engine, EngineError, EngineOverloaded, FaultPlan, RequestOutput, RequestRejected, SamplingParams
-from events import LogReader, Preempted, recover_log
+from tickloom.engine import (
+    Engine,
+    EngineError,
+    EngineOverloaded,
+    FaultPlan,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+)
+from tickloom.events import LogReader, Preempted, recover_log
 
 
 async def test_e02_leaving_the_stream_cancels(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
@@ -34,6 +42,21 @@ async def test_e02_leaving_the_stream_cancels(tmp_path: Path, autojump_clock: tr
     assert finishes["plain"].reason == "cancelled" and finishes["ctx"].reason == "cancelled"
     assert_replays(log)
 
+
+
+async def test_e02_a_stream_closed_just_before_the_engine_ends_cancelled(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """The stream's ClientGone is still pending in the retire reporter (delayed here) when the engine closes: the
+    shutdown waits for it, so the request ends ``cancelled``, not with the shutdown's error."""
+    log = tmp_path / "run.tlog"
+    async with (Engine.open(stub_config(log, faults=FaultPlan(report_delay=0.5))) as engine,
+                engine.stream("hello", SamplingParams(max_tokens=1000), request_id="late-close") as stream):
+        async for out in stream:
+            if out.token_ids:
+                break
+    finish = core_finishes(log)["late-close"]
+    assert (finish.reason, finish.error) == ("cancelled", "")
+    assert_replays(log)
 
 async def test_e03_deadline_during_an_in_flight_step(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     log = tmp_path / "run.tlog"
@@ -166,7 +189,7 @@ async def test_e05_log_write_error_is_fatal(tmp_path: Path, autojump_clock: trio
             def full_disk(self: object) -> None:
                 raise OSError(28, "No space left on device")
 
-            monkeypatch.setattr("events.log.LogWriter.flush", full_disk)
+            monkeypatch.setattr("tickloom.events.log.LogWriter.flush", full_disk)
             with pytest.raises(EngineError):
                 async for _ in engine.generate("go", SamplingParams(max_tokens=1000)):
                     pass
@@ -197,7 +220,7 @@ async def test_e07_every_run_replays_with_the_cli(tmp_path: Path, autojump_clock
     async with Engine.open(stub_config(log, snapshot_every=4)) as engine, trio.open_nursery() as nursery:
         for i in range(4):
             nursery.start_soon(engine.complete, f"p{i}", SamplingParams(max_tokens=12, seed=i))
-    result = subprocess.run([sys.executable, "-m", "tools", "replay", str(log)], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "tickloom", "replay", str(log)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("identical:")
 

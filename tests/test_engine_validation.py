@@ -24,8 +24,8 @@ from engine_helpers import assert_replays, stub_config
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine import ConfigError, Engine, EngineConfig, FaultPlan, RequestRejected, SamplingParams
-from events import LogReader, RequestArrived
+from tickloom.engine import ConfigError, Engine, EngineConfig, FaultPlan, RequestRejected, SamplingParams
+from tickloom.events import LogReader, RequestArrived
 
 FIELDS = [f.name for f in msgspec.structs.fields(SamplingParams)]
 KWARGS = ["deadline", "request_id", "priority", "cache_salt"]

@@ -13,7 +13,7 @@ SCRIPT = """
 import hashlib, sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from fixtures.make_fixture import HEADER, fixture_snapshot, fixture_ticks
-from events import SCHEMA_HASH, encode, encode_commands, encode_tick, chain_digest, GENESIS_DIGEST
+from tickloom.events import SCHEMA_HASH, encode, encode_commands, encode_tick, chain_digest, GENESIS_DIGEST
 h = hashlib.sha256()
 h.update(SCHEMA_HASH.encode())
 h.update(encode(HEADER))

@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 from fixtures.make_fixture import HEADER, SNAPSHOT_AFTER, fixture_snapshot, fixture_ticks
 
-from events import (
+from tickloom.events import (
     COMMAND_TYPES,
     INPUT_TYPES,
     SCHEMA_HASH,
@@ -20,7 +20,7 @@ from events import (
     TickRecord,
     known_schema_hashes,
 )
-from events.codec import compute_schema_hash
+from tickloom.events.codec import compute_schema_hash
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIRST_FIXTURE = FIXTURES / "schema-b8fe84d3a48d82d15beff94d.tlog"

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from fixtures.make_fixture import HEADER, fixture_ticks
 
-from events import (
+from tickloom.events import (
     FORMAT_VERSION,
     SCHEMA_HASH,
     LogCorrupt,
@@ -28,7 +28,7 @@ from events import (
     encode_tick,
     recover_log,
 )
-from events.frames import HEADER_SIZE, MAGIC, FrameInfo, pack_frame
+from tickloom.events.frames import HEADER_SIZE, MAGIC, FrameInfo, pack_frame
 
 
 def write_log(path: Path, ticks: list[TickRecord] | None = None, *, snapshot_every: int = 0) -> list[TickRecord]:

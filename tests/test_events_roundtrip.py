@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import strategy_for
 
-import events
-from events import (
+from tickloom import events
+from tickloom.events import (
     COMMAND_TYPES,
     INPUT_TYPES,
     Command,
@@ -31,7 +31,7 @@ from events import (
     encode_commands,
     encode_tick,
 )
-from events.codec import encode_tick_into
+from tickloom.events.codec import encode_tick_into
 
 RECORD_TYPES = (SamplingSpec, Usage, CoreGauges, TickInputs, TickOutputs, TickRecord, SnapshotRecord, LogHeader)
 ALL_TYPES = INPUT_TYPES + COMMAND_TYPES + RECORD_TYPES

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from replay import verify
-from tools.cli import main as cli_main
-from tools.explore_actors import (
+from tickloom.replay import verify
+from tickloom.tools.cli import main as cli_main
+from tickloom.tools.explore_actors import (
     LEVEL,
     Token,
     ddmin,
@@ -35,9 +35,9 @@ from tools.explore_actors import (
     replay_scenario,
     run_script,
 )
-from tools.explore_schedule import STRATEGIES, deterministic_trio, trio_hook_present
-from tools.explore_script import make_script
-from tools.explore_variants import VARIANTS, enabled
+from tickloom.tools.explore_schedule import STRATEGIES, deterministic_trio, trio_hook_present
+from tickloom.tools.explore_script import make_script
+from tickloom.tools.explore_variants import VARIANTS, enabled
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"^explored (\d+) seeds \(actors\) in [0-9.]+ s: [0-9.]+ seeds/s, (\d+) violations$")
@@ -200,13 +200,13 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
                           (["explore", "--actors", "--variant", "nope"], "unknown variant")):
         assert cli_main(argv) == 64, argv
         assert message in capsys.readouterr().err, argv
-    assert "--variant" not in subprocess.run([sys.executable, "-m", "tools", "explore", "--help"], cwd=ROOT,
+    assert "--variant" not in subprocess.run([sys.executable, "-m", "tickloom", "explore", "--help"], cwd=ROOT,
                                              capture_output=True, text=True, check=True).stdout
 
 
 def test_a_hang_is_reported_as_liveness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from actors.retire import RetireActor
-    from events import Finish
+    from tickloom.actors.retire import RetireActor
+    from tickloom.events import Finish
 
     deliver = RetireActor.deliver_nowait
 
@@ -226,7 +226,7 @@ def test_a_planned_crash_fails_every_stream_and_nothing_hangs(tmp_path: Path, se
 
 
 def test_a_crash_that_leaves_a_stream_open_is_a_violation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from actors.retire import RetireActor
+    from tickloom.actors.retire import RetireActor
 
     monkeypatch.setattr(RetireActor, "fail_all", lambda self, error: None)
     result = run_script(make_script(71, True), "random", tmp_path / "run.tlog")

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from replay import bisect, verify
-from replay.explore import (
+from tickloom.replay import bisect, verify
+from tickloom.replay.explore import (
     STRAND_TICKS,
     STRATEGIES,
     Arrive,
@@ -34,9 +34,9 @@ from replay.explore import (
     run_workload,
     strategy_policy,
 )
-from replay.explore_checks import StrandCheck, check_log
-from replay.record import everything_scenario
-from replay.shrink import (
+from tickloom.replay.explore_checks import StrandCheck, check_log
+from tickloom.replay.record import everything_scenario
+from tickloom.replay.shrink import (
     CLIENT_KINDS,
     Token,
     ddmin,
@@ -46,8 +46,8 @@ from replay.shrink import (
     regression_test,
     replay_token,
 )
-from replay.variants import VARIANTS, enabled
-from tools.cli import main as cli_main
+from tickloom.replay.variants import VARIANTS, enabled
+from tickloom.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"^explored (\d+) seeds \(core\) in [0-9.]+ s: [0-9.]+ seeds/s, (\d+) violations$")

@@ -25,10 +25,10 @@ import trio
 import trio.testing
 from engine_helpers import assert_replays, stub_config
 
-from actors.step import Delivers
-from engine import Engine, EngineError, SamplingParams
-from events import Command, EmitTokens, Finish, LogReader, recover_log
-from replay import verify
+from tickloom.actors.step import Delivers
+from tickloom.engine import Engine, EngineError, SamplingParams
+from tickloom.events import Command, EmitTokens, Finish, LogReader, recover_log
+from tickloom.replay import verify
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["first prompt", "the second one", "3rd", "a fourth, longer prompt to prefill"]
@@ -94,7 +94,7 @@ async def test_a_failed_write_is_fatal_and_nothing_of_its_tick_reaches_the_clien
             def full_disk(self: object) -> None:
                 raise OSError(28, "No space left on device")
 
-            monkeypatch.setattr("events.log.LogWriter.flush", full_disk)
+            monkeypatch.setattr("tickloom.events.log.LogWriter.flush", full_disk)
             with pytest.raises(EngineError):
                 async for out in engine.generate("go", SamplingParams(max_tokens=1000)):
                     received += out.token_ids
@@ -164,7 +164,7 @@ class _Outcome:
 
 
 def _run_and_kill(path: Path, point: _Point, seed: int) -> _Outcome:
-    argv = [sys.executable, "-m", "tools", "generate", "--model", "stub", "--json", "--log", str(path),
+    argv = [sys.executable, "-m", "tickloom", "generate", "--model", "stub", "--json", "--log", str(path),
             "--max-tokens", str(MAX_TOKENS), "--stub-step-time", str(STEP_TIME), "--seed", str(seed), *PROMPTS]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None

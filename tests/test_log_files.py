@@ -14,10 +14,10 @@ import pytest
 import trio
 from engine_helpers import stub_config
 
-from engine import ConfigError, Engine
-from events import FORMAT_VERSION, SCHEMA_HASH, LogError, LogExists, LogHeader, LogReader, LogWriter
-from events.digest import DIGEST_VERSION
-from tools.cli import EX_USAGE, main
+from tickloom.engine import ConfigError, Engine
+from tickloom.events import FORMAT_VERSION, SCHEMA_HASH, LogError, LogExists, LogHeader, LogReader, LogWriter
+from tickloom.events.digest import DIGEST_VERSION
+from tickloom.tools.cli import EX_USAGE, main
 
 HEADER = LogHeader(FORMAT_VERSION, SCHEMA_HASH, DIGEST_VERSION, "test", '{"test": true}')
 PRECIOUS = b"an old log: evidence, not scratch space\n" * 100
@@ -110,10 +110,10 @@ def test_engine_open_with_an_existing_log_path_is_a_config_error(tmp_path: Path)
 
 def test_the_writer_refuses_atomically_behind_the_early_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A log that appears after ``Engine.open``'s early check (a race) is still refused, by ``O_EXCL``."""
-    import engine.runtime
+    import tickloom.engine.runtime as runtime_module
 
     path = tmp_path / "late.tlog"
-    monkeypatch.setattr(engine.runtime, "_check_log_path", lambda _path: _precious(path))
+    monkeypatch.setattr(runtime_module, "_check_log_path", lambda _path: _precious(path))
 
     async def run() -> None:
         async with Engine.open(stub_config(path)):

@@ -38,11 +38,11 @@ import trio
 import trio.testing
 from engine_helpers import stub_config
 
-from engine import Engine, SamplingParams
-from engine.core.snapshot import decode_snapshot, encode_snapshot
-from events import LogHeader, LogReader, SnapshotRecord, TickRecord, encode
-from events.frames import HEADER, HEADER_SIZE, MAGIC, pack_frame
-from tools.cli import main
+from tickloom.engine import Engine, SamplingParams
+from tickloom.engine.core.snapshot import decode_snapshot, encode_snapshot
+from tickloom.events import LogHeader, LogReader, SnapshotRecord, TickRecord, encode
+from tickloom.events.frames import HEADER, HEADER_SIZE, MAGIC, pack_frame
+from tickloom.tools.cli import main
 
 N_MUTATIONS = int(os.environ.get("TICKLOOM_FUZZ_N", "2000"))
 SEED = int(os.environ.get("TICKLOOM_FUZZ_SEED", "20240610"))
@@ -378,7 +378,7 @@ def test_the_real_cli_exits_2_without_a_traceback(base: Base, tmp_path: Path) ->
     for path in _bad_logs(base, tmp_path):
         readers = [["log", "info"], ["inspect"]] if path.stem != "header" else []  # they leave the config be
         for argv in [["replay", str(path)]] + [[*r, str(path)] for r in readers]:
-            done = subprocess.run([sys.executable, "-m", "tools", *argv], capture_output=True, text=True,
+            done = subprocess.run([sys.executable, "-m", "tickloom", *argv], capture_output=True, text=True,
                                   timeout=120, check=False)
             assert done.returncode == 2, (argv, done.stdout, done.stderr)
             assert "Traceback" not in done.stderr + done.stdout, done.stderr
@@ -400,7 +400,7 @@ def test_a_huge_pool_is_refused_before_it_is_built(base: Base, tmp_path: Path) -
 
 def test_a_lying_length_mid_file_is_corruption_and_recovery_keeps_the_frames(base: Base, tmp_path: Path) -> None:
     """A length running past the end of the file with whole frames after it is never a torn tail to drop."""
-    from events import LogCorrupt, recover_log
+    from tickloom.events import LogCorrupt, recover_log
 
     mid = base.frames[len(base.frames) // 2]
     path = tmp_path / "lying.tlog"

@@ -11,11 +11,11 @@ import functools
 import pytest
 import torch
 
-from engine.model.batch import RowSpec, build_step_batch
-from engine.model.llama import LlamaModel
-from engine.model.loaders import LoadedModel, load_model
-from engine.model.quant import QUANT_SETTINGS, bf16_supported
-from engine.model.registry import smollm2_gguf_path
+from tickloom.engine.model.batch import RowSpec, build_step_batch
+from tickloom.engine.model.llama import LlamaModel
+from tickloom.engine.model.loaders import LoadedModel, load_model
+from tickloom.engine.model.quant import QUANT_SETTINGS, bf16_supported
+from tickloom.engine.model.registry import smollm2_gguf_path
 
 pytestmark = [
     pytest.mark.slow,
@@ -62,7 +62,7 @@ def teacher_forced_argmax(model: LlamaModel, ids: list[int]) -> torch.Tensor:
 
 def greedy_batch(model: LlamaModel, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Each prompt's ``n``-token greedy continuation, all rows in one batch per step over the paged KV cache."""
-    from engine.model.executor import ModelExecutor
+    from tickloom.engine.model.executor import ModelExecutor
 
     bs = 16
     per = [-(-(len(p) + n) // bs) for p in prompts]

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from test_model_loaders import write_gguf
 
-from engine.model import loaders, registry
-from engine.model.loaders import load_model
-from engine.model.registry import cache_dir, cache_entries, entry_name, prune_cache, resolve_model
-from engine.model.tiny import write_tiny_model
-from tools.cli import main
+from tickloom.engine.model import loaders, registry
+from tickloom.engine.model.loaders import load_model
+from tickloom.engine.model.registry import cache_dir, cache_entries, entry_name, prune_cache, resolve_model
+from tickloom.engine.model.tiny import write_tiny_model
+from tickloom.tools.cli import main
 
 
 @pytest.fixture

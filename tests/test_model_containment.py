@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.model.errors import ModelLoadError
-from engine.model.loaders import CHECKPOINT_FILES, contained, load_model
-from engine.model.tiny import write_tiny_model
+from tickloom.engine.model.errors import ModelLoadError
+from tickloom.engine.model.loaders import CHECKPOINT_FILES, contained, load_model
+from tickloom.engine.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ import pytest
 import torch
 from model_fixtures import Driver, Spec, make_executor, prompts
 
-from engine.model.tiny import write_tiny_model
+from tickloom.engine.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)
 SPEC = Spec(temperature=0.8)

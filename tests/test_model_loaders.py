@@ -13,11 +13,11 @@ import torch
 from model_fixtures import make_executor
 from safetensors.torch import load_file, save_file
 
-from engine.model.batch import RowSpec, build_step_batch
-from engine.model.errors import ModelLoadError
-from engine.model.loaders import LoadedModel, load_model
-from engine.model.registry import available_models, cache_dir, resolve_model
-from engine.model.tiny import write_tiny_model
+from tickloom.engine.model.batch import RowSpec, build_step_batch
+from tickloom.engine.model.errors import ModelLoadError
+from tickloom.engine.model.loaders import LoadedModel, load_model
+from tickloom.engine.model.registry import available_models, cache_dir, resolve_model
+from tickloom.engine.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from engine_helpers import assert_replays
 
-from engine.model.loaders import load_model, split_setting
-from engine.model.quant import (
+from tickloom.engine.model.loaders import load_model, split_setting
+from tickloom.engine.model.quant import (
     Int4Linear,
     Int8Linear,
     RawBlocks,
@@ -19,7 +19,7 @@ from engine.model.quant import (
     join_linear,
     quantize_linear,
 )
-from engine.model.tiny import write_tiny_model
+from tickloom.engine.model.tiny import write_tiny_model
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -133,7 +133,7 @@ def test_quantized_tiny_model_tracks_float32(tmp_path: Path, quant: str) -> None
     kv_a, kv_b = ref.model.new_kv_cache(8, 16), got.model.new_kv_cache(8, 16)
     from test_model_reference import run_rows
 
-    from engine.model.batch import RowSpec
+    from tickloom.engine.model.batch import RowSpec
 
     ids = list(range(3, 60))
     a = run_rows(ref.model, kv_a, [RowSpec(0, len(ids), list(range(4)), True)], ids)
@@ -144,7 +144,7 @@ def test_quantized_tiny_model_tracks_float32(tmp_path: Path, quant: str) -> None
 async def test_quantized_engine_run_replays(tmp_path: Path) -> None:
     import trio
 
-    from engine import Engine, EngineConfig, SamplingParams
+    from tickloom.engine import Engine, EngineConfig, SamplingParams
 
     d = write_tiny_model(tmp_path / "m", seed=3, hidden_size=128, intermediate_size=256)
     log = tmp_path / "q.tlog"

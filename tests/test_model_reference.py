@@ -11,9 +11,9 @@ import pytest
 import torch
 from model_fixtures import Driver, Spec, make_executor, prompts
 
-from engine.model.batch import RowSpec, build_step_batch
-from engine.model.loaders import load_model
-from engine.model.tiny import write_tiny_model
+from tickloom.engine.model.batch import RowSpec, build_step_batch
+from tickloom.engine.model.loaders import load_model
+from tickloom.engine.model.tiny import write_tiny_model
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 torch.set_num_threads(1)

@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 from model_fixtures import Spec
 
-from engine.model.sampling import Sampler, SampleRow, apply_penalties, gumbel_noise, row_key, token_hashes
+from tickloom.engine.model.sampling import Sampler, SampleRow, apply_penalties, gumbel_noise, row_key, token_hashes
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from model_fixtures import Driver, Spec
 
-from engine.model.executor import ModelExecutor
-from engine.model.loaders import LoadedModel, load_model
-from engine.model.registry import smollm2_gguf_path
+from tickloom.engine.model.executor import ModelExecutor
+from tickloom.engine.model.loaders import LoadedModel, load_model
+from tickloom.engine.model.registry import smollm2_gguf_path
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import sys
 
 from model_fixtures import Spec
 
-from engine.model.stub import StubExecutor, token_for
+from tickloom.engine.model.stub import StubExecutor, token_for
 
 
 def test_stub_tokens_follow_oracle() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools.cli import main
+from tickloom.tools.cli import main
 
 
 def test_bench_replay_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,12 +9,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from events import LogReader, StepFailed
-from replay.full import verify_full
-from replay.oracle import OracleExecutor
-from replay.record import everything_scenario, record_core_run
 from tests.replay_helpers import record_everything
-from tools.cli import main
+from tickloom.events import LogReader, StepFailed
+from tickloom.replay.full import verify_full
+from tickloom.replay.oracle import OracleExecutor
+from tickloom.replay.record import everything_scenario, record_core_run
+from tickloom.tools.cli import main
 
 
 def test_oracle_full_replay(tmp_path: Path) -> None:
@@ -35,8 +35,8 @@ def model_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pat
     pytest.importorskip("torch")
     import safetensors.torch
 
-    from engine.model.tiny import write_tiny_model
-    from replay.full import load_device
+    from tickloom.engine.model.tiny import write_tiny_model
+    from tickloom.replay.full import load_device
 
     tmp = tmp_path_factory.mktemp("full")
     good = write_tiny_model(tmp / "good", seed=0)

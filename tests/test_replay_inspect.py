@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.replay_helpers import record_everything
-from tools.cli import main
+from tickloom.tools.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import pytest
 import trio
 
-from actors.step import StepActor
-from engine.core import CoreConfig, SchedulerCore
-from events import (
+from tickloom.actors.step import StepActor
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.events import (
     COMMAND_TYPES,
     BindRequest,
     Command,
@@ -36,10 +36,10 @@ from events import (
     WatchDeadline,
     encode,
 )
-from events.routing import ROUTES, Actor, routed_to
-from replay.oracle import OracleExecutor
-from replay.policy import Decision, Kind, Policy, RandomPolicy
-from replay.sim import TICK_NS, Simulator
+from tickloom.events.routing import ROUTES, Actor, routed_to
+from tickloom.replay.oracle import OracleExecutor
+from tickloom.replay.policy import Decision, Kind, Policy, RandomPolicy
+from tickloom.replay.sim import TICK_NS, Simulator
 
 CONFIG = CoreConfig(num_blocks=24, block_size=8, max_batch_size=6, max_seq_len=96, max_prefill_tokens=32,
                     max_batch_tokens=48, pipeline_depth=2, spill_enabled=True, preempt_immunity_tokens=2,

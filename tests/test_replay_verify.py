@@ -11,9 +11,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.core import CoreConfig, SchedulerCore
-from engine.core.snapshot import decode_snapshot, encode_snapshot
-from events import (
+from tests.replay_helpers import Records, read_log, record_everything, rewrite
+from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.engine.core.snapshot import decode_snapshot, encode_snapshot
+from tickloom.events import (
     NOT_FED,
     EmitTokens,
     Finish,
@@ -27,11 +28,10 @@ from events import (
     TickInputs,
     TickRecord,
 )
-from events.frames import HEADER_SIZE
-from replay import bisect, core_at, core_config_from_header, state_at, verify
-from replay.record import header_for
-from tests.replay_helpers import Records, read_log, record_everything, rewrite
-from tools.cli import main
+from tickloom.events.frames import HEADER_SIZE
+from tickloom.replay import bisect, core_at, core_config_from_header, state_at, verify
+from tickloom.replay.record import header_for
+from tickloom.tools.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,10 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import Engine, EngineConfig, FaultPlan, SamplingParams
 from tests.engine_helpers import assert_replays, core_finishes
-from tools.serve.openai_types import error_param
-from tools.serve.server import ServeOptions, default_log_path, serve
+from tickloom.engine import Engine, EngineConfig, FaultPlan, SamplingParams
+from tickloom.tools.serve.openai_types import error_param
+from tickloom.tools.serve.server import ServeOptions, default_log_path, serve
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +228,7 @@ async def test_logprobs_shape_on_the_stub(tmp_path: Path) -> None:
 
 
 async def test_logprobs_on_a_real_model(tmp_path: Path) -> None:
-    from engine.model import write_tiny_model
+    from tickloom.engine.model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny", dtype="float64", seed=3)
     config = EngineConfig(model=str(model), dtype="float64", max_seq_len=128, num_blocks=64,
@@ -447,7 +447,7 @@ async def test_shutdown_drains_running_streams_and_refuses_new_ones(tmp_path: Pa
 def test_cli_serves_then_drains_on_sigterm(tmp_path: Path) -> None:
     log = tmp_path / "cli.tlog"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tools", "serve", "--model", "stub", "--port", "0", "--log",
+    proc = subprocess.Popen([sys.executable, "-m", "tickloom", "serve", "--model", "stub", "--port", "0", "--log",
                              str(log), "--stub-step-time", "0.01"], cwd=tmp_path, env=env, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -470,7 +470,7 @@ def test_cli_serves_then_drains_on_sigterm(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_an_existing_log(tmp_path: Path) -> None:
-    from tools.cli import main
+    from tickloom.tools.cli import main
 
     (tmp_path / "taken.tlog").write_bytes(b"")
     assert main(["serve", "--model", "stub", "--port", "0", "--log", str(tmp_path / "taken.tlog")]) == 64

@@ -29,9 +29,9 @@ import trio
 import trio.testing
 from engine_helpers import assert_replays, stub_config
 
-from engine import Engine, EngineConfig, FaultPlan, RequestOutput, SamplingParams
-from engine.model import write_tiny_model
-from events import Finish, LogReader, RunStep
+from tickloom.engine import Engine, EngineConfig, FaultPlan, RequestOutput, SamplingParams
+from tickloom.engine.model import write_tiny_model
+from tickloom.events import Finish, LogReader, RunStep
 
 FATES = ("normal", "cancel", "disconnect", "deadline_short", "deadline_long")
 FATE_WEIGHTS = (45, 15, 15, 8, 17)

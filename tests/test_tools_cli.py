@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import EX_USAGE, main
+from tickloom.tools.cli import EX_USAGE, main
 
 
 def test_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
@@ -112,7 +112,7 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path, monkeypatc
     captured = capsys.readouterr()
     assert captured.err == "tickloom: error: install tickloom[plot] for --plot (matplotlib is not installed)\n"
     assert captured.out == "" and not (tmp_path / "p.png").exists()
-    from replay.trace import write_plot
+    from tickloom.replay.trace import write_plot
 
     with pytest.raises(ImportError, match=r"install tickloom\[plot\]"):
         write_plot(log, tmp_path / "p.png")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import EX_USAGE, main
+from tickloom.tools.cli import EX_USAGE, main
 
 SUMMARY = re.compile(r"^summary: (\d+) requests, (\d+) tokens in [\d.]+ s, [\d.]+ tokens/s, (\d+) preemptions, "
                      r"log (.+)$", re.M)
@@ -68,10 +68,10 @@ def test_generate_ctrl_c_exits_130_and_the_log_replays(tmp_path: Path) -> None:
     import sys
     import time
 
-    from events import Finish, LogReader
+    from tickloom.events import Finish, LogReader
 
     log = tmp_path / "int.tlog"
-    argv = [sys.executable, "-m", "tools", "generate", "--model", "stub", "--stub-step-time", "0.05",
+    argv = [sys.executable, "-m", "tickloom", "generate", "--model", "stub", "--stub-step-time", "0.05",
             "--max-tokens", "2000", "--log", str(log), "one", "two"]
     proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -94,7 +94,7 @@ def test_generate_ctrl_c_exits_130_and_the_log_replays(tmp_path: Path) -> None:
 
 
 def test_replay_full_takes_the_model_from_the_header(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.model.tiny import write_tiny_model
+    from tickloom.engine.model.tiny import write_tiny_model
 
     stub_log = tmp_path / "stub.tlog"
     assert main(["generate", "--model", "stub", "--max-tokens", "6", "--log", str(stub_log), "a", "b"]) == 0

@@ -13,9 +13,9 @@ import trio
 from engine_helpers import stub_config
 from replay_helpers import Records, rewrite
 
-from engine import Engine, SamplingParams
-from engine.core import CoreConfig
-from events import (
+from tickloom.engine import Engine, SamplingParams
+from tickloom.engine.core import CoreConfig
+from tickloom.events import (
     Input,
     LogHeader,
     RequestArrived,
@@ -26,12 +26,12 @@ from events import (
     StepFailed,
     TickRecord,
 )
-from replay.oracle import OracleExecutor
-from replay.record import Scenario, arrival, everything_scenario
-from replay.whatif import read_log, whatif
-from replay.whatif_measure import StepSample, fit_step_model
-from tools.cli import EX_USAGE, main
-from tools.cmd_whatif import OverrideError, apply_overrides
+from tickloom.replay.oracle import OracleExecutor
+from tickloom.replay.record import Scenario, arrival, everything_scenario
+from tickloom.replay.whatif import read_log, whatif
+from tickloom.replay.whatif_measure import StepSample, fit_step_model
+from tickloom.tools.cli import EX_USAGE, main
+from tickloom.tools.cmd_whatif import OverrideError, apply_overrides
 
 
 @attrs.define(slots=True, eq=False)
@@ -275,7 +275,7 @@ async def test_engine_log(tmp_path: Path, autojump_clock: trio.testing.MockClock
     """A stub-engine run (real actors: running ahead, swaps, a stop string, a deadline, a client leaving) is
     reproduced exactly with its own configuration; with 4x the blocks it preempts less and the requests that ended
     on their own get the same tokens."""
-    log = tmp_path / "engine.tlog"
+    log = tmp_path / "tickloom.engine.tlog"
     config = stub_config(log, num_blocks=24, block_size=8, max_seq_len=96, max_batch_size=8,
                          preempt_immunity_tokens=4, stub_step_time=0.002, host_spill_bytes=1 << 20)
 

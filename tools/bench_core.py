@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @functools.cache
 def _timed_simulator() -> Any:
     """The simulator class whose ``run_core`` is timed (built on first use: ``tickloom --help`` imports no engine)."""
-    from events import Input, TickInputs, TickOutputs, encode_tick
-    from replay.sim import Simulator
+    from tickloom.events import Input, TickInputs, TickOutputs, encode_tick
+    from tickloom.replay.sim import Simulator
 
     class TimedSimulator(Simulator):
         """Times ``run_core`` (TickInputs + ``core.tick`` + the frame encode) and nothing else."""
@@ -103,9 +103,9 @@ class _Workload:
     """
 
     def __init__(self, batch: int, depth: int, seed: int) -> None:
-        from engine.core import CoreConfig, SchedulerCore
-        from replay.oracle import OracleExecutor
-        from replay.policy import Policy
+        from tickloom.engine.core import CoreConfig, SchedulerCore
+        from tickloom.replay.oracle import OracleExecutor
+        from tickloom.replay.policy import Policy
 
         self.rng = random.Random(seed)
         self.batch = batch
@@ -131,7 +131,7 @@ class _Workload:
         self.arrivals: list[Any] = [self._arrival(self.rng.randint(1, self.max_len)) for _ in range(batch)]
 
     def _arrival(self, max_tokens: int) -> Any:
-        from events import RequestArrived, SamplingSpec
+        from tickloom.events import RequestArrived, SamplingSpec
 
         rid = f"b{self.next_id}"
         self.next_id += 1
@@ -140,7 +140,7 @@ class _Workload:
 
     def step(self, timed: list[int] | None, profiler: Any = None) -> int:
         """One tick; appends its time (ns) to ``timed`` if given. Returns the rows of the step it planned."""
-        from events import Finish, RunStep
+        from tickloom.events import Finish, RunStep
 
         sim = self.sim
         sim.timed, sim.profiler = timed, profiler
@@ -203,8 +203,8 @@ def measure(
 
 def _waiting_core(waiting: int) -> Any:
     """A core whose one batch slot is taken, with ``waiting`` requests queued behind it."""
-    from engine.core import CoreConfig, SchedulerCore
-    from events import RequestArrived, SamplingSpec, TickInputs
+    from tickloom.engine.core import CoreConfig, SchedulerCore
+    from tickloom.events import RequestArrived, SamplingSpec, TickInputs
 
     config = CoreConfig(num_blocks=64, block_size=16, max_seq_len=512, max_batch_size=1, max_waiting=waiting + 1)
     core = SchedulerCore(config)
@@ -222,7 +222,7 @@ def measure_cancel(waiting: int, rounds: int) -> dict[str, Any]:
     ``core.tick`` and the frame encode, as in the steady case)."""
     import gc
 
-    from events import Finish, Input, RequestCancelled, TickInputs, encode_tick
+    from tickloom.events import Finish, Input, RequestCancelled, TickInputs, encode_tick
 
     best = None
     for _ in range(rounds):
@@ -266,7 +266,7 @@ def run_cancel(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     if min(args.batches) < 1 or args.ticks < 1 or args.rounds < 1 or args.warmup < 0:
         raise CliError("--batches, --ticks and --rounds must be at least 1, --warmup at least 0")

@@ -73,7 +73,7 @@ def run_engine(model: str, work: Workload, depth: int, args: argparse.Namespace,
     """One engine run of the whole workload; the figures of the measured interval."""
     import trio
 
-    from engine import Engine, EngineConfig, SamplingParams
+    from tickloom.engine import Engine, EngineConfig, SamplingParams
 
     config = EngineConfig(model=model, dtype=None if model == "stub" else "float32", threads=args.threads,
                           max_batch_size=args.batch, pipeline_depth=depth, log_path=str(log_path), fsync="never",
@@ -150,7 +150,7 @@ def run_hf(model_dir: Path, work: Workload, args: argparse.Namespace) -> dict[st
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     if min(args.requests, args.max_tokens, args.batch, args.threads, args.repeat) < 1:
         raise CliError("--requests, --max-tokens, --batch, --threads and --repeat must be at least 1")
@@ -163,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             import torch
 
-            from engine.model import write_tiny_model
-            from engine.model.tiny import TinySpec
+            from tickloom.engine.model import write_tiny_model
+            from tickloom.engine.model.tiny import TinySpec
 
             torch.set_num_threads(args.threads)
             spec = "tiny-bench" if args.model == "tiny-bench" else TinySpec()

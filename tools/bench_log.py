@@ -50,12 +50,12 @@ def _best(repeat: int, *fns: Callable[[], None]) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from actors.log import FLUSH_BYTES
-    from events import FORMAT_VERSION, SCHEMA_HASH, LogHeader, LogReader, LogWriter, RunStep, TickRecord
-    from events.digest import DIGEST_VERSION
-    from events.frames import HEADER_SIZE
-    from tools.cli import CliError
-    from tools.sample_ticks import make_ticks
+    from tickloom.actors.log import FLUSH_BYTES
+    from tickloom.events import FORMAT_VERSION, SCHEMA_HASH, LogHeader, LogReader, LogWriter, RunStep, TickRecord
+    from tickloom.events.digest import DIGEST_VERSION
+    from tickloom.events.frames import HEADER_SIZE
+    from tickloom.tools.cli import CliError
+    from tickloom.tools.sample_ticks import make_ticks
 
     if min(args.ticks, args.sync_ticks, args.batch, args.repeat) < 1:
         raise CliError("--ticks, --sync-ticks, --batch and --repeat must be at least 1")

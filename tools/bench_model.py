@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from engine.model.executor import ModelExecutor
-from engine.model.loaders import LoadedModel, load_model
-from engine.model.registry import resolve_model
-from engine.model.tiny import write_tiny_model
+from tickloom.engine.model.executor import ModelExecutor
+from tickloom.engine.model.loaders import LoadedModel, load_model
+from tickloom.engine.model.registry import resolve_model
+from tickloom.engine.model.tiny import write_tiny_model
 
 
 class _Greedy:
@@ -177,7 +177,7 @@ _FOOTPRINT = """
 import json, sys, time, torch
 torch.set_num_threads(1)
 t = time.perf_counter()
-from engine.model.loaders import load_model
+from tickloom.engine.model.loaders import load_model
 d, q = sys.argv[2].split("+") if sys.argv[2] != "default" else (None, None)
 lm = load_model(sys.argv[1], dtype=d, quant=q)
 kv = lm.model.new_kv_cache(4096 // 16, 16)
@@ -205,8 +205,8 @@ def _median(xs: list[float]) -> float:
 
 def run_llamacpp(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every setting of every GGUF-backed model against llama.cpp, threads x batch, alternating runs."""
-    from engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
-    from tools import bench_llamacpp
+    from tickloom.engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
+    from tickloom.tools import bench_llamacpp
 
     new_tokens = args.new_tokens if args.new_tokens != 32 else 128
     have = bench_llamacpp.available()

@@ -39,9 +39,9 @@ def _live_run(tmp: str, batch: int, tokens: int, repeat: int) -> dict[str, objec
     """Live wall time of the engine on tiny-bench versus the exact replay of its log."""
     import trio
 
-    from engine import Engine, EngineConfig, SamplingParams
-    from engine.model import write_tiny_model
-    from replay import verify
+    from tickloom.engine import Engine, EngineConfig, SamplingParams
+    from tickloom.engine.model import write_tiny_model
+    from tickloom.replay import verify
 
     model = write_tiny_model(os.path.join(tmp, "tiny-bench"), "tiny-bench")
     log = os.path.join(tmp, "live.tlog")
@@ -70,17 +70,17 @@ def _live_run(tmp: str, batch: int, tokens: int, repeat: int) -> dict[str, objec
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.core import SchedulerCore
-    from events import LogReader
-    from replay import verify
-    from replay.record import steady_scenario
-    from tools.cli import CliError
+    from tickloom.engine.core import SchedulerCore
+    from tickloom.events import LogReader
+    from tickloom.replay import verify
+    from tickloom.replay.record import steady_scenario
+    from tickloom.tools.cli import CliError
 
     if min(args.batch, args.tokens, args.repeat) < 1 or args.snapshot_every < 0:
         raise CliError("--batch, --tokens and --repeat must be at least 1; --snapshot-every at least 0")
     scenario = steady_scenario(args.batch, args.tokens)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tickloom-bench-") as tmp:
-        path = os.path.join(tmp, "replay.tlog")
+        path = os.path.join(tmp, "tickloom.replay.tlog")
         recorded = scenario.record(path, snapshot_every=args.snapshot_every, keep=False)
         with LogReader(path) as reader:
             inputs = [r.inputs for r in reader.ticks()]

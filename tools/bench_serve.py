@@ -50,7 +50,7 @@ def _summary(ttfts: list[float], tokens: int, seconds: float) -> dict[str, float
 async def _in_process(engine: Any, streams: int, max_tokens: int, seed: int) -> dict[str, float]:
     import trio
 
-    from engine import SamplingParams
+    from tickloom.engine import SamplingParams
 
     ttfts: list[float] = []
     tokens = [0]
@@ -112,10 +112,10 @@ def run(args: argparse.Namespace) -> int:
     import httpx
     import trio
 
-    from engine import Engine, EngineConfig
-    from replay import verify
-    from tools.cli import CliError
-    from tools.serve.server import ServeOptions, serve_engine
+    from tickloom.engine import Engine, EngineConfig
+    from tickloom.replay import verify
+    from tickloom.tools.cli import CliError
+    from tickloom.tools.serve.server import ServeOptions, serve_engine
 
     if args.streams < 1 or args.max_tokens < 1 or args.rounds < 1:
         raise CliError("--streams, --max-tokens and --rounds must be at least 1")
@@ -185,8 +185,8 @@ async def _http_subprocess(url: str, streams: int, max_tokens: int, seed: int) -
     """One round from a client in its own process (``main`` below)."""
     import trio
 
-    done = await trio.run_process([sys.executable, "-m", "tools.bench_serve", url, str(streams), str(max_tokens),
-                                   str(seed)], capture_stdout=True)
+    argv = [sys.executable, "-m", "tickloom.tools.bench_serve", url, str(streams), str(max_tokens), str(seed)]
+    done = await trio.run_process(argv, capture_stdout=True)
     row: dict[str, float] = json.loads(done.stdout)
     return row
 

@@ -29,16 +29,16 @@ EX_DATAERR = 65
 """Exit status of bad input data, e.g. a corrupt log (sysexits.h)."""
 
 SUBCOMMANDS: tuple[str, ...] = (
-    "tools.cmd_bench",
-    "tools.cmd_log",
-    "tools.cmd_replay",
-    "tools.cmd_whatif",
-    "tools.cmd_explore",
-    "tools.cmd_inspect",
-    "tools.cmd_generate",
-    "tools.cmd_chat",
-    "tools.cmd_models",
-    "tools.cmd_serve",
+    "tickloom.tools.cmd_bench",
+    "tickloom.tools.cmd_log",
+    "tickloom.tools.cmd_replay",
+    "tickloom.tools.cmd_whatif",
+    "tickloom.tools.cmd_explore",
+    "tickloom.tools.cmd_inspect",
+    "tickloom.tools.cmd_generate",
+    "tickloom.tools.cmd_chat",
+    "tickloom.tools.cmd_models",
+    "tickloom.tools.cmd_serve",
 )
 """Modules that each add one subcommand, in ``--help`` order. Add yours here."""
 
@@ -92,7 +92,7 @@ class _StderrLines(logging.Handler):
 
 def show_model_progress() -> None:
     """Show the ``engine.model`` logger's INFO lines on stderr (once per process)."""
-    logger = logging.getLogger("engine.model")
+    logger = logging.getLogger("tickloom.engine.model")
     if not any(isinstance(h, _StderrLines) for h in logger.handlers):
         handler = _StderrLines()
         handler.setFormatter(logging.Formatter("%(message)s"))

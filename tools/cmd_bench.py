@@ -15,23 +15,26 @@ import sys
 from collections.abc import Callable
 from typing import Any, cast
 
-from tools.cli import ArgumentParser, Subcommand
+from tickloom.tools.cli import ArgumentParser, Subcommand
 
 NAME = "bench"
 HELP = "run a benchmark and print its figures"
 
 BENCHES: dict[str, str] = {
-    "core": "tools.bench_core",
-    "log": "tools.bench_log",
-    "replay": "tools.bench_replay",
-    "engine": "tools.bench_engine",
-    "serve": "tools.bench_serve",
+    "core": "tickloom.tools.bench_core",
+    "log": "tickloom.tools.bench_log",
+    "replay": "tickloom.tools.bench_replay",
+    "engine": "tickloom.tools.bench_engine",
+    "serve": "tickloom.tools.bench_serve",
 }
 """Benchmark name -> module (imported when the parser is built). ``model`` is in ``ROW_BENCHES``."""
 
 
 ROW_BENCHES: dict[str, tuple[str, str]] = {
-    "model": ("tools.bench_model", "the model runner's prefill and decode throughput against transformers generate"),
+    "model": (
+        "tickloom.tools.bench_model",
+        "the model runner's prefill and decode throughput against transformers generate",
+    ),
 }
 """Benchmarks imported only when chosen (their modules import torch at the top, and the parser must stay fast),
 whose ``run(args)`` returns its rows (a list of dicts) and prints text itself: name -> (module, help). With

@@ -21,8 +21,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tools.cmd_generate import CtrlC, run_trio
-from tools.model_options import add_model_arguments, engine_config, sampling
+from tickloom.tools.cmd_generate import CtrlC, run_trio
+from tickloom.tools.model_options import add_model_arguments, engine_config, sampling
 
 NAME = "chat"
 HELP = "chat interactively with a model (one message per stdin line; /reset, /exit)"
@@ -63,9 +63,9 @@ def _terminal_restored() -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     import trio
 
-    from engine import ConfigError, Engine, RequestRejected
-    from engine.model import ModelLoadError
-    from tools.cli import EX_DATAERR, CliError
+    from tickloom.engine import ConfigError, Engine, RequestRejected
+    from tickloom.engine.model import ModelLoadError
+    from tickloom.tools.cli import EX_DATAERR, CliError
 
     config = engine_config(args)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()

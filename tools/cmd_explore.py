@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_core_level(args: argparse.Namespace) -> int:
     """The core level's entry point (the simulator-driven explorer, ``replay.shrink.run_cli``)."""
-    from replay.shrink import UsageError, run_cli
-    from tools.cli import CliError
+    from tickloom.replay.shrink import UsageError, run_cli
+    from tickloom.tools.cli import CliError
 
     try:
         return run_cli(log=args.log, seeds=range(args.seed_start, args.seed_start + args.seeds),
@@ -55,7 +55,7 @@ def run_core_level(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     if args.seeds < 1:
         raise CliError("--seeds must be at least 1")
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         return run_core_level(args)
     if args.log is not None:
         raise CliError("--actors runs generated workloads; LOG is for the core level")
-    from tools.explore_variants import VARIANTS
+    from tickloom.tools.explore_variants import VARIANTS
 
     if args.variant is not None and args.variant not in VARIANTS:
         raise CliError(f"unknown variant {args.variant!r}")
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _explore(args: argparse.Namespace) -> int:
-    from tools.explore_actors import RunResult, describe, explore
+    from tickloom.tools.explore_actors import RunResult, describe, explore
 
     def progress(seed: int, result: RunResult) -> None:
         status = "ok" if result.violation is None else str(result.violation)
@@ -91,10 +91,10 @@ def _explore(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from replay.shrink import TOKEN_PREFIX
-    from tools.cli import CliError
-    from tools.explore_actors import LEVEL, decode_token, replay_scenario
-    from tools.explore_variants import VARIANTS, enabled
+    from tickloom.replay.shrink import TOKEN_PREFIX
+    from tickloom.tools.cli import CliError
+    from tickloom.tools.explore_actors import LEVEL, decode_token, replay_scenario
+    from tickloom.tools.explore_variants import VARIANTS, enabled
 
     if args.replay.startswith(TOKEN_PREFIX):
         return run_core_level(args)

@@ -23,13 +23,13 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from tools.model_options import DEFAULT_MODEL, add_model_arguments, engine_config, sampling
+from tickloom.tools.model_options import DEFAULT_MODEL, add_model_arguments, engine_config, sampling
 
 if TYPE_CHECKING:
     import trio
 
-    from engine import Engine, RequestOutput, RequestStream, SamplingParams
-    from engine.api import Prompt
+    from tickloom.engine import Engine, RequestOutput, RequestStream, SamplingParams
+    from tickloom.engine.api import Prompt
 
 NAME = "generate"
 HELP = "stream completions of one or more prompts (concurrently), then summarise the run"
@@ -177,8 +177,8 @@ class CtrlC:
 
 def make_streams(engine: Engine, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[RequestStream]:
     """One (not yet submitted) stream per prompt; a prompt the engine refuses is a ``CliError`` naming it."""
-    from engine import RequestRejected
-    from tools.cli import CliError
+    from tickloom.engine import RequestRejected
+    from tickloom.tools.cli import CliError
 
     streams = []
     for i, prompt in enumerate(prompts):
@@ -286,7 +286,7 @@ def summary_line(n: int, tokens: int, seconds: float, preemptions: int, log: str
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     if args.concurrency is not None and args.concurrency < 1:
         raise CliError("--concurrency must be at least 1")
@@ -340,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
             await run_prompts(streams, labels, concurrency, plain, reqs)
 
     async def main() -> None:
-        from engine import Engine
+        from tickloom.engine import Engine
 
         async with trio.open_nursery() as nursery:
             await nursery.start(ctrl_c.watch)
@@ -355,9 +355,9 @@ def run(args: argparse.Namespace) -> int:
                             result["seconds"] = time.monotonic() - result["started"]
             nursery.cancel_scope.cancel()
 
-    from engine import ConfigError
-    from engine.model import ModelLoadError
-    from tools.cli import EX_DATAERR
+    from tickloom.engine import ConfigError
+    from tickloom.engine.model import ModelLoadError
+    from tickloom.tools.cli import EX_DATAERR
 
     try:
         run_trio(main)

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_ticks(text: str | None) -> tuple[int | None, int | None]:
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     if text is None:
         return None, None
@@ -35,7 +35,7 @@ def _parse_ticks(text: str | None) -> tuple[int | None, int | None]:
 
 def require_matplotlib(flag: str) -> None:
     """A usage error (one line, exit 64) if matplotlib, the optional extra ``tickloom[plot]``, is missing."""
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     try:
         import matplotlib  # noqa: F401 - only checking that it is there
@@ -44,9 +44,9 @@ def require_matplotlib(flag: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from events import LogError, LogReader
-    from replay.trace import format_row, header_line, involves, iter_ticks, tick_row, write_plot, write_trace
-    from tools.cli import CliError
+    from tickloom.events import LogError, LogReader
+    from tickloom.replay.trace import format_row, header_line, involves, iter_ticks, tick_row, write_plot, write_trace
+    from tickloom.tools.cli import CliError
 
     first, last = _parse_ticks(args.ticks)
     for flag, out in (("--trace", args.trace), ("--plot", args.plot)):

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from events import (
+    from tickloom.events import (
         FORMAT_VERSION,
         SCHEMA_HASH,
         LogExists,
@@ -46,11 +46,11 @@ def _demo(args: argparse.Namespace) -> int:
         SnapshotRecord,
         recover_log,
     )
-    from events.codec import encode_tick
-    from events.digest import DIGEST_VERSION
-    from events.frames import HEADER_SIZE
-    from tools.cli import CliError
-    from tools.sample_ticks import make_ticks
+    from tickloom.events.codec import encode_tick
+    from tickloom.events.digest import DIGEST_VERSION
+    from tickloom.events.frames import HEADER_SIZE
+    from tickloom.tools.cli import CliError
+    from tickloom.tools.sample_ticks import make_ticks
 
     if args.ticks < 1 or args.batch < 1:
         raise CliError("--ticks and --batch must be at least 1")
@@ -93,8 +93,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from events import LogError, LogReader, SnapshotRecord, TickRecord
-    from tools.cli import CliError
+    from tickloom.events import LogError, LogReader, SnapshotRecord, TickRecord
+    from tickloom.tools.cli import CliError
 
     if not os.path.isfile(args.path):
         raise CliError(f"{args.path}: no such file")

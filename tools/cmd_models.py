@@ -34,7 +34,7 @@ def _size(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     if args.prune and not args.cache:
         raise CliError("--prune needs --cache")
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--all needs --prune")
     if args.cache:
         return _cache(args)
-    from engine.model import available_models
+    from tickloom.engine.model import available_models
 
     rows: list[dict[str, str | bool]] = [
         {"name": m.name, "available": m.available, "description": m.description, "source": m.source}
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from engine.model.registry import CacheEntry, cache_dir, cache_entries, prune_cache, read_index
+    from tickloom.engine.model.registry import CacheEntry, cache_dir, cache_entries, prune_cache, read_index
 
     root = cache_dir()
     if args.prune:

@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.cli import CliError
-    from tools.model_options import check_dtype
+    from tickloom.tools.cli import CliError
+    from tickloom.tools.model_options import check_dtype
 
     if args.dump and args.until is None:
         raise CliError("--dump needs --until TICK")
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{flag} needs --full")
     check_dtype(args.dtype)
     if args.full:
-        from tools.model_options import check_device, check_model
+        from tickloom.tools.model_options import check_device, check_model
 
         check_device(args.device)
         if args.model:
@@ -58,11 +58,11 @@ def run(args: argparse.Namespace) -> int:
     if args.until is not None:
         return _until(args)
     if args.bisect:
-        from replay import bisect
+        from tickloom.replay import bisect
 
         report = bisect(args.log)
         return _emit(args, report.to_json(), report.format_text(), report.exit_code)
-    from replay import verify
+    from tickloom.replay import verify
 
     model = _full_model(args) if args.full else None  # usage errors before any work
     report = verify(args.log)
@@ -99,9 +99,9 @@ def _logged_model(config_json: str) -> str | None:
 def _full_model(args: argparse.Namespace) -> str | None:
     """The model ``--full`` re-runs: ``--model``, else the header's; checked like ``generate``'s (a usage error
     if it is not there). None if the log cannot be read: the exact replay reports that."""
-    from events import LogError, LogReader
-    from tools.cli import CliError
-    from tools.model_options import check_model
+    from tickloom.events import LogError, LogReader
+    from tickloom.tools.cli import CliError
+    from tickloom.tools.model_options import check_model
 
     if args.model:
         return str(args.model)  # checked already
@@ -118,11 +118,11 @@ def _full_model(args: argparse.Namespace) -> str | None:
 
 
 def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int:
-    from engine.model import ModelLoadError
-    from events import LogError, LogReader
-    from replay import ReplayConfigError, core_config_from_header
-    from replay.full import ModelDevice, load_device, verify_full
-    from tools.cli import EX_DATAERR, CliError
+    from tickloom.engine.model import ModelLoadError
+    from tickloom.events import LogError, LogReader
+    from tickloom.replay import ReplayConfigError, core_config_from_header
+    from tickloom.replay.full import ModelDevice, load_device, verify_full
+    from tickloom.tools.cli import EX_DATAERR, CliError
 
     try:
         with LogReader(args.log) as reader:
@@ -133,7 +133,7 @@ def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int
         return 2
     device: Any
     if model == "stub":
-        from engine.model.stub import StubExecutor
+        from tickloom.engine.model.stub import StubExecutor
 
         device = ModelDevice(StubExecutor(config.vocab_size, config.num_blocks, config.block_size))  # type: ignore[arg-type]
         fingerprint = "stub"
@@ -159,15 +159,15 @@ def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int
 def _until(args: argparse.Namespace) -> int:
     import msgspec
 
-    from events import LogError
-    from replay import ReplayConfigError, core_at
+    from tickloom.events import LogError
+    from tickloom.replay import ReplayConfigError, core_at
 
     try:
         core = core_at(args.log, args.until)
     except (LogError, ReplayConfigError) as exc:
         return _emit(args, {"status": "unreadable", "error": str(exc)}, f"unreadable: {exc}", 2)
     except ValueError as exc:
-        from tools.cli import CliError
+        from tickloom.tools.cli import CliError
 
         raise CliError(str(exc)) from exc
     except Exception as exc:

@@ -16,7 +16,7 @@ HELP = "serve the engine over HTTP with an OpenAI-compatible API"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tools.model_options import DEFAULT_MODEL
+    from tickloom.tools.model_options import DEFAULT_MODEL
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
@@ -49,10 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import ConfigError, EngineConfig
-    from tools.cli import EX_DATAERR, CliError
-    from tools.serve.server import ServeOptions, default_log_path
-    from tools.serve.server import run as serve_run
+    from tickloom.engine import ConfigError, EngineConfig
+    from tickloom.tools.cli import EX_DATAERR, CliError
+    from tickloom.tools.serve.server import ServeOptions, default_log_path
+    from tickloom.tools.serve.server import run as serve_run
 
     if not 0 <= args.port <= 65535:
         raise CliError("--port must be in [0, 65535]")
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--drain-timeout must be at least 0")
     if args.stub_step_time is not None and args.model != "stub":
         raise CliError("--stub-step-time needs --model stub")
-    from tools.model_options import check_model_options
+    from tickloom.tools.model_options import check_model_options
 
     check_model_options(args.model, args.device, args.dtype)
     log_path = None if args.no_log else (args.log or default_log_path())
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, model_name=args.served_model_name,
                            request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
                            handle_signals=True)
-    from engine.model import ModelLoadError
+    from tickloom.engine.model import ModelLoadError
 
     try:
         serve_run(config, options)

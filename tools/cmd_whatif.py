@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from engine.core import CoreConfig
-from engine.core.errors import ConfigError
-from replay.header import ReplayConfigError, check_core_limits
+from tickloom.engine.core import CoreConfig
+from tickloom.engine.core.errors import ConfigError
+from tickloom.replay.header import ReplayConfigError, check_core_limits
 
 if TYPE_CHECKING:
-    from replay.whatif import WhatIfResult
-    from replay.whatif_measure import RunMetrics
+    from tickloom.replay.whatif import WhatIfResult
+    from tickloom.replay.whatif_measure import RunMetrics
 
 NAME = "whatif"
 HELP = "re-simulate a log's requests under another core configuration and compare"
@@ -95,9 +95,9 @@ def _number(text: str) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    from events import LogError
-    from replay.whatif import read_log, whatif
-    from tools.cli import CliError
+    from tickloom.events import LogError
+    from tickloom.replay.whatif import read_log, whatif
+    from tickloom.tools.cli import CliError
 
     try:
         for pair in args.sets:  # an unknown key is a usage error even before the log is read
@@ -177,7 +177,7 @@ def format_table(result: WhatIfResult) -> str:
 
 # -- the plot -------------------------------------------------------------------------------------------------
 def _matplotlib() -> ModuleType:
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     try:
         import matplotlib

@@ -45,14 +45,14 @@ import msgspec
 import trio
 import trio.testing
 
-import engine.runtime as runtime_module
-from engine import Engine, EngineConfig, EngineError, EngineOverloaded, SamplingParams
-from engine.core.errors import InvariantViolation
-from events import RunStep
-from replay.shrink import ddmin
-from tools.explore_checks import Monitor, Seen, Violation, check_log
-from tools.explore_schedule import STRATEGIES, deterministic_trio
-from tools.explore_script import (
+import tickloom.engine.runtime as runtime_module
+from tickloom.engine import Engine, EngineConfig, EngineError, EngineOverloaded, SamplingParams
+from tickloom.engine.core.errors import InvariantViolation
+from tickloom.events import RunStep
+from tickloom.replay.shrink import ddmin
+from tickloom.tools.explore_checks import Monitor, Seen, Violation, check_log
+from tickloom.tools.explore_schedule import STRATEGIES, deterministic_trio
+from tickloom.tools.explore_script import (
     Cancel,
     Disconnect,
     Script,
@@ -62,7 +62,7 @@ from tools.explore_script import (
     monitor_for,
     time_bound,
 )
-from tools.explore_variants import enabled
+from tickloom.tools.explore_variants import enabled
 
 LEVEL = "actors"
 MAX_TICKS = 50_000
@@ -449,7 +449,7 @@ def regression_test(found: Found) -> str:
     return f'''def test_explore_{LEVEL}_seed_{found.seed}_{found.strategy}() -> None:
     """Found by the race explorer ({LEVEL} level, seed {found.seed}, strategy {found.strategy}{variant})."""
 {body}
-    from tools.explore_actors import replay_scenario
+    from tickloom.tools.explore_actors import replay_scenario
 
     violation = replay_scenario({found.seed}, {found.strategy!r}, {found.faults}, {found.keep!r})
     assert violation is None, str(violation)

@@ -15,9 +15,9 @@ from typing import Any
 
 import attrs
 
-from engine import Engine, EngineError, RequestOutput
-from events import EmitTokens, Finish, LogReader, RequestArrived
-from replay import verify
+from tickloom.engine import Engine, EngineError, RequestOutput
+from tickloom.events import EmitTokens, Finish, LogReader, RequestArrived
+from tickloom.replay import verify
 
 
 @attrs.frozen

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import msgspec
 
-from engine import EngineConfig, FaultPlan
-from tools.explore_checks import Expect, Monitor
+from tickloom.engine import EngineConfig, FaultPlan
+from tickloom.tools.explore_checks import Expect, Monitor
 
 CRASHABLE = ("step", "device", "deadlines", "retire", "spill", "swap-in", "log")
 

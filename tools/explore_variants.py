@@ -23,13 +23,13 @@ from contextlib import AbstractContextManager, contextmanager
 
 import trio
 
-import engine.runtime as runtime_module
-from actors.deadlines import DeadlineActor
-from actors.mailbox import ChannelOverflow
-from actors.spill import SpillActor
-from actors.step import StepActor
-from events import Command, DeadlineReached, EmitTokens, Finish, SpillDone, UnwatchDeadline, WatchDeadline
-from replay.variants import patched
+import tickloom.engine.runtime as runtime_module
+from tickloom.actors.deadlines import DeadlineActor
+from tickloom.actors.mailbox import ChannelOverflow
+from tickloom.actors.spill import SpillActor
+from tickloom.actors.step import StepActor
+from tickloom.events import Command, DeadlineReached, EmitTokens, Finish, SpillDone, UnwatchDeadline, WatchDeadline
+from tickloom.replay.variants import patched
 
 
 class WakeBlindDeadlineActor(DeadlineActor):

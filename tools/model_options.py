@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine import EngineConfig, SamplingParams
+    from tickloom.engine import EngineConfig, SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
 """The default model is an instruct model, so ``--chat`` is on by default for it."""
@@ -46,7 +46,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, tem
 
 
 def check_dtype(dtype: str | None) -> None:
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     if dtype is not None and dtype not in DTYPES:
         raise CliError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -54,7 +54,7 @@ def check_dtype(dtype: str | None) -> None:
 
 def check_device(device: str | None) -> None:
     """A usage error unless torch knows the device and it is there (imports torch unless it is ``cpu``)."""
-    from tools.cli import CliError
+    from tickloom.tools.cli import CliError
 
     if device is None or device == "cpu":
         return
@@ -79,8 +79,8 @@ def check_device(device: str | None) -> None:
 def check_model(model: str, *, flag: str = "--model") -> None:
     """A usage error if ``model`` is neither a model name nor an existing .gguf file or directory with a
     config.json (what is wrong inside one is found while loading: exit 65)."""
-    from engine.model.registry import available_models
-    from tools.cli import CliError
+    from tickloom.engine.model.registry import available_models
+    from tickloom.tools.cli import CliError
 
     names = [m.name for m in available_models()] + ["stub"]
     if model in names:
@@ -104,8 +104,8 @@ def check_model_options(model: str, device: str | None, dtype: str | None) -> No
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from engine import ConfigError, EngineConfig
-    from tools.cli import CliError
+    from tickloom.engine import ConfigError, EngineConfig
+    from tickloom.tools.cli import CliError
 
     check_model_options(args.model, args.device, args.dtype)
     if args.max_tokens < 1:
@@ -123,8 +123,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def sampling(args: argparse.Namespace, index: int = 0) -> SamplingParams:
-    from engine import RequestRejected, SamplingParams
-    from tools.cli import CliError
+    from tickloom.engine import RequestRejected, SamplingParams
+    from tickloom.tools.cli import CliError
 
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from events import (
+from tickloom.events import (
     GENESIS_DIGEST,
     NOT_FED,
     BindRequest,

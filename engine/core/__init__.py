@@ -3,8 +3,8 @@
 Imports only ``events``, attrs and the standard library: no trio, torch, clocks, randomness, threads or I/O.
 """
 
-from engine.core.config import CoreConfig
-from engine.core.errors import ConfigError, InvariantViolation
-from engine.core.scheduler import SchedulerCore
+from tickloom.engine.core.config import CoreConfig
+from tickloom.engine.core.errors import ConfigError, InvariantViolation
+from tickloom.engine.core.scheduler import SchedulerCore
 
 __all__ = ["ConfigError", "CoreConfig", "InvariantViolation", "SchedulerCore"]

@@ -14,11 +14,11 @@ and there is no batch to keep it from. So the head is never held back by its wat
 
 from __future__ import annotations
 
-from engine.core.blocks import blocks_for
-from engine.core.context import TickContext
-from engine.core.lifecycle import full_block_hashes, is_settled, preempt, resume_want
-from engine.core.state import CoreState, Seq, Status
-from events import BindRequest
+from tickloom.engine.core.blocks import blocks_for
+from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.lifecycle import full_block_hashes, is_settled, preempt, resume_want
+from tickloom.engine.core.state import CoreState, Seq, Status
+from tickloom.events import BindRequest
 
 
 def in_flight_demand(state: CoreState) -> int:

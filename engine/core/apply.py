@@ -10,12 +10,12 @@ import hashlib
 import heapq
 from collections.abc import Sequence
 
-from engine.core.context import TickContext
-from engine.core.errors import InvariantViolation
-from engine.core.lane import hand_tokens
-from engine.core.lifecycle import mark_finish, release_fences, track_stops
-from engine.core.state import CoreState, InflightStep, Seq, Status, WaitingQueue, ends_in_thinking
-from events import (
+from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.errors import InvariantViolation
+from tickloom.engine.core.lane import hand_tokens
+from tickloom.engine.core.lifecycle import mark_finish, release_fences, track_stops
+from tickloom.engine.core.state import CoreState, InflightStep, Seq, Status, WaitingQueue, ends_in_thinking
+from tickloom.events import (
     ClientGone,
     DeadlineReached,
     DropSpill,

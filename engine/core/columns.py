@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from engine.core.state import Seq
+from tickloom.engine.core.state import Seq
 
 
 @attrs.define(slots=True, eq=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.core.errors import ConfigError
+from tickloom.engine.core.errors import ConfigError
 
 
 class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from events import Command, EmitTokens
+from tickloom.events import Command, EmitTokens
 
 
 @attrs.define(slots=True, eq=False)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import heapq
 
-from engine.core.blocks import blocks_for
-from engine.core.context import TickContext
-from engine.core.lifecycle import (
+from tickloom.engine.core.blocks import blocks_for
+from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.lifecycle import (
     cache_full_blocks,
     full_block_hashes,
     mark_finish,
@@ -21,8 +21,8 @@ from engine.core.lifecycle import (
     resume_want,
     untrack_stops,
 )
-from engine.core.state import CoreState, Seq, Status, ends_in_thinking
-from events import DropSpill, Finish, ReleaseRequest, SwapIn, UnwatchDeadline, Usage
+from tickloom.engine.core.state import CoreState, Seq, Status, ends_in_thinking
+from tickloom.events import DropSpill, Finish, ReleaseRequest, SwapIn, UnwatchDeadline, Usage
 
 
 def sweep_deadlines(state: CoreState) -> None:

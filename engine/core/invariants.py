@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.core.errors import InvariantViolation
-from engine.core.state import CoreState, Seq, Status
+from tickloom.engine.core.errors import InvariantViolation
+from tickloom.engine.core.state import CoreState, Seq, Status
 
 _QUEUES = {
     Status.WAITING: "waiting",

@@ -27,10 +27,10 @@ from __future__ import annotations
 from itertools import compress, repeat
 from operator import floordiv, ge
 
-from engine.core.columns import StepColumns
-from engine.core.lifecycle import stop_rule
-from engine.core.state import CoreState, DecodeLane, Seq, Status, find_in_run_order
-from events import NOT_FED
+from tickloom.engine.core.columns import StepColumns
+from tickloom.engine.core.lifecycle import stop_rule
+from tickloom.engine.core.state import CoreState, DecodeLane, Seq, Status, find_in_run_order
+from tickloom.events import NOT_FED
 
 
 def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.core.blocks import ROOT_HASH, blocks_for, chain_hashes, pack_tokens
-from engine.core.config import CoreConfig
-from engine.core.context import TickContext
-from engine.core.state import FINISH_RANK, CoreState, Seq, Status
-from events import FinishReason, Preempted, SpillOut
+from tickloom.engine.core.blocks import ROOT_HASH, blocks_for, chain_hashes, pack_tokens
+from tickloom.engine.core.config import CoreConfig
+from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.state import FINISH_RANK, CoreState, Seq, Status
+from tickloom.events import FinishReason, Preempted, SpillOut
 
 _QUEUE_OF = {Status.PREEMPTED: "preempted", Status.SWAPPING: "swapped", Status.SWAPPED: "swapped"}
 

@@ -16,12 +16,12 @@ from the previous one in bulk, and must plan exactly what this would.
 
 from __future__ import annotations
 
-from engine.core.columns import StepColumns
-from engine.core.context import TickContext
-from engine.core.lane import advance_lane, plan_lane_decode, start_lane
-from engine.core.lifecycle import cache_full_blocks, choose_victim, full_block_hashes, preempt, stop_rule
-from engine.core.state import CoreState, InflightStep, Seq, Status
-from events import NO_SAMPLE, NOT_FED, RunStep
+from tickloom.engine.core.columns import StepColumns
+from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.lane import advance_lane, plan_lane_decode, start_lane
+from tickloom.engine.core.lifecycle import cache_full_blocks, choose_victim, full_block_hashes, preempt, stop_rule
+from tickloom.engine.core.state import CoreState, InflightStep, Seq, Status
+from tickloom.events import NO_SAMPLE, NOT_FED, RunStep
 
 
 def ensure_blocks(state: CoreState, ctx: TickContext, seq: Seq, blocks: int, step_id: int) -> bool:

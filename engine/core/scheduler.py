@@ -21,11 +21,11 @@ the previous step's in bulk; ``planner`` is the general plan and the specificati
 
 from __future__ import annotations
 
-from engine.core.admission import admit
-from engine.core.apply import apply_inputs
-from engine.core.config import CoreConfig
-from engine.core.context import TickContext
-from engine.core.endgame import (
+from tickloom.engine.core.admission import admit
+from tickloom.engine.core.apply import apply_inputs
+from tickloom.engine.core.config import CoreConfig
+from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.endgame import (
     compact_deadlines,
     fence_finished,
     resume_preempted,
@@ -33,12 +33,12 @@ from engine.core.endgame import (
     swap_in,
     sweep_deadlines,
 )
-from engine.core.errors import InvariantViolation
-from engine.core.invariants import check_invariants
-from engine.core.planner import plan_step
-from engine.core.snapshot import CoreSnapshot, restore_state, take_snapshot
-from engine.core.state import CoreState
-from events import CoreGauges, TickInputs, TickOutputs, chain_digest, encode_commands
+from tickloom.engine.core.errors import InvariantViolation
+from tickloom.engine.core.invariants import check_invariants
+from tickloom.engine.core.planner import plan_step
+from tickloom.engine.core.snapshot import CoreSnapshot, restore_state, take_snapshot
+from tickloom.engine.core.state import CoreState
+from tickloom.events import CoreGauges, TickInputs, TickOutputs, chain_digest, encode_commands
 
 
 class SchedulerCore:

@@ -10,11 +10,11 @@ from collections import OrderedDict, deque
 
 import msgspec
 
-from engine.core.blocks import BlockPool
-from engine.core.config import CoreConfig
-from engine.core.endgame import live_deadlines
-from engine.core.lifecycle import stop_rule, track_stops
-from engine.core.state import CoreState, InflightStep, Seq, Status, WaitingQueue
+from tickloom.engine.core.blocks import BlockPool
+from tickloom.engine.core.config import CoreConfig
+from tickloom.engine.core.endgame import live_deadlines
+from tickloom.engine.core.lifecycle import stop_rule, track_stops
+from tickloom.engine.core.state import CoreState, InflightStep, Seq, Status, WaitingQueue
 
 
 class StepSnapshot(msgspec.Struct, frozen=True, array_like=True):

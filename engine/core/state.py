@@ -11,10 +11,10 @@ from operator import attrgetter
 
 import attrs
 
-from engine.core.blocks import BlockPool
-from engine.core.config import CoreConfig
-from engine.core.errors import InvariantViolation
-from events import GENESIS_DIGEST, FinishReason, SamplingSpec
+from tickloom.engine.core.blocks import BlockPool
+from tickloom.engine.core.config import CoreConfig
+from tickloom.engine.core.errors import InvariantViolation
+from tickloom.events import GENESIS_DIGEST, FinishReason, SamplingSpec
 
 
 class Status(IntEnum):

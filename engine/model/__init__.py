@@ -11,23 +11,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, str] = {
-    "ModelLoadError": "engine.model.errors",
-    "ModelConfig": "engine.model.config",
-    "StepResult": "engine.model.types",
-    "HostKV": "engine.model.types",
-    "SamplingSpecLike": "engine.model.types",
-    "ModelExecutor": "engine.model.executor",
-    "StubExecutor": "engine.model.stub",
-    "token_for": "engine.model.stub",
-    "LoadedModel": "engine.model.loaders",
-    "load_model": "engine.model.loaders",
-    "resolve_model": "engine.model.registry",
-    "available_models": "engine.model.registry",
-    "cache_dir": "engine.model.registry",
-    "TokenizerWrapper": "engine.model.tokenizer",
-    "write_tiny_model": "engine.model.tiny",
-    "LlamaModel": "engine.model.llama",
-    "PagedKVCache": "engine.model.kv_cache",
+    "ModelLoadError": "tickloom.engine.model.errors",
+    "ModelConfig": "tickloom.engine.model.config",
+    "StepResult": "tickloom.engine.model.types",
+    "HostKV": "tickloom.engine.model.types",
+    "SamplingSpecLike": "tickloom.engine.model.types",
+    "ModelExecutor": "tickloom.engine.model.executor",
+    "StubExecutor": "tickloom.engine.model.stub",
+    "token_for": "tickloom.engine.model.stub",
+    "LoadedModel": "tickloom.engine.model.loaders",
+    "load_model": "tickloom.engine.model.loaders",
+    "resolve_model": "tickloom.engine.model.registry",
+    "available_models": "tickloom.engine.model.registry",
+    "cache_dir": "tickloom.engine.model.registry",
+    "TokenizerWrapper": "tickloom.engine.model.tokenizer",
+    "write_tiny_model": "tickloom.engine.model.tiny",
+    "LlamaModel": "tickloom.engine.model.llama",
+    "PagedKVCache": "tickloom.engine.model.kv_cache",
 }
 
 __all__ = [
@@ -51,23 +51,23 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.model.config import ModelConfig
-    from engine.model.errors import ModelLoadError
-    from engine.model.executor import ModelExecutor
-    from engine.model.kv_cache import PagedKVCache
-    from engine.model.llama import LlamaModel
-    from engine.model.loaders import LoadedModel, load_model
-    from engine.model.registry import available_models, cache_dir, resolve_model
-    from engine.model.stub import StubExecutor, token_for
-    from engine.model.tiny import write_tiny_model
-    from engine.model.tokenizer import TokenizerWrapper
-    from engine.model.types import HostKV, SamplingSpecLike, StepResult
+    from tickloom.engine.model.config import ModelConfig
+    from tickloom.engine.model.errors import ModelLoadError
+    from tickloom.engine.model.executor import ModelExecutor
+    from tickloom.engine.model.kv_cache import PagedKVCache
+    from tickloom.engine.model.llama import LlamaModel
+    from tickloom.engine.model.loaders import LoadedModel, load_model
+    from tickloom.engine.model.registry import available_models, cache_dir, resolve_model
+    from tickloom.engine.model.stub import StubExecutor, token_for
+    from tickloom.engine.model.tiny import write_tiny_model
+    from tickloom.engine.model.tokenizer import TokenizerWrapper
+    from tickloom.engine.model.types import HostKV, SamplingSpecLike, StepResult
 
 
 def __getattr__(name: str) -> Any:
     mod = _EXPORTS.get(name)
     if mod is None:
-        raise AttributeError(f"module 'engine.model' has no attribute {name!r}")
+        raise AttributeError(f"module 'tickloom.engine.model' has no attribute {name!r}")
     value = getattr(importlib.import_module(mod), name)
     globals()[name] = value
     return value

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from engine.model.config import ModelConfig
+from tickloom.engine.model.config import ModelConfig
 
 
 def write_checkpoint_files(

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.model.batch import RowSpec, build_step_batch
-from engine.model.host_pool import CopyEngine
-from engine.model.kv_cache import HostKV, PagedKVCache
-from engine.model.llama import LlamaModel
-from engine.model.sampling import Sampler, SampleRow, has_penalties
-from engine.model.tables import BoundRequests
-from engine.model.types import SamplingSpecLike, StepResult
+from tickloom.engine.model.batch import RowSpec, build_step_batch
+from tickloom.engine.model.host_pool import CopyEngine
+from tickloom.engine.model.kv_cache import HostKV, PagedKVCache
+from tickloom.engine.model.llama import LlamaModel
+from tickloom.engine.model.sampling import Sampler, SampleRow, has_penalties
+from tickloom.engine.model.tables import BoundRequests
+from tickloom.engine.model.types import SamplingSpecLike, StepResult
 
 
 @dataclass(slots=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.quant import RawBlocks, Weight
+from tickloom.engine.model.config import ModelConfig
+from tickloom.engine.model.quant import RawBlocks, Weight
 
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 """GGUF metadata value type -> bytes (8 string and 9 array are variable)."""
@@ -59,7 +59,7 @@ class _Cursor:
 
 def read_gguf_blocks(path: Path, cfg: ModelConfig) -> dict[str, Weight] | None:
     """The tensors the model uses, under Hugging Face names, or None if one has a type not read here."""
-    from engine.model.gguf_loader import hf_name, unpermute_rope
+    from tickloom.engine.model.gguf_loader import hf_name, unpermute_rope
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
     cur = _Cursor(memoryview(data))  # type: ignore[arg-type]

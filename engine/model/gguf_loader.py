@@ -17,9 +17,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from engine.model.config import ModelConfig
-from engine.model.errors import ModelLoadError
-from engine.model.quant import RawBlocks
+from tickloom.engine.model.config import ModelConfig
+from tickloom.engine.model.errors import ModelLoadError
+from tickloom.engine.model.quant import RawBlocks
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.model.kv_cache import HostKV, PagedKVCache
+from tickloom.engine.model.kv_cache import HostKV, PagedKVCache
 
 
 class PinnedPool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.types import HostKV
+from tickloom.engine.model.types import HostKV
 
 __all__ = ["HostKV", "PagedKVCache"]
 

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from engine.model.batch import AttnGroup, StepBatch
-from engine.model.config import ModelConfig, rope_inv_freq
-from engine.model.kv_cache import PagedKVCache
-from engine.model.quant import (
+from tickloom.engine.model.batch import AttnGroup, StepBatch
+from tickloom.engine.model.config import ModelConfig, rope_inv_freq
+from tickloom.engine.model.kv_cache import PagedKVCache
+from tickloom.engine.model.quant import (
     Embedding,
     Linear,
     RawBlocks,

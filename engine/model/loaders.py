@@ -19,11 +19,11 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch
 from safetensors import safe_open
 
-from engine.model.config import ModelConfig
-from engine.model.errors import ModelLoadError
-from engine.model.llama import LlamaModel, expected_shapes
-from engine.model.quant import Weight, bf16_supported
-from engine.model.tokenizer import TokenizerWrapper
+from tickloom.engine.model.config import ModelConfig
+from tickloom.engine.model.errors import ModelLoadError
+from tickloom.engine.model.llama import LlamaModel, expected_shapes
+from tickloom.engine.model.quant import Weight, bf16_supported
+from tickloom.engine.model.tokenizer import TokenizerWrapper
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def _fingerprint_files(model_dir: Path) -> list[str]:
 
 
 def _identities(model_dir: Path, names: list[str]) -> dict[str, list[int]]:
-    from engine.model.registry import file_identity
+    from tickloom.engine.model.registry import file_identity
 
     out = {}
     for n in names:
@@ -192,7 +192,7 @@ def stored_fingerprint(model_dir: Path) -> str | None:
     """The weight fingerprint recorded for this directory, if it still holds: a converted cache entry's
     ``tickloom.json`` (its files' sizes unchanged), else the cache index's record for the directory (every
     file's identity unchanged). None if there is none, so the caller computes it."""
-    from engine.model.registry import cache_dir, read_index, read_meta
+    from tickloom.engine.model.registry import cache_dir, read_index, read_meta
 
     real = model_dir.resolve()
     if real.is_relative_to((cache_dir() / "models").resolve()):  # a user's directory cannot vouch for itself
@@ -213,7 +213,7 @@ def stored_fingerprint(model_dir: Path) -> str | None:
 
 
 def _remember_fingerprint(model_dir: Path, identities: dict[str, list[int]], fp: str) -> None:
-    from engine.model.registry import locked_index
+    from tickloom.engine.model.registry import locked_index
 
     if _identities(model_dir, list(identities)) != identities:
         return  # the files changed while they were read: remember nothing
@@ -268,8 +268,8 @@ def load_hf_dir(
 
 
 def _gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, Weight]:
-    from engine.model.gguf_blocks import read_gguf_blocks
-    from engine.model.gguf_loader import gguf_weights, open_gguf
+    from tickloom.engine.model.gguf_blocks import read_gguf_blocks
+    from tickloom.engine.model.gguf_loader import gguf_weights, open_gguf
 
     got = read_gguf_blocks(path, cfg)
     if got is None:
@@ -299,7 +299,7 @@ def default_setting(path_or_name: str | os.PathLike[str], device: torch.device) 
     """(dtype, quant) when neither is given: for the bundled model on a CPU with native bfloat16, bfloat16
     activations and int4 weights packed from its Q4_1 blocks (the fastest setting that passes
     tests/test_model_agreement.py); for every other model, float32 on CPU (bfloat16 on CUDA), unquantized."""
-    from engine.model.registry import DEFAULT_MODEL
+    from tickloom.engine.model.registry import DEFAULT_MODEL
 
     if str(path_or_name) == DEFAULT_MODEL and device.type == "cpu" and bf16_supported():
         return DEFAULT_SETTING
@@ -311,7 +311,7 @@ DEFAULT_SETTING = ("bfloat16", "int4")
 
 
 def _source_gguf(path_or_name: str | os.PathLike[str]) -> Path | None:
-    from engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
+    from tickloom.engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
 
     if str(path_or_name) == DEFAULT_MODEL:
         return smollm2_gguf_path()
@@ -360,7 +360,7 @@ def load_model(
 
     Progress goes to the ``engine.model`` logger at INFO ("loading ...", a first run's conversion, "loaded ...
     in X s"); the command line shows it on stderr."""
-    from engine.model.registry import resolve_model
+    from tickloom.engine.model.registry import resolve_model
 
     _use_cores(num_threads)
     started = time.monotonic()

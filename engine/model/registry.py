@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.model.errors import ModelLoadError
+from tickloom.engine.model.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -215,10 +215,10 @@ def read_meta(entry: Path) -> dict[str, Any] | None:
 def convert_gguf(gguf_path: Path, out_dir: Path, *, name: str | None = None, key: str | None = None) -> Path:
     """Convert a GGUF file to a float32 Hugging Face-format directory (atomically), with ``tickloom.json``: its
     weight fingerprint, computed here from the tensors in memory, so that no load has to hash the weights."""
-    from engine.model.checkpoint import write_checkpoint_atomic
-    from engine.model.config import ModelConfig
-    from engine.model.gguf_loader import gguf_config, gguf_tensors, gguf_tokenizer, open_gguf
-    from engine.model.loaders import CHECKPOINT_FILES, check_tensors, fingerprint
+    from tickloom.engine.model.checkpoint import write_checkpoint_atomic
+    from tickloom.engine.model.config import ModelConfig
+    from tickloom.engine.model.gguf_loader import gguf_config, gguf_tensors, gguf_tokenizer, open_gguf
+    from tickloom.engine.model.loaders import CHECKPOINT_FILES, check_tensors, fingerprint
 
     reader = open_gguf(gguf_path)
     cfg = gguf_config(gguf_path, reader)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.model.types import SamplingSpecLike
+from tickloom.engine.model.types import SamplingSpecLike
 
 MASK32 = 0xFFFFFFFF
 _M1 = 0x7FEB352D  # odd multipliers below 2**31, so int64 products never overflow

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.model.tables import BoundRequests
-from engine.model.types import HostKV, SamplingSpecLike, StepResult
-from events.oracle import oracle_token
+from tickloom.engine.model.tables import BoundRequests
+from tickloom.engine.model.types import HostKV, SamplingSpecLike, StepResult
+from tickloom.events.oracle import oracle_token
 
 
 def token_for(seed: int, output_index: int, vocab_size: int = 32000) -> int:

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from engine.model.checkpoint import write_checkpoint_files
-from engine.model.config import ModelConfig
-from engine.model.llama import expected_shapes
+from tickloom.engine.model.checkpoint import write_checkpoint_files
+from tickloom.engine.model.config import ModelConfig
+from tickloom.engine.model.llama import expected_shapes
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (

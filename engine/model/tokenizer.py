@@ -15,7 +15,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from engine.model.errors import ModelLoadError
+from tickloom.engine.model.errors import ModelLoadError
 
 
 def _raise_exception(message: str) -> None:

@@ -24,12 +24,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import Engine, EngineError, EngineOverloaded, RequestOutput, RequestRejected, RequestStream
-from engine.api import Prompt
-from tools.serve import translate
-from tools.serve.chunks import ChunkWriter
-from tools.serve.metrics import Metrics
-from tools.serve.openai_types import (
+from tickloom.engine import Engine, EngineError, EngineOverloaded, RequestOutput, RequestRejected, RequestStream
+from tickloom.engine.api import Prompt
+from tickloom.tools.serve import translate
+from tickloom.tools.serve.chunks import ChunkWriter
+from tickloom.tools.serve.metrics import Metrics
+from tickloom.tools.serve.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -37,8 +37,8 @@ from tools.serve.openai_types import (
     OpenAIError,
     decode_request,
 )
-from tools.serve.sse import EventSink, SSEResponse, watch_disconnect
-from tools.serve.translate import Choice, OpenAIRequest
+from tickloom.tools.serve.sse import EventSink, SSEResponse, watch_disconnect
+from tickloom.tools.serve.translate import Choice, OpenAIRequest
 
 log = logging.getLogger("tickloom.serve")
 

@@ -7,9 +7,9 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from engine import EngineError, RequestOutput
-from tools.serve import translate
-from tools.serve.openai_types import (
+from tickloom.engine import EngineError, RequestOutput
+from tickloom.tools.serve import translate
+from tickloom.tools.serve.openai_types import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -22,8 +22,8 @@ from tools.serve.openai_types import (
     Delta,
     OpenAIError,
 )
-from tools.serve.sse import DONE, EventSink, event
-from tools.serve.translate import Choice, Decode, OpenAIRequest
+from tickloom.tools.serve.sse import DONE, EventSink, event
+from tickloom.tools.serve.translate import Choice, Decode, OpenAIRequest
 
 log = logging.getLogger("tickloom.serve")
 

@@ -20,8 +20,8 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from engine import Engine, EngineConfig
-from tools.serve.app import ServerState, build_app, with_status_counts
+from tickloom.engine import Engine, EngineConfig
+from tickloom.tools.serve.app import ServerState, build_app, with_status_counts
 
 
 @dataclass(frozen=True)

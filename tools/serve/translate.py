@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import EngineError, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
-from tools.serve.openai_types import (
+from tickloom.engine import EngineError, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
+from tickloom.tools.serve.openai_types import (
     ChatCompletionRequest,
     ChatLogprobs,
     CompletionLogprobs,

@@ -1,0 +1,73 @@
+"""tickloom: an event-sourced LLM inference engine for async apps.
+
+The public API::
+
+    from tickloom import Engine, EngineConfig, SamplingParams
+
+The rest is reached through subpackages: ``tickloom.events`` (the typed events and the log), ``tickloom.replay``
+(replay, bisect, the explorer), ``tickloom.engine.core`` (the pure scheduler), ``tickloom.actors`` (the trio
+actors) and ``tickloom.tools`` (the ``tickloom`` command).
+
+Names load lazily, so ``import tickloom.engine.core`` (replay, the explorer) pulls in neither trio nor torch.
+
+Why the subpackages live outside this folder: the repository keeps the design card's top-level folders
+(``engine/``, ``events/``, ``actors/``, ``replay/``, ``tools/``), and the installed wheel nests them under
+``tickloom/`` (setuptools follows the links below when it builds), so only the name ``tickloom`` is ever
+installed. In a checkout this folder holds symbolic links to them, which Python, mypy and editors all follow. A
+copy of the tree made without links (mutmut's ``mutants/``, a checkout on a file system without symlinks, where
+git writes each link as a small text file) has no ``engine/`` folder here; then the folder above, which holds the
+real ones, is searched instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if not (Path(__file__).parent / "engine").is_dir() and (Path(__file__).parent.parent / "engine" / "core").is_dir():
+    __path__.append(str(Path(__file__).parent.parent))
+
+_EXPORTS = {
+    "Engine": "tickloom.engine.api",
+    "RequestStream": "tickloom.engine.api",
+    "EngineConfig": "tickloom.engine.config",
+    "FaultPlan": "tickloom.engine.config",
+    "SamplingParams": "tickloom.engine.params",
+    "RequestOutput": "tickloom.actors.outputs",
+    "RequestUsage": "tickloom.actors.outputs",
+    "EngineError": "tickloom.engine.errors",
+    "EngineOverloaded": "tickloom.engine.errors",
+    "RequestRejected": "tickloom.engine.errors",
+    "ConfigError": "tickloom.engine.errors",
+}
+
+__all__ = [
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineOverloaded",
+    "FaultPlan",
+    "RequestOutput",
+    "RequestRejected",
+    "RequestStream",
+    "RequestUsage",
+    "SamplingParams",
+]
+
+if TYPE_CHECKING:
+    from tickloom.actors.outputs import RequestOutput, RequestUsage
+    from tickloom.engine.api import Engine, RequestStream
+    from tickloom.engine.config import EngineConfig, FaultPlan
+    from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
+    from tickloom.engine.params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tickloom' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

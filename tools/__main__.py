@@ -1,7 +1,0 @@
-"""``python -m tools``: the same as the ``tickloom`` command."""
-
-import sys
-
-from tools.cli import main
-
-sys.exit(main())
