@@ -9,10 +9,13 @@
 
 from __future__ import annotations
 
+import heapq
+
 from core_harness import Harness, arrival
 from core_state import add_seq, make_core
 
 from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.engine.core.endgame import DEADLINE_SLACK, compact_deadlines
 from tickloom.engine.core.state import Status
 from tickloom.events import (
     BindRequest,
@@ -117,6 +120,25 @@ def test_finished_requests_leave_the_deadline_heap_stop_tokens_and_snapshots() -
     assert not core.state.stop_tokens
     assert snapshot_sizes
 
+
+
+def test_deadline_compaction_waits_until_dead_entries_outnumber_twice_the_live_ones_plus_the_slack() -> None:
+    """The rebuild is amortised: a heap of exactly 2 x live + DEADLINE_SLACK entries is left alone (popping skips
+    the dead ones), and one entry more rebuilds it down to the live requests' entries."""
+    core = make_core(num_blocks=16, block_size=16, max_seq_len=128)
+    state = core.state
+    live = [add_seq(state, f"live{i}", 4, status=Status.WAITING) for i in range(2)]
+    for seq in live:
+        state.waiting.append(seq)
+        state.deadlines.append((10**12, seq.arrival, seq.request_id))
+    limit = 2 * len(live) + DEADLINE_SLACK
+    state.deadlines += [(10**12 + i, 10_000 + i, f"gone{i}") for i in range(limit - len(live))]
+    heapq.heapify(state.deadlines)
+    compact_deadlines(state)
+    assert len(state.deadlines) == limit, "at the limit: not rebuilt"
+    heapq.heappush(state.deadlines, (10**13, 99_999, "gone-last"))
+    compact_deadlines(state)
+    assert state.deadlines == sorted((10**12, seq.arrival, seq.request_id) for seq in live)
 
 def test_deadlines_still_fire_after_compaction() -> None:
     # Many short-lived requests with far deadlines, then one whose deadline passes: it still times out.

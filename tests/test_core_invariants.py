@@ -4,6 +4,7 @@ and states that sit exactly on a bound pass. Found by mutation testing of ``engi
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -135,6 +136,13 @@ def _unfenced(state: CoreState) -> str:
     return "fences: finished 'b' is referenced by step 0 but not fenced"
 
 
+def _dropped_unfinished(state: CoreState) -> str:
+    """A step row whose sequence the core no longer tracks must be fenced, whatever status it was left with."""
+    message = _unfenced(state)
+    next(seq for step in state.steps for seq in step.seqs if seq.request_id == "b").status = Status.RUNNING
+    return message
+
+
 def _fenced_too_early(state: CoreState) -> str:
     a = state.seqs["a"]
     del state.seqs["a"]
@@ -231,6 +239,7 @@ CORRUPTIONS: dict[str, Callable[[CoreState], str]] = {
     "swapping while referenced": _parked_while_referenced(Status.SWAPPING),
     "swapped while referenced": _parked_while_referenced(Status.SWAPPED),
     "finished and not fenced": _unfenced,
+    "dropped while running and not fenced": _dropped_unfinished,
     "fenced before its newest step": _fenced_too_early,
     "fence of a settled step": _settled_fence,
     "in the wrong queue": _wrong_queue,
@@ -325,6 +334,17 @@ def _lane_field(field: str) -> Callable[[CoreState], str]:
     return corrupt
 
 
+def _lane_field_after_a_finished_member(state: CoreState) -> str:
+    """A member that finished since the lane's step is skipped, and the members after it are still checked."""
+    lane = state.lane
+    assert lane is not None
+    finished = copy.copy(lane.seqs[0])
+    finished.status = Status.FINISHED
+    lane.seqs[0] = finished
+    lane.positions[1] += 1
+    return _lane_member(state, "b")
+
+
 def _lane_last_step(state: CoreState) -> str:
     state.seqs["b"].last_step -= 1
     return _lane_member(state, "b")
@@ -359,6 +379,7 @@ LANE_CORRUPTIONS: dict[str, Callable[[CoreState], str]] = {
     "position": _lane_field("positions"),
     "index": _lane_field("indices"),
     "sent blocks": _lane_field("sent"),
+    "position after a finished member": _lane_field_after_a_finished_member,
     "last step": _lane_last_step,
     "partly sent table": _lane_partial_table,
     "pending token": _lane_token,

@@ -249,3 +249,18 @@ def test_c17_exactly_once_delivery_under_cancellation() -> None:
     h.run()
     assert all(len(h.tokens[rid]) == h.finishes[rid].usage.completion_tokens for rid in ids)
     assert not h.commands(SpillOut)
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_c14_the_stop_rule_names_eos_only_when_it_may_stop_the_request(ignore_eos: bool) -> None:
+    """``stop_rule`` feeds the bulk commit's filter (``state.stop_tokens``): EOS is in it unless ignored, and the
+    length limit is ``max_tokens`` or what ``max_seq_len`` leaves after the prompt, whichever is smaller."""
+    from tickloom.engine.core.lifecycle import stop_rule
+    from tickloom.events import SamplingSpec
+
+    core = make_core(num_blocks=16, block_size=16, max_seq_len=64, eos_token_ids=[1, 3])
+    seq = add_seq(core.state, "r", 20)
+    seq.params = SamplingSpec(max_tokens=100, stop_token_ids=[9], ignore_eos=ignore_eos)
+    tokens, limit = stop_rule(core.state.config, seq)
+    assert tokens == ({9} if ignore_eos else {1, 3, 9})
+    assert limit == 64 - 20

@@ -235,3 +235,19 @@ def test_c10_swap_in_failure_ends_only_that_request() -> None:
     assert finish.error == "swap-in failed: checksum mismatch in spill file"
     assert DropSpill("lost") in ctx.commands
     assert state.pool.num_free == 10 and bystander.status is Status.RUNNING
+
+
+def test_c07_a_requeued_sequence_sends_its_new_block_table_whole() -> None:
+    """Preemption frees the sequence's blocks, so the executor's table for it is stale: the first row after the
+    resume must start the table at 0 and send every block, and each later row only the blocks added since."""
+    h = Harness(CoreConfig(num_blocks=6, block_size=16, max_seq_len=64))
+    h.step(arrival("r1", 15, 40), arrival("r2", 15, 40), arrival("r3", 15, 40))
+    h.run()
+    preempt_tick = next(t for t, c in h.commands(Preempted) if c.request_id == "r3")
+    rows = [(s.block_starts[i], s.num_new_blocks[i]) for t, s in h.commands(RunStep) if t > preempt_tick
+            for i, rid in enumerate(s.request_ids) if rid == "r3"]
+    assert rows[0][0] == 0 and rows[0][1] >= 1, rows[:3]
+    sent = 0
+    for start, new in rows:
+        assert start == sent, "each row continues the table where the previous one left it"
+        sent += new

@@ -109,10 +109,6 @@ class Seq:
         """Positions to prefill: the prompt, or after a requeue the history minus the pending token."""
         return len(self.prompt) + len(self.outputs) - 1 if self.outputs else len(self.prompt)
 
-    def token_at(self, position: int) -> int:
-        prompt_len = len(self.prompt)
-        return self.prompt[position] if position < prompt_len else self.outputs[position - prompt_len]
-
     def tokens(self, start: int, end: int) -> list[int]:
         prompt_len = len(self.prompt)
         if end <= prompt_len:
