@@ -101,8 +101,15 @@ class EmitTokens(Record, frozen=True, tag="emit"):
     token_indices: list[int]
     reasoning: list[bool]
     logprobs: list[float] | None = None
+    """Per entry, the sampled token's logprob; NaN where there is none."""
     top_token_ids: list[list[int]] | None = None
+    """Per entry, the top-k alternatives' ids, best first; ``[]`` where there are none."""
     top_logprobs: list[list[float]] | None = None
+    """Their logprobs, aligned with ``top_token_ids``."""
+    prompt_logprobs: list[list[float]] | None = None
+    """Per entry: on a request's output 0, its prompt logprobs as ``StepDone`` reported them; ``[]`` elsewhere."""
+    prompt_top_token_ids: list[list[list[int]]] | None = None
+    prompt_top_logprobs: list[list[list[float]]] | None = None
 
 
 class Finish(Record, frozen=True, tag="finish"):

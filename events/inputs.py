@@ -42,6 +42,13 @@ class StepDone(Record, frozen=True, tag="done"):
     logprobs: list[float] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_logprobs: list[list[float]] | None = None
+    """Per row: on the row that samples output 0 of a request that asked for ``prompt_logprobs``, the logprob of
+    each prompt token from position 1 on (``len(prompt) - 1`` entries); ``[]`` on every other row."""
+    prompt_top_token_ids: list[list[list[int]]] | None = None
+    """Per row, per prompt position from 1 on: the top-k alternatives' ids (``[]`` as above)."""
+    prompt_top_logprobs: list[list[list[float]]] | None = None
+    """Their logprobs, aligned with ``prompt_top_token_ids``."""
 
 
 class StepFailed(Record, frozen=True, tag="fail"):

@@ -40,6 +40,13 @@ class SamplingSpec(Record, frozen=True):
     top_logprobs: int = 0
     thinking_budget: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: list[tuple[int, float]] = []
+    """(token id, bias) pairs, ids ascending and unique: the bias is added to that token's logit before sampling.
+    Pairs, not a map: the log's deterministic encoding takes only str map keys."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled (None: any)."""
+    prompt_logprobs: int | None = None
+    """None: none; k: each prompt token's logprob (from position 1) and the top-k alternatives, once."""
 
 
 class Usage(Record, frozen=True):

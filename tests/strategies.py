@@ -39,6 +39,10 @@ def _from_info(info: mi.Type) -> st.SearchStrategy[Any]:
         return st.one_of([_from_info(t) for t in info.types])
     if isinstance(info, mi.ListType):
         return st.lists(_from_info(info.item_type), max_size=5)
+    if isinstance(info, mi.DictType):
+        return st.dictionaries(_from_info(info.key_type), _from_info(info.value_type), max_size=5)
+    if isinstance(info, mi.TupleType):
+        return st.tuples(*(_from_info(t) for t in info.item_types))
     if isinstance(info, mi.LiteralType):
         return st.sampled_from(info.values)
     if isinstance(info, mi.IntType):

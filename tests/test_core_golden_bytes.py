@@ -115,19 +115,19 @@ WORKLOADS: dict[str, Callable[[], str]] = {
 }
 
 EXPECTED: dict[str, str] = {
-    'blast-2601-d1-spill-cache-24': '1500:3e8a7b8d63c41a99191bc209e0cd7c98',
-    'blast-2602-d2-spill-cache-24-shutdown': '1501:5762aa9af1972f47133c8b740c8488f8',
-    'blast-2603-d2-cache-20': '1324:2282e14e8a0b51756bfc1666a41ea8af',
-    'blast-2605-d2-spill-nocache-32': '1251:08acf9f9631c58aadb180fc0b428b550',
-    'blast-2606-d1-nocache-16': '1001:f8e7006657aa1d696a004b3a1d9c3f56',
-    'random-2700': '401:3a4dff2a7e50896246bae588b9495c9a',
-    'random-2701': '400:9136fd0d3555b923840ba80420b38ea4',
-    'random-2705': '400:39a79fca8fa8cc912fccb4bff2f58494',
-    'random-2710': '402:8e3223d70bd4184ecab1667a004bb583',
-    'bench-n16-d1': '400:3addec806c75ea7c09c24eb3758fe668',
-    'bench-n48-d2': '300:023e745c8671760fd3f27eba9e3a8a73',
-    'thinking-d1': '300:52f1e6bd4ac44c310dc8295178d326ff',
-    'thinking-d2': '300:dee85fb808106f1bc518602ee57d0a18',
+    'blast-2601-d1-spill-cache-24': '1500:89b9bec5d449aa961339db62f082ebe1',
+    'blast-2602-d2-spill-cache-24-shutdown': '1501:77ab4edf419d1e3062725ff0481a2547',
+    'blast-2603-d2-cache-20': '1324:af12ae11125f0fc93990334c70b6aa6f',
+    'blast-2605-d2-spill-nocache-32': '1251:f10d2353fb072971d067b21996989b3c',
+    'blast-2606-d1-nocache-16': '1001:7e2959149c4a8bc56be1c315b7c5b708',
+    'random-2700': '401:fd48455141d9233d32f0a849a890b4fc',
+    'random-2701': '400:1d64f66cc5da0f8f48c1dd438fbd719a',
+    'random-2705': '400:f2b026decdae13aad76ce5bfa2e5bf57',
+    'random-2710': '402:c8822400ec53635c1f0a12d843f51aad',
+    'bench-n16-d1': '400:95daeaa48645a85847903801bcf411a1',
+    'bench-n48-d2': '300:539152b0d62a6cc6abbc084f8eaa41a3',
+    'thinking-d1': '300:147a99948ef6d19f06241f10fc1210f5',
+    'thinking-d2': '300:d9dee9e220d7fbda6521e023f0882b74',
 }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tickloom.engine.core.blocks import blocks_for
 from tickloom.engine.core.context import TickContext
-from tickloom.engine.core.lifecycle import full_block_hashes, is_settled, preempt, resume_want
+from tickloom.engine.core.lifecycle import full_block_hashes, is_settled, may_hit_cache, preempt, resume_want
 from tickloom.engine.core.state import CoreState, Seq, Status
 from tickloom.events import BindRequest
 
@@ -33,7 +33,7 @@ def in_flight_demand(state: CoreState) -> int:
 
 def prefix_hits(state: CoreState, seq: Seq) -> list[int]:
     """Cached blocks the prompt would reuse. At most ``prompt_len - 1`` tokens: the last is always computed."""
-    if not state.config.prefix_caching:
+    if not state.config.prefix_caching or not may_hit_cache(seq):
         return []
     # Every full block of the prompt is hashed in one go, the last one too (which its first chunk will
     # register), though only the ones before the last token may hit.

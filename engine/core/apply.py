@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Sequence
+import math
+from collections.abc import Sequence, Sized
 
-from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.context import PromptLogprobs, TickContext
 from tickloom.engine.core.errors import InvariantViolation
 from tickloom.engine.core.lane import hand_tokens
 from tickloom.engine.core.lifecycle import mark_finish, release_fences, track_stops
@@ -105,6 +106,19 @@ def _invalid_arrival(state: CoreState, msg: RequestArrived) -> str | None:
         return f"min_tokens={params.min_tokens} must be between 0 and max_tokens={params.max_tokens}"
     if params.thinking_budget is not None and params.thinking_budget < 0:
         return f"thinking_budget={params.thinking_budget} must not be negative"
+    vocab = config.vocab_size
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        if not allowed:
+            return "allowed_token_ids is empty: no token could be sampled"
+        bad = next((t for t in allowed if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"allowed_token_ids contains {bad}, outside vocab_size={vocab}"
+    for token, bias in params.logit_bias:
+        if not 0 <= token < vocab:
+            return f"logit_bias names token {token}, outside vocab_size={vocab}"
+        if not math.isfinite(bias):
+            return f"logit_bias of token {token} is {bias}, not finite"
     if len(state.waiting) >= config.max_waiting:
         return f"waiting queue is full (max_waiting={config.max_waiting})"
     return None
@@ -139,10 +153,12 @@ def arrive(state: CoreState, ctx: TickContext, msg: RequestArrived) -> None:
         heapq.heappush(state.deadlines, (msg.deadline_ns, arrival, msg.request_id))
     ctx.unblocked = True
     end = state.config.think_end_token
-    if seq.thinking and msg.params.thinking_budget == 0 and end is not None:
+    if seq.thinking and msg.params.thinking_budget == 0 and end is not None and msg.params.prompt_logprobs is None:
         # The prompt leaves the model thinking and the budget allows no thinking token: think-end is output 0,
         # forced as ``commit_token`` forces it after B tokens. The prefill then samples nothing, and think-end is
-        # fed as the next input (as after a requeue, the history's last token is pending).
+        # fed as the next input (as after a requeue, the history's last token is pending). A request that asks
+        # for prompt logprobs keeps its sampling prefill, which reports them: ``commit_token`` forces think-end
+        # over the token it samples.
         commit_token(state, ctx, seq, end, None)
 
 
@@ -174,9 +190,11 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
     if len(msg.token_ids) != len(step.samplers):
         raise InvariantViolation("step results match their step",
                                  f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(step.samplers)} rows")
+    _check_columns(msg)
     state.settled_step = msg.step_id
     _settle_kv(ctx, step)
-    if msg.logprobs is None and ctx.emit_logprobs is None and state.config.think_start_token is None:
+    if (msg.logprobs is None and msg.top_token_ids is None and msg.prompt_logprobs is None and ctx.plain
+            and state.config.think_start_token is None):
         _commit_in_bulk(state, ctx, step, msg)
     else:
         running = Status.RUNNING
@@ -184,11 +202,55 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
         for i, seq in enumerate(step.samplers):
             seq.inflight -= 1
             if seq.status is running:
-                _check_index(msg.step_id, seq, step.sample_indices[i])
-                commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i])
+                index = step.sample_indices[i]
+                _check_index(msg.step_id, seq, index)
+                commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i],
+                             _top_of(msg, i), _prompt_of(msg, i) if index == 0 and _asks_prompt(seq) else None)
     if state.lane is not None:
         hand_tokens(state.lane, msg.step_id, msg.token_ids)
     release_fences(state, ctx)
+
+
+def _check_columns(msg: StepDone) -> None:
+    """Every optional column of a ``StepDone`` has one entry per sampled token (top-k ids and logprobs alike)."""
+    rows = len(msg.token_ids)
+    columns = (msg.logprobs, msg.top_token_ids, msg.top_logprobs, msg.prompt_logprobs, msg.prompt_top_token_ids,
+               msg.prompt_top_logprobs)
+    if any(column is not None and len(column) != rows for column in columns):
+        raise InvariantViolation("step results match their step",
+                                 f"step {msg.step_id}: a logprob column's length differs from its {rows} tokens")
+    if not (_lines_up(msg.top_token_ids, msg.top_logprobs)
+            and _lines_up(msg.prompt_top_token_ids, msg.prompt_top_logprobs)):
+        raise InvariantViolation("step results match their step",
+                                 f"step {msg.step_id}: top-k ids and logprobs do not line up")
+
+
+def _lines_up(ids: Sequence[Sized] | None, lps: Sequence[Sized] | None) -> bool:
+    """Both columns absent, or both present with equal lengths entry by entry."""
+    if ids is None or lps is None:
+        return ids is None and lps is None
+    return all(len(a) == len(b) for a, b in zip(ids, lps, strict=True))
+
+
+def _top_of(msg: StepDone, row: int) -> tuple[list[int], list[float]] | None:
+    """Row ``row``'s top-k alternatives, or None if it has none."""
+    ids, lps = msg.top_token_ids, msg.top_logprobs
+    if ids is None or lps is None or not ids[row]:
+        return None
+    return ids[row], lps[row]
+
+
+def _asks_prompt(seq: Seq) -> bool:
+    return seq.params.prompt_logprobs is not None
+
+
+def _prompt_of(msg: StepDone, row: int) -> PromptLogprobs | None:
+    """Row ``row``'s prompt logprobs, or None if it carries none (a one-token prompt has none to carry)."""
+    lps = msg.prompt_logprobs
+    if lps is None or not lps[row]:
+        return None
+    ids, tops = msg.prompt_top_token_ids, msg.prompt_top_logprobs
+    return lps[row], [] if ids is None else ids[row], [] if tops is None else tops[row]
 
 
 def _settle_kv(ctx: TickContext, step: InflightStep) -> None:
@@ -266,8 +328,17 @@ def _apply_stop_rules(state: CoreState, seq: Seq, token: int, index: int) -> Non
         mark_finish(state, seq, "length", index)
 
 
-def commit_token(state: CoreState, ctx: TickContext, seq: Seq, token: int, logprob: float | None) -> None:
-    """Append one sampled token, stream it, and apply the stop rules and the thinking budget.
+def commit_token(
+    state: CoreState,
+    ctx: TickContext,
+    seq: Seq,
+    token: int,
+    logprob: float | None,
+    top: tuple[list[int], list[float]] | None = None,
+    prompt: PromptLogprobs | None = None,
+) -> None:
+    """Append one sampled token, stream it (with its logprob, top-k alternatives and, on output 0, the prompt
+    logprobs), and apply the stop rules and the thinking budget.
 
     Once the budget is spent, think-end is forced as the next output instead of sampling one. If a row of the
     sequence is in flight, run ahead before the budget ran out (a think-start sampled in the step it is fed
@@ -278,7 +349,7 @@ def commit_token(state: CoreState, ctx: TickContext, seq: Seq, token: int, logpr
     end = config.think_end_token
     budget = seq.params.thinking_budget
     if seq.thinking and budget is not None and seq.thinking_tokens >= budget and end is not None and token != end:
-        token, logprob = end, None
+        token, logprob, top = end, None, None
     outputs = seq.outputs
     outputs.append(token)
     index = len(outputs) - 1
@@ -290,7 +361,7 @@ def commit_token(state: CoreState, ctx: TickContext, seq: Seq, token: int, logpr
             seq.thinking = False
         elif reasoning:
             seq.thinking_tokens += 1
-    ctx.emit(seq.request_id, token, index, reasoning, logprob)
+    ctx.emit(seq.request_id, token, index, reasoning, logprob, top, prompt)
     _apply_stop_rules(state, seq, token, index)
     if (
         seq.thinking

@@ -16,6 +16,7 @@ from tickloom.engine.core.lifecycle import (
     cache_full_blocks,
     full_block_hashes,
     mark_finish,
+    may_hit_cache,
     release_blocks,
     resume_blocks,
     resume_want,
@@ -178,7 +179,8 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
             continue
         # A fresh prompt keeps its last token to compute (it samples); a history's pending token is fed later.
         reusable = seq.prefill_target if seq.outputs else seq.prefill_target - 1
-        hits = pool.lookup(full_block_hashes(state, seq, reusable)) if state.config.prefix_caching else []
+        cached = state.config.prefix_caching and may_hit_cache(seq)
+        hits = pool.lookup(full_block_hashes(state, seq, reusable)) if cached else []
         new_blocks = want - len(hits)
         if new_blocks > pool.capacity(hits):
             return

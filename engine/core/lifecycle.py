@@ -78,6 +78,13 @@ def untrack_stops(state: CoreState, seq: Seq) -> None:
             state.stop_tokens.discard(token)
 
 
+def may_hit_cache(seq: Seq) -> bool:
+    """Whether the prefix cache may skip computing ``seq``'s cached prefix. Not for a request that asks for prompt
+    logprobs before its first token: every prompt position must be computed to report them (vLLM does the same).
+    Its blocks still enter the cache for others, and once it has output 0 (say after a requeue) it may hit."""
+    return seq.params.prompt_logprobs is None or bool(seq.outputs)
+
+
 def is_settled(state: CoreState, seq: Seq) -> bool:
     """No unsettled step references the sequence's blocks."""
     return seq.last_step <= state.settled_step

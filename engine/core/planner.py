@@ -19,7 +19,14 @@ from __future__ import annotations
 from tickloom.engine.core.columns import StepColumns
 from tickloom.engine.core.context import TickContext
 from tickloom.engine.core.lane import advance_lane, plan_lane_decode, start_lane
-from tickloom.engine.core.lifecycle import cache_full_blocks, choose_victim, full_block_hashes, preempt, stop_rule
+from tickloom.engine.core.lifecycle import (
+    cache_full_blocks,
+    choose_victim,
+    full_block_hashes,
+    may_hit_cache,
+    preempt,
+    stop_rule,
+)
 from tickloom.engine.core.state import CoreState, InflightStep, Seq, Status
 from tickloom.events import NO_SAMPLE, NOT_FED, RunStep
 
@@ -288,7 +295,7 @@ def _claim_prefix(state: CoreState, seq: Seq) -> None:
     layer before any row attends, so a hit on a block filled in the same step is safe.)
     """
     seq.first_planned = True
-    if not state.config.prefix_caching or seq.block_ids:
+    if not state.config.prefix_caching or seq.block_ids or not may_hit_cache(seq):
         return
     hits = state.pool.lookup(full_block_hashes(state, seq, len(seq.prompt) - 1))
     if not hits:
