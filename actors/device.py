@@ -37,13 +37,14 @@ from tickloom.events import (
     Input,
     ReleaseRequest,
     RunStep,
+    SamplingSpec,
     SpillOut,
     StepDone,
     StepFailed,
     SwapIn,
     SwapInFailed,
 )
-from tickloom.events.oracle import oracle_token
+from tickloom.events.oracle import OracleRow, oracle_step
 
 
 class Executor(Protocol):
@@ -113,7 +114,8 @@ def with_placeholders(step: RunStep, dead: set[str], result: StepResult | None) 
     if result is None:
         return StepResult(tokens, None, None, None)
     return StepResult(tokens, widen(result.logprobs, 0.0), widen(result.top_token_ids, []),
-                      widen(result.top_logprobs, []))
+                      widen(result.top_logprobs, []), widen(result.prompt_logprobs, []),
+                      widen(result.prompt_top_token_ids, []), widen(result.prompt_top_logprobs, []))
 
 
 def sampled_ids(step: RunStep) -> list[str]:
@@ -200,7 +202,8 @@ class ThreadDevice:
             elapsed = time.perf_counter_ns() - start
             self.busy_ns += elapsed
             self._report(StepDone(command.step_id, sampled_ids(command), result.token_ids, elapsed,
-                                  result.logprobs, result.top_token_ids, result.top_logprobs))
+                                  result.logprobs, result.top_token_ids, result.top_logprobs, result.prompt_logprobs,
+                                  result.prompt_top_token_ids, result.prompt_top_logprobs))
         elif isinstance(command, BindRequest):
             # SamplingSpec is frozen; the protocol declares plain attributes, which mypy reads as settable.
             ex.bind(command.request_id, cast(SamplingSpecLike, command.params), command.seed, command.prompt_len,
@@ -245,6 +248,7 @@ class StubDevice:
         self.fail_steps = fail_steps
         self.script = script or {}
         self.seeds: dict[str, int] = {}
+        self.specs: dict[str, tuple[SamplingSpec, list[int]]] = {}
         self.released: list[str] = []
         self.busy_ns = 0
 
@@ -266,16 +270,18 @@ class StubDevice:
                 if command.step_id in self.fail_steps:
                     await self._outbox.send(StepFailed(command.step_id, "scripted device fault"))
                     continue
-                ids, tokens = [], []
-                for rid, index in zip(command.request_ids, command.sample_indices, strict=True):
-                    if index != NO_SAMPLE:
-                        ids.append(rid)
-                        tokens.append(self.token(rid, index))
-                await self._outbox.send(StepDone(command.step_id, ids, tokens, int(seconds * 1e9)))
+                ids = sampled_ids(command)
+                rows = [self.row(rid, index) for rid, index in zip(command.request_ids, command.sample_indices,
+                                                                   strict=True) if index != NO_SAMPLE]
+                out = oracle_step(rows, self.vocab_size, self.avoid)
+                await self._outbox.send(StepDone(command.step_id, ids, out.token_ids, int(seconds * 1e9),
+                                                 *out[1:]))
             elif isinstance(command, BindRequest):
                 self.seeds[command.request_id] = command.seed
+                self.specs[command.request_id] = (command.params, command.prompt_token_ids)
             elif isinstance(command, ReleaseRequest):
                 self.released.append(command.request_id)
+                self.specs.pop(command.request_id, None)
             elif isinstance(command, SpillOut):
                 assert self._spill is not None
                 self._spill.accept_nowait(command.request_id, HostKV(None, None, command.num_tokens), "")
@@ -286,11 +292,13 @@ class StubDevice:
                 except KeyError as exc:
                     await self._outbox.send(SwapInFailed(command.request_id, f"no host copy: {exc}"))
 
+    def row(self, request_id: str, index: int) -> OracleRow:
+        """A sampling row for the oracle: the request's seed, params and prompt, and a scripted token if any."""
+        spec, prompt = self.specs.get(request_id, (None, []))
+        return OracleRow(self.seeds[request_id], index, spec, prompt, self.script.get(request_id, {}).get(index))
+
     def token(self, request_id: str, index: int) -> int:
-        scripted = self.script.get(request_id, {})
-        if index in scripted:
-            return scripted[index]
-        return oracle_token(self.seeds[request_id], index, self.vocab_size, self.avoid)
+        return oracle_step([self.row(request_id, index)], self.vocab_size, self.avoid).token_ids[0]
 
 
 __all__ = ["Executor", "StubDevice", "ThreadDevice"]

@@ -22,11 +22,12 @@ from tickloom.events import (
     Input,
     ReleaseRequest,
     RunStep,
+    SamplingSpec,
     StepDone,
     StepFailed,
     SwapIn,
 )
-from tickloom.events.oracle import oracle_token
+from tickloom.events.oracle import OracleRow, oracle_step, oracle_token
 
 __all__ = ["OracleExecutor", "oracle_token"]
 
@@ -48,10 +49,17 @@ class OracleExecutor:
     """request id -> every KV position written, in order (for the no-over-run checks)."""
     sampled: dict[int, dict[str, int]] = attrs.Factory(dict)
 
+    shaped: dict[str, SamplingSpec] = attrs.Factory(dict)
+    """The params of bound requests with a ``logit_bias`` or ``allowed_token_ids``, which shape their tokens."""
+
     def token(self, request_id: str, index: int) -> int:
         script = self.scripted.get(request_id)
         if script is not None and index in script:
             return script[index]
+        spec = self.shaped.get(request_id)
+        if spec is not None:  # as the stub device samples it (``events.oracle``)
+            return oracle_step([OracleRow(self.seeds[request_id], index, spec, [])], self.vocab_size,
+                               self.avoid).token_ids[0]
         return oracle_token(self.seeds[request_id], index, self.vocab_size, self.avoid)
 
     def handle(self, commands: Iterable[Command]) -> list[Input]:
@@ -60,6 +68,8 @@ class OracleExecutor:
         for command in commands:
             if isinstance(command, BindRequest):
                 self.seeds[command.request_id] = command.seed
+                if command.params.logit_bias or command.params.allowed_token_ids is not None:
+                    self.shaped[command.request_id] = command.params
                 self.tables[command.request_id] = []
             elif isinstance(command, RunStep):
                 results.append(self.run_step(command))
@@ -67,6 +77,7 @@ class OracleExecutor:
                 self.tables[command.request_id] = list(command.block_ids)
             elif isinstance(command, ReleaseRequest):
                 self.seeds.pop(command.request_id, None)
+                self.shaped.pop(command.request_id, None)
                 self.tables.pop(command.request_id, None)
         return results
 

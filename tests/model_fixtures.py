@@ -26,6 +26,9 @@ class Spec:
     min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass

@@ -98,6 +98,9 @@ class Greedy:
     min_tokens = 0
     logprobs = False
     top_logprobs = 0
+    logit_bias: list[tuple[int, float]] = []  # noqa: RUF012 (read only)
+    allowed_token_ids = None
+    prompt_logprobs = None
 
 
 @functools.cache

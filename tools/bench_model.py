@@ -37,6 +37,9 @@ class _Greedy:
     min_tokens = 0
     logprobs = False
     top_logprobs = 0
+    logit_bias: list[tuple[int, float]] = []  # noqa: RUF012 (read only)
+    allowed_token_ids = None
+    prompt_logprobs = None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

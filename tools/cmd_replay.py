@@ -135,7 +135,9 @@ def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int
     if model == "stub":
         from tickloom.engine.model.stub import StubExecutor
 
-        device = ModelDevice(StubExecutor(config.vocab_size, config.num_blocks, config.block_size))  # type: ignore[arg-type]
+        # The stub device never samples EOS unless scripted (``actors.device.StubDevice``): neither does its re-run.
+        device = ModelDevice(StubExecutor(config.vocab_size, config.num_blocks, config.block_size,  # type: ignore[arg-type]
+                                          avoid=tuple(config.eos_token_ids)))
         fingerprint = "stub"
     else:
         try:

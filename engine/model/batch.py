@@ -42,6 +42,8 @@ class RowSpec:
     num_tokens: int
     block_table: list[int]
     wants_logits: bool
+    all_logits: bool = False
+    """Logits at every position of the row (for prompt logprobs), not only at its last one."""
 
 
 def _blocks_needed(end_pos: int, block_size: int) -> int:
@@ -56,7 +58,10 @@ def build_step_batch(
     device: torch.device,
 ) -> StepBatch:
     """Index tensors for one mixed step. Rows of one token share a batched group; longer rows
-    (prefill chunks) get a group each, attending to cached context plus themselves causally."""
+    (prefill chunks) get a group each, attending to cached context plus themselves causally.
+
+    ``logit_index`` lists, row by row, the last position of a row that wants logits, or every position of an
+    ``all_logits`` row."""
     positions: list[int] = []
     slots: list[int] = []
     logit_index: list[int] = []
@@ -81,7 +86,9 @@ def build_step_batch(
         max_pos = max(max_pos, p + n - 1)
         if n == 1:
             decode_rows.append(r_i)
-        if row.wants_logits:
+        if row.all_logits:
+            logit_index.extend(range(off, off + n))
+        elif row.wants_logits:
             logit_index.append(off + n - 1)
         off += n
     total = off

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from tickloom.engine.model.batch import RowSpec, build_step_batch
 from tickloom.engine.model.host_pool import CopyEngine
@@ -12,6 +15,9 @@ from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.sampling import Sampler, SampleRow, has_penalties
 from tickloom.engine.model.tables import BoundRequests
 from tickloom.engine.model.types import SamplingSpecLike, StepResult
+
+PromptLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
+"""Prompt logprobs from position 1: the prompt tokens' logprobs, the top-k ids and their logprobs."""
 
 
 @dataclass(slots=True)
@@ -22,6 +28,11 @@ class _RequestState:
     masked_token_ids: list[int]
     block_table: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # token at each position seen or sampled so far
+    prompt: PromptLogprobs | None = None
+    """While a request that asks for prompt logprobs prefills: entry p - 1 is prompt position p's, filled chunk by
+    chunk (NaN and ``[]`` until computed); handed over with output 0 (then None). Only when ``bind`` was given
+    the whole prompt (every ``BindRequest`` since the schema that added prompt logprobs carries it)."""
+    prompt_ids: list[int] = field(default_factory=list)
 
 
 class ModelExecutor(BoundRequests[_RequestState]):
@@ -53,6 +64,11 @@ class ModelExecutor(BoundRequests[_RequestState]):
         """``prompt_token_ids`` lets rows start past a prefix-cache hit: the skipped tokens are known."""
         state = _RequestState(params, seed, prompt_len, list(masked_token_ids))
         state.tokens.extend(prompt_token_ids)
+        if params.prompt_logprobs is not None and len(prompt_token_ids) == prompt_len:
+            # The prompt is needed whole: a chunk's last row predicts the first token of the next chunk.
+            state.prompt_ids = list(prompt_token_ids)
+            blanks = max(prompt_len - 1, 0)
+            state.prompt = ([math.nan] * blanks, [[] for _ in range(blanks)], [[] for _ in range(blanks)])
         self._requests[request_id] = state
 
     def run_step(
@@ -85,11 +101,15 @@ class ModelExecutor(BoundRequests[_RequestState]):
                     tokens[j] = st.tokens[pos]
             del st.tokens[p:]
             st.tokens.extend(tokens[off : off + n])
-            rows.append(RowSpec(p, n, st.block_table, sample_indices[i] >= 0))
+            # Logits at every position for a chunk that holds prompt positions whose next token is a prompt token.
+            whole = st.prompt is not None and p < st.prompt_len - 1
+            rows.append(RowSpec(p, n, st.block_table, sample_indices[i] >= 0, whole))
             off += n
         batch = build_step_batch(rows, tokens, self.block_size, self._gqa, self.model.device)
         self.copier.before_compute()
         logits = self.model.forward(batch, self.kv)
+        if any(row.all_logits for row in rows):
+            logits = self._prompt_logprobs(rows, states, logits)
         sample_rows: list[SampleRow] = []
         for i, st in enumerate(states):
             k = sample_indices[i]
@@ -108,12 +128,56 @@ class ModelExecutor(BoundRequests[_RequestState]):
             )
         out = self.sampler.sample(logits, sample_rows)
         t_i = 0
+        prompts: list[PromptLogprobs] = []
         for i, st in enumerate(states):
             if sample_indices[i] < 0:
                 continue
             st.tokens.append(out.token_ids[t_i])
             t_i += 1
-        return StepResult(out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
+            if sample_indices[i] == 0 and st.prompt is not None:
+                prompts.append(st.prompt)
+                st.prompt = None
+            else:
+                prompts.append(([], [], []))
+        result = StepResult(out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
+        if any(p[0] for p in prompts):
+            result.prompt_logprobs = [p[0] for p in prompts]
+            result.prompt_top_token_ids = [p[1] for p in prompts]
+            result.prompt_top_logprobs = [p[2] for p in prompts]
+        return result
+
+    def _prompt_logprobs(self, rows: list[RowSpec], states: list[_RequestState], logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs of the ``all_logits`` rows; return the logits of the sampling rows alone.
+
+        Row ``q`` of a chunk's logits predicts position ``q + 1``: for positions still inside the prompt, that is
+        the prompt token's raw logprob (no penalties, masks or temperature, as vLLM reports prompt logprobs) and
+        the top-k alternatives. The chunk's last row, if it samples, goes on to the sampler as usual.
+        """
+        sample_at: list[int] = []
+        cursor = 0
+        for row, st in zip(rows, states, strict=True):
+            if not row.all_logits:
+                if row.wants_logits:
+                    sample_at.append(cursor)
+                    cursor += 1
+                continue
+            assert st.prompt is not None
+            p, n = row.start, row.num_tokens
+            inside = min(p + n, st.prompt_len - 1) - p  # rows whose next position is a prompt token
+            k = int(st.spec.prompt_logprobs or 0)
+            lp = torch.log_softmax(logits[cursor : cursor + inside].float(), dim=-1)
+            nxt = torch.tensor(st.prompt_ids[p + 1 : p + 1 + inside], dtype=torch.long, device=lp.device)
+            chosen = lp.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
+            lps, top_ids, top_lps = st.prompt
+            lps[p : p + inside] = [float(x) for x in chosen]
+            if k > 0:
+                vals, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
+                top_ids[p : p + inside] = [[int(t) for t in r] for r in ids.tolist()]
+                top_lps[p : p + inside] = [[float(x) for x in r] for r in vals.tolist()]
+            if row.wants_logits:
+                sample_at.append(cursor + n - 1)
+            cursor += n
+        return logits.index_select(0, torch.tensor(sample_at, dtype=torch.long, device=logits.device))
 
     def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV:
         """A host copy of these blocks' K/V for all layers. On CUDA the copy is asynchronous into

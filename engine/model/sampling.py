@@ -3,10 +3,13 @@
 Every row is processed with batched torch ops. Because the noise never depends on generator state or
 on the other rows, a request's tokens are the same alone, in any batch, after preemption or a re-run.
 
-Order of operations per row: penalties, the ``min_tokens`` logit mask, logprobs (of this processed
-distribution, before temperature), then greedy argmax (temperature 0) or temperature, top-k, top-p,
-min-p and Gumbel-max over the hash noise. A temperature below ``MIN_TEMPERATURE`` is greedy. Every row is
-``sanitize``d, so no accepted parameter value can produce NaN or fail another row of the batch.
+Order of operations per row: penalties, ``logit_bias``, the ``allowed_token_ids`` mask, the ``min_tokens``
+logit mask, logprobs (of this processed distribution, before temperature), then greedy argmax (temperature 0)
+or temperature, top-k, top-p, min-p and Gumbel-max over the hash noise. So greedy picks the argmax after the
+bias and the masks. A temperature below ``MIN_TEMPERATURE`` is greedy. Every row is ``sanitize``d, so no
+accepted parameter value can produce NaN or fail another row of the batch; a row that the masks leave with no
+token (its allowed tokens are all EOS or stop tokens while ``min_tokens`` masks them) falls back to its raw
+logits restricted to its allowed tokens, so a sampled token is always an allowed one.
 """
 
 from __future__ import annotations
@@ -134,6 +137,47 @@ def apply_min_tokens_mask(logits: torch.Tensor, rows: list[SampleRow]) -> torch.
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to its tokens' logits (ids outside the vocabulary are ignored)."""
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    bias: list[float] = []
+    v = logits.shape[1]
+    for i, r in enumerate(rows):
+        for token, b in r.spec.logit_bias:
+            if 0 <= token < v:
+                r_idx.append(i)
+                t_idx.append(token)
+                bias.append(float(b))
+    if not r_idx:
+        return logits
+    dev = logits.device
+    logits = logits.clone()
+    logits.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                      torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Set every token outside a row's ``allowed_token_ids`` to -inf (rows without the list are untouched)."""
+    limited = [i for i, r in enumerate(rows) if r.spec.allowed_token_ids is not None]
+    if not limited:
+        return logits
+    dev = logits.device
+    v = logits.shape[1]
+    keep = torch.zeros((len(limited), v), dtype=torch.bool, device=dev)
+    for j, i in enumerate(limited):
+        allowed = [t for t in rows[i].spec.allowed_token_ids or () if 0 <= t < v]
+        if allowed:
+            keep[j, torch.tensor(allowed, dtype=torch.long, device=dev)] = True
+        else:  # nothing inside the vocabulary: the list restricts nothing
+            keep[j] = True
+    idx = torch.tensor(limited, device=dev)
+    logits = logits.clone()
+    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+    return logits
+
+
 def sanitize(logits: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
     """Make any row safe to sample from: NaN becomes -inf, +inf the largest finite value, and a row left with no
     finite value takes its ``fallback`` row (the logits before penalties and masks), or zeros.
@@ -202,7 +246,8 @@ class Sampler:
         if not rows:
             return SampleOutput([], None, None, None)
         dev = logits.device
-        logits = sanitize(apply_min_tokens_mask(apply_penalties(logits, rows), rows), logits)
+        shaped = apply_allowed_tokens(apply_logit_bias(apply_penalties(logits, rows), rows), rows)
+        logits = sanitize(apply_min_tokens_mask(shaped, rows), apply_allowed_tokens(logits, rows))
         tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if r.spec.temperature >= MIN_TEMPERATURE]
         if rand:

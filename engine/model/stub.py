@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from tickloom.engine.model.tables import BoundRequests
 from tickloom.engine.model.types import HostKV, SamplingSpecLike, StepResult
-from tickloom.events.oracle import oracle_token
+from tickloom.events import SamplingSpec
+from tickloom.events.oracle import OracleRow, oracle_step, oracle_token
 
 
 def token_for(seed: int, output_index: int, vocab_size: int = 32000) -> int:
@@ -20,17 +22,26 @@ def token_for(seed: int, output_index: int, vocab_size: int = 32000) -> int:
 class _StubRequest:
     seed: int
     prompt_len: int
+    spec: SamplingSpecLike | None = None
+    prompt: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
 
 
 class StubExecutor(BoundRequests[_StubRequest]):
-    """Same methods as ``ModelExecutor``; no tensors. ``copy_out``/``copy_in`` move no data."""
+    """Same methods as ``ModelExecutor``; no tensors. ``copy_out``/``copy_in`` move no data.
 
-    def __init__(self, vocab_size: int = 32000, num_blocks: int = 1024, block_size: int = 16) -> None:
+    Its tokens and logprobs are the oracle's (``events.oracle.oracle_step``), biases and allowed tokens applied,
+    never one of ``avoid`` (the stub device avoids EOS: pass the same to re-run its logs), so they equal the stub
+    device's token for token.
+    """
+
+    def __init__(self, vocab_size: int = 32000, num_blocks: int = 1024, block_size: int = 16,
+                 avoid: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.avoid = avoid
         self.steps_run = 0
 
     def bind(
@@ -42,7 +53,7 @@ class StubExecutor(BoundRequests[_StubRequest]):
         masked_token_ids: list[int],
         prompt_token_ids: Sequence[int] = (),
     ) -> None:
-        self._requests[request_id] = _StubRequest(seed, prompt_len)
+        self._requests[request_id] = _StubRequest(seed, prompt_len, params, list(prompt_token_ids))
 
     def run_step(
         self,
@@ -57,9 +68,10 @@ class StubExecutor(BoundRequests[_StubRequest]):
     ) -> StepResult:
         states = self.start_step(request_ids, positions, num_tokens, token_ids, sample_indices, block_starts,
                                  num_new_blocks, new_block_ids)
-        out = [token_for(st.seed, k, self.vocab_size) for st, k in zip(states, sample_indices, strict=True) if k >= 0]
+        rows = [OracleRow(st.seed, k, cast(SamplingSpec | None, st.spec), st.prompt)
+                for st, k in zip(states, sample_indices, strict=True) if k >= 0]
         self.steps_run += 1
-        return StepResult(out)
+        return StepResult(*oracle_step(rows, self.vocab_size, self.avoid))
 
     def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV:
         if request_id not in self._requests:

@@ -22,16 +22,25 @@ class SamplingSpecLike(Protocol):
     min_tokens: int
     logprobs: bool
     top_logprobs: int
+    logit_bias: list[tuple[int, float]]
+    """(token id, bias) pairs."""
+    allowed_token_ids: list[int] | None
+    prompt_logprobs: int | None
 
 
 @dataclass(slots=True)
 class StepResult:
-    """One sampled token per sampling row, in row order, plus optional logprobs."""
+    """One sampled token per sampling row, in row order, plus optional logprobs (the columns of ``StepDone``)."""
 
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_logprobs: list[list[float]] | None = None
+    """Per sampling row: on the row sampling output 0 of a request that asks, its prompt logprobs from position 1
+    (``events.StepDone.prompt_logprobs``); ``[]`` on other rows."""
+    prompt_top_token_ids: list[list[list[int]]] | None = None
+    prompt_top_logprobs: list[list[list[float]]] | None = None
 
 
 @dataclass(slots=True)
