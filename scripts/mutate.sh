@@ -2,18 +2,21 @@
 # Mutation testing of the scheduler core (engine/core) with mutmut; configuration: [tool.mutmut] in pyproject.toml.
 #
 #   scripts/mutate.sh                       every module of engine/core (thousands of mutants: hours on 2 cores)
-#   scripts/mutate.sh admission endgame     only these modules (engine.core.<module>.*)
+#   scripts/mutate.sh admission endgame     only these modules (tickloom.engine.core.<module>.*)
 #   scripts/mutate.sh --score [module ...]  only print the scores of what has been run so far
 #
 # Environment: MUTATE_CHILDREN (default 1) parallel mutant workers.
+#
+# Mutants are named after their file's path under tickloom/ (tickloom.engine.core.lane.x_plan_lane_decode__mutmut_3);
+# the list of equivalent mutants below leaves out the "tickloom." prefix.
 #
 # Each mutant runs, in a fork, only the core tests that call the mutated function (fastest first, stopping at the
 # first failure: mutmut adds -x, -p no:randomly). The tests are tests/test_core_*.py without the golden-bytes and
 # purity tests (see pyproject.toml). Results are cached in mutants/ per function: a rerun tests only functions
 # whose source changed. `.venv/bin/mutmut show <name>` prints a mutant's diff; `mutmut results` lists them.
 #
-# The score is killed / (killed + survived + timeout + suspicious + no tests), leaving out the equivalent mutants
-# listed below (a mutant no test can kill because the program behaves identically), each with its reason.
+# The score is detected / (detected + survived + suspicious + no tests), where detected is killed plus timeout (a
+# mutant that makes the tests hang is caught, as Stryker counts it), leaving out the equivalent mutants listed below (a mutant no test can kill because the program behaves identically), each with its reason.
 # Mutant names are numbered within their function, so a change to a function can renumber them: recheck this list
 # with `mutmut show` when a listed function changes.
 set -euo pipefail
@@ -118,6 +121,51 @@ engine.core.lifecycle.x_preempt__mutmut_8	the assert's message: the assert never
 engine.core.lifecycle.x_preempt__mutmut_9	the assert's message: the assert never fires
 engine.core.lifecycle.x_preempt__mutmut_69	reserve left 1: only RUNNING sequences count in demand, and every way back sets reserve itself
 engine.core.lifecycle.x_preempt__mutmut_67	first_planned left True: every way back (resume_preempted, swap_in) sets it True itself
+engine.core.blocks.x_chain_hashes__mutmut_16	range end len-step+2 for len-step+1: offsets are multiples of 4 x block_size and len(packed) a multiple of 4, so no offset is ever len-step+1
+engine.core.blocks.xǁBlockPoolǁreclaim__mutmut_1	< 0 for <= 0: reclaim(0) runs its loop zero times and returns 0 alike
+engine.core.blocks.xǁBlockPoolǁreclaim__mutmut_14	popitem(last=None): falsy like False
+engine.core.blocks.xǁBlockPoolǁreclaim__mutmut_20	free and cached are ordered sets: their values are never read
+engine.core.blocks.xǁBlockPoolǁreclaim__mutmut_25	as mutant 20
+engine.core.blocks.xǁBlockPoolǁreclaim__mutmut_27	move_to_end(last=None): falsy like False
+engine.core.blocks.xǁBlockPoolǁunregister__mutmut_4	as reclaim mutant 20
+engine.core.config.xǁCoreConfigǁto_json__mutmut_2	order=None for "deterministic": it orders only dicts and sets, and CoreConfig holds none
+engine.core.config.xǁCoreConfigǁto_json__mutmut_4	as mutant 2 (the default order)
+engine.core.context.xǁTickContextǁemit__mutmut_13	float("NAN") is float("nan")
+engine.core.context.xǁTickContextǁemit__mutmut_21	as mutant 13
+engine.core.endgame.x_sweep_deadlines__mutmut_25	the timeout at len-2, not len-1: every other reason recorded in the tick names the last output at the sweep (a stop match truncates to its token; a finished sequence takes no more tokens), so timeout, first in precedence, wins at len-1 or len-2 alike; the finish index decides only precedence, not the usage
+engine.core.endgame.x_live_deadlines__mutmut_14	no de-duplication: a second entry comes only from DeadlineReached, due at once, and the same tick's sweep pops it and ends the request, so no request has two live entries when live_deadlines runs (compaction at a tick's end, snapshots between ticks)
+engine.core.endgame.x_retire_finished__mutmut_31	has_spill left True on a retired sequence: it leaves state.seqs in the same iteration and nothing reads it again
+engine.core.lane.x__join__mutmut_6	an empty lane's last run order +1 for -1: a joiner with run order 0 or 1 makes the lane stand down; only speed, as the general plan it falls back to plans the same step (the lane's contract, tests/test_core_lane.py)
+engine.core.lane.x__join__mutmut_7	-2 for -1: joiners have run orders >= 0 (join_running numbers them), so the comparison is the same
+engine.core.lane.x__join__mutmut_8	stop_rule without the config: the rule was computed and cached at arrival (track_stops), and again at restore
+engine.core.lane.x__join__mutmut_23	as mutant 8
+engine.core.lane.x__join__mutmut_11	(incomplete and partly sent) for (incomplete or partly sent): joiners are the sequences advance_lane lists as completed by the lane's step, with their whole table sent by that step; a preemption in between stands the lane down, so neither test is ever true for one
+engine.core.lane.x__join__mutmut_15	< for <=: run orders are unique among running sequences except for restored ones (all -1), which a restored core never has in a lane (state.lane is not snapshotted)
+engine.core.lane.x__join__mutmut_48	joining = None for []: only tested for truth before advance_lane assigns it its next list, in the same plan
+engine.core.lane.x_plan_lane_decode__mutmut_4	and for or: a lane exists only right after the step it describes was planned (every plan either advances it or drops it), so both tests are always false together
+engine.core.lane.x_plan_lane_decode__mutmut_31	fed inverted: with a step in flight the lane stands down instead of leaving the member out (only speed, as mutant _join 6); without one the member has finished, as the comment says, so the branch is never taken
+engine.core.lane.x_plan_lane_decode__mutmut_55	joiners expected with 2 tokens in flight when fed: they have 1, so the lane stands down (only speed, as _join mutant 6)
+engine.core.lane.x_plan_lane_decode__mutmut_59	>= for >: at exactly max_batch_tokens rows the lane stands down (only speed, as _join mutant 6)
+engine.core.lifecycle.x_mark_finish__mutmut_7	> for >=: the same reason at the same index again only overwrites the same values: no two sources give one request different error texts at one index in a tick (a failed step skips finished rows, shutdown and swap-in failure skip finished requests)
+engine.core.lifecycle.x_mark_finish__mutmut_8	True for False when the finish does not stand: the only caller that reads it (stop_matched) then truncates after the match, a no-op, as the match is at or after the standing finish's index, which is the last output
+engine.core.lifecycle.x_stop_rule__mutmut_1	the cache never read: the rule is recomputed, the same, on each call (only slower)
+engine.core.lifecycle.x_cache_full_blocks__mutmut_21	zip(strict=None): falsy like strict=False
+engine.core.lifecycle.x_cache_full_blocks__mutmut_24	zip without strict: the default is strict=False
+engine.core.lifecycle.x_preempt__mutmut_11	lane_broken = None: a preemption while a lane step is planned takes a sequence outside the lane (every member already has a row in that step, so none is a victim); the lane skips a prefilling or joining sequence that is no longer running, so keeping it plans the same steps (the flag only makes the general plan rebuild it); the differential lane tests pass with it, the slow ones too
+engine.core.lifecycle.x_preempt__mutmut_12	as mutant 11
+engine.core.snapshot.x__restore_step__mutmut_6	zip(strict=None): a step's samplers and sample indices are restored from one list each, equally long
+engine.core.snapshot.x__restore_step__mutmut_9	as mutant 6
+engine.core.snapshot.x__restore_step__mutmut_10	as mutant 6
+engine.core.snapshot.x__restore_step__mutmut_12	a row listed as ending one token early only adds a settle-time candidate for the stop rules, which finish nothing they would not (as planner _plan_decode mutant 160)
+engine.core.snapshot.x_restore_state__mutmut_8	BlockPool(block_size=None): the pool never reads its block_size (the core reads the config's)
+engine.core.snapshot.x_restore_state__mutmut_39	or for and: the extra entries (finished sequences still in running) are pruned by in_flight_demand before it sums, its only reader
+engine.core.snapshot.x_restore_state__mutmut_41	>= for >: a sequence holding exactly its reservation adds 0 to the demand (as admission in_flight_demand mutant 5)
+engine.core.state.xǁWaitingQueueǁ__iter____mutmut_3	iterating from 0, not the head: every entry before the head was admitted and is no longer WAITING, so the filter drops it
+engine.core.state.xǁWaitingQueueǁ__iter____mutmut_5	as mutant 3
+engine.core.state.xǁWaitingQueueǁdiscard__mutmut_2	the assert's message: the assert never fires
+engine.core.state.xǁWaitingQueueǁdiscard__mutmut_3	as mutant 2
+engine.core.state.x_find_in_run_order__mutmut_17	-2 for -1 when absent: the only caller that may miss tests i >= 0
+engine.core.lifecycle.x_release_fences__mutmut_13	unblocked not set when fences are released: they are released while applying a settled or failed step, before this tick's own admission, swap-in and resume run; as apply_inputs mutant 47
 EOF
 )
 
@@ -125,13 +173,13 @@ if [[ $score_only == 0 ]]; then
     # mutmut reruns every mutant named on its command line, and skips those with a result otherwise. So: the first
     # time, name the modules; after that, name only the mutants not yet killed (a survivor is retested, as a new
     # test may kill it; a mutant whose function changed has lost its result and is tested again).
-    if [[ -e mutants/mutmut-stats.json ]]; then
+    if compgen -G "mutants/tickloom/engine/core/*.py.meta" >/dev/null; then
         mapfile -t names < <(EQUIVALENT="$EQUIVALENT" .venv/bin/python - "${modules[@]}" <<'PY'
 import json, os, sys
 from pathlib import Path
-equivalent = {line.split("\t")[0].strip() for line in os.environ["EQUIVALENT"].splitlines() if line.strip()}
+equivalent = {"tickloom." + line.split("\t")[0].strip() for line in os.environ["EQUIVALENT"].splitlines() if line.strip()}
 wanted = set(sys.argv[1:])
-for meta in sorted(Path("mutants/engine/core").glob("*.py.meta")):
+for meta in sorted(Path("mutants/tickloom/engine/core").glob("*.py.meta")):
     if wanted and meta.name.removesuffix(".py.meta") not in wanted:
         continue
     for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
@@ -145,7 +193,7 @@ PY
     else
         patterns=()
         for module in "${modules[@]}"; do
-            patterns+=("engine.core.${module}.*")
+            patterns+=("tickloom.engine.core.${module}.*")
         done
         .venv/bin/mutmut run --max-children "${MUTATE_CHILDREN:-1}" "${patterns[@]}"
     fi
@@ -163,14 +211,14 @@ equivalent = {}
 for line in os.environ["EQUIVALENT"].splitlines():
     if line.strip():
         name, _, reason = line.partition("\t")
-        equivalent[name.strip()] = reason.strip()
+        equivalent["tickloom." + name.strip()] = reason.strip()
 
 wanted = set(sys.argv[1:])
 columns = ("killed", "survived", "timeout", "suspicious", "no tests", "not checked", "equivalent")
 totals = dict.fromkeys(columns, 0)
 survivors = []
 print(f"{'module':<12}" + "".join(f"{c:>12}" for c in columns) + f"{'score':>9}")
-for meta in sorted(Path("mutants/engine/core").glob("*.py.meta")):
+for meta in sorted(Path("mutants/tickloom/engine/core").glob("*.py.meta")):
     module = meta.name.removesuffix(".py.meta")
     if wanted and module not in wanted:
         continue
@@ -180,17 +228,17 @@ for meta in sorted(Path("mutants/engine/core").glob("*.py.meta")):
         if status in ("segfault", "caught by type check", "skipped", "check was interrupted by user"):
             status = "suspicious" if status == "segfault" else "not checked"
         counts[status] += 1
-        if status in ("survived", "timeout", "suspicious", "no tests"):
+        if status in ("survived", "suspicious", "no tests"):
             survivors.append((status, name))
     if not sum(counts.values()):
         continue
     for c in columns:
         totals[c] += counts[c]
     scored = counts["killed"] + counts["survived"] + counts["timeout"] + counts["suspicious"] + counts["no tests"]
-    score = f"{100 * counts['killed'] / scored:8.1f}%" if scored else "       -"
+    score = f"{100 * (counts['killed'] + counts['timeout']) / scored:8.1f}%" if scored else "       -"
     print(f"{module:<12}" + "".join(f"{counts[c]:>12}" for c in columns) + score)
 scored = totals["killed"] + totals["survived"] + totals["timeout"] + totals["suspicious"] + totals["no tests"]
-score = f"{100 * totals['killed'] / scored:8.1f}%" if scored else "       -"
+score = f"{100 * (totals['killed'] + totals['timeout']) / scored:8.1f}%" if scored else "       -"
 print(f"{'total':<12}" + "".join(f"{totals[c]:>12}" for c in columns) + score)
 for status, name in survivors:
     print(f"  {status}: {name}")

@@ -13,10 +13,9 @@ Names load lazily, so ``import tickloom.engine.core`` (replay, the explorer) pul
 Why the subpackages live outside this folder: the repository keeps the design card's top-level folders
 (``engine/``, ``events/``, ``actors/``, ``replay/``, ``tools/``), and the installed wheel nests them under
 ``tickloom/`` (setuptools follows the links below when it builds), so only the name ``tickloom`` is ever
-installed. In a checkout this folder holds symbolic links to them, which Python, mypy and editors all follow. A
-copy of the tree made without links (mutmut's ``mutants/``, a checkout on a file system without symlinks, where
-git writes each link as a small text file) has no ``engine/`` folder here; then the folder above, which holds the
-real ones, is searched instead.
+installed. In a checkout this folder holds symbolic links to them, which Python, mypy, editors and setuptools all
+follow. A checkout made without links (git on a file system without symlinks writes each link as a small text
+file) has no ``engine/`` folder here; then the folder above, which holds the real ones, is searched instead.
 """
 
 from __future__ import annotations
