@@ -5,6 +5,9 @@ the model receives "hello"); press Ctrl-C in the middle of the reply (the reques
 on); type another message and get a whole reply; press Ctrl-C at the prompt (chat leaves cleanly, exit 0). The
 keys go through the terminal's line discipline, so Ctrl-C is the SIGINT the tty sends, as it is for a person.
 What the model received and how each request ended is read back from the engine's log, which must replay.
+
+The same again in a tmux pane (skipped where tmux is not installed), keys sent and the screen read as tmux does for
+a person, plus Up to recall the previous message and Ctrl-D to leave.
 """
 
 from __future__ import annotations
@@ -14,15 +17,20 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import struct
+import subprocess
 import sys
+import tempfile
 import termios
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tickloom.engine.stub import StubTokenizer
 from tickloom.events import Finish, LogReader, RequestArrived
 from tickloom.tools.cli import main
 
@@ -147,3 +155,147 @@ def test_chat_line_editing_and_ctrl_c_on_a_terminal(tmp_path: Path) -> None:
     assert finishes[arrivals[0].request_id] == "cancelled"
     assert finishes[arrivals[1].request_id] in ("length", "stop")
     assert main(["replay", str(log)]) == 0
+
+
+TMUX = shutil.which("tmux")
+
+
+class TmuxPane:
+    """A command in a detached tmux session on a private socket and config (never a user's tmux server): ``keys``
+    and ``type`` send keys as tmux does for a person at the keyboard, ``screen`` reads the pane (history too,
+    wrapped lines joined), ``wait_for`` polls it.
+
+    The command's exit status is written to a file by a ``sh`` around it: tmux 3.3a's ``#{pane_dead_status}``
+    stayed empty in about one run in four on a loaded machine: the exited command stayed a zombie that the tmux
+    server never reaped (while pane_dead was 1). The shell traps SIGINT with a handler (an ignored signal would stay
+    ignored in the command; a handled one is reset to the default at exec) and, as POSIX says, runs the trap only
+    after the foreground command ends, so Ctrl-C acts on the command alone."""
+
+    def __init__(self, tmp_path: Path, argv: list[str], env: dict[str, str]) -> None:
+        assert TMUX is not None
+        sock = tmp_path / "sock"
+        if len(str(sock)) > 100:  # a unix socket's path has a ~108-byte limit
+            sock = Path(tempfile.mkdtemp(prefix="tl-tmux-")) / "sock"
+        conf = tmp_path / "tmux.conf"
+        conf.write_text("set -g remain-on-exit on\nset -g history-limit 10000\nset -g status off\n")
+        self.status_file = tmp_path / "status"
+        self.base = [TMUX, "-S", str(sock), "-f", str(conf)]
+        self.env = env
+        wrapped = ["/bin/sh", "-c", 'trap : INT; "$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"', str(self.status_file),
+                   *argv]
+        self.tmux("new-session", "-d", "-s", "chat", "-x", "120", "-y", "40", "-c", str(REPO), *wrapped)
+
+    def tmux(self, *args: str) -> str:
+        done = subprocess.run([*self.base, *args], env=self.env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"tmux {' '.join(args)}: {done.stderr}"
+        return done.stdout
+
+    def keys(self, *keys: str) -> None:
+        self.tmux("send-keys", "-t", "chat", *keys)
+
+    def type(self, text: str) -> None:
+        self.tmux("send-keys", "-t", "chat", "-l", text)
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "chat")
+
+    def wait_for(self, ok: Callable[[list[str]], bool], what: str, timeout: float = 60.0) -> list[str]:
+        """The screen's lines (right-stripped, blank ones dropped) once ``ok`` holds for them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [line.rstrip() for line in self.screen().splitlines() if line.strip()]
+            if ok(lines):
+                return lines
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} on the screen within {timeout} s:\n" + "\n".join(lines[-30:]))
+            time.sleep(0.05)
+
+    def exit_status(self, timeout: float = 60.0) -> int:
+        """The command's exit status (128 + N if signal N killed it), once it has exited."""
+        deadline = time.monotonic() + timeout
+        while not self.status_file.exists():
+            assert time.monotonic() < deadline, "the command did not exit:\n" + self.screen()
+            time.sleep(0.05)
+        return int(self.status_file.read_text())
+
+    def kill(self) -> None:
+        subprocess.run([*self.base, "kill-server"], env=self.env, capture_output=True, timeout=60)
+
+
+def _prompt(lines: list[str]) -> str | None:
+    """What the last line holds after ``you>``, if it is the prompt line."""
+    if lines and lines[-1].startswith("you>"):
+        return lines[-1][len("you>"):].strip()
+    return None
+
+
+def _replies(lines: list[str]) -> list[str]:
+    return [line[len("assistant> "):] for line in lines if line.startswith("assistant> ")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(TMUX is None, reason="needs tmux (not installed): the test drives chat in a tmux pane")
+def test_chat_in_tmux_arrow_keys_history_and_ctrl_c(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Keys as tmux sends them: Left edits the line, Up recalls the previous message, Ctrl-C stops a long reply
+    and keeps the session, the next message gets a whole reply, Ctrl-D leaves with status 0; the log replays."""
+    log = tmp_path / "chat.tlog"
+    max_tokens = 300  # 15 s a reply at 0.05 s a step: long enough to interrupt on a slow machine
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP", "TMUX", "TMUX_PANE")}
+    env.update(INPUTRC="/dev/null", HF_HUB_OFFLINE="1")  # readline's defaults, whatever the user's ~/.inputrc
+    argv = [sys.executable, "-m", "tickloom", "chat", "--model", "stub", "--stub-step-time", "0.05",
+            "--max-tokens", str(max_tokens), "--temperature", "0", "--seed", "3", "--log", str(log)]
+    pane = TmuxPane(tmp_path, argv, env)
+    try:
+        pane.wait_for(lambda s: _prompt(s) == "", "first prompt")
+        pane.type("helo")
+        pane.keys("Left", "Left")
+        pane.type("l")
+        lines = pane.wait_for(lambda s: _prompt(s) == "hello", "edited line 'you> hello'")
+        screen = "\n".join(lines)
+        assert "^[" not in screen and "[D" not in screen, screen  # the arrow key was not inserted as text
+        pane.keys("Enter")
+
+        pane.wait_for(lambda s: len(_replies(s)) == 1 and len(_replies(s)[0]) >= 5, "reply streaming")
+        pane.keys("C-c")
+        lines = pane.wait_for(lambda s: "(interrupted)" in s and _prompt(s) == "" and s.index("(interrupted)")
+                              < len(s) - 1, "'(interrupted)' and a new prompt")
+        assert lines[lines.index("(interrupted)") - 1].startswith("assistant> "), lines
+        stopped = _replies(lines)[0]
+
+        pane.keys("Up")  # history: the previous message comes back, then is extended and sent
+        lines = pane.wait_for(lambda s: _prompt(s) == "hello", "the previous message recalled by Up")
+        assert _replies(lines)[0] == stopped, lines  # the stopped reply did not grow
+        pane.keys("C-e")
+        pane.type(" again")
+        pane.keys("Enter")
+        lines = pane.wait_for(lambda s: len(_replies(s)) == 2 and _prompt(s) == "", "a whole second reply",
+                              timeout=180)
+        assert len(_replies(lines)[1]) == max_tokens, lines
+
+        pane.keys("C-d")  # end of input at the prompt: leave
+        assert pane.exit_status() == 0, pane.screen()
+        out = pane.screen()
+    finally:
+        pane.kill()
+    assert "Traceback" not in out, out
+    assert "chat: 2 replies" in out, out
+
+    arrivals: list[RequestArrived] = []
+    finishes: dict[str, str] = {}
+    with LogReader(log) as reader:
+        for record in reader.ticks():
+            arrivals += [i for i in record.inputs.inputs if isinstance(i, RequestArrived)]
+            finishes.update({c.request_id: c.reason for c in record.outputs.commands if isinstance(c, Finish)})
+    prompts = [StubTokenizer().decode(a.prompt_token_ids) for a in arrivals]
+    first, rest = "<user>hello <assistant>", " <user>hello again <assistant>"
+    assert len(prompts) == 2 and prompts[0] == first, prompts  # Left edited the line: "hello", never "helo"
+    assert prompts[1].startswith(first) and prompts[1].endswith(rest), prompts  # Up recalled "hello"
+    kept = prompts[1][len(first):-len(rest)]  # the stopped reply, as the history kept it: what was shown
+    assert 0 < len(kept) < max_tokens, kept
+    # The terminal echoes the Ctrl-C it turned into SIGINT ("^C"), wherever the reply had got to by then.
+    echoes = [i for i in range(len(stopped)) if stopped.startswith("^C", i)]
+    shown = {stopped} | {stopped[:i] + stopped[i + 2:] for i in echoes}
+    assert kept.rstrip() in {text.rstrip() for text in shown}, (kept, stopped)
+    assert [finishes[a.request_id] for a in arrivals] == ["cancelled", "length"], finishes
+    assert main(["replay", str(log)]) == 0
+    assert "identical" in capsys.readouterr().out
