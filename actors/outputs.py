@@ -22,6 +22,13 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
 
     The last frame of a stream has ``finished=True``, a ``finish_reason`` (``"stop"``, ``"length"``,
     ``"timeout"``, ``"cancelled"`` or ``"error"``) and ``usage``. ``error`` explains an ``"error"`` finish.
+
+    With ``SamplingParams.logprobs=k``, ``logprobs`` holds each token's logprob (NaN where the engine has none, e.g.
+    a think-end token forced by the thinking budget) and ``top_logprobs`` one dict per token, token id -> logprob:
+    the top-k alternatives best first, then the sampled token if it is not among them (k + 1 entries at most).
+    With ``prompt_logprobs=k`` the first frame that carries a token also carries ``prompt_logprobs``: one entry per
+    prompt token, None for the first, then dicts shaped like ``top_logprobs``' with the prompt token in place of
+    the sampled one. ``index`` is the choice's index among ``SamplingParams.n`` parallel samples.
     """
 
     request_id: str
@@ -33,3 +40,6 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     usage: RequestUsage | None = None
     error: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    index: int = 0

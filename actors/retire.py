@@ -19,12 +19,12 @@ from types import TracebackType
 import trio
 
 from tickloom.actors.outputs import RequestOutput
-from tickloom.actors.streams import Detokenizer, StreamAssembler
+from tickloom.actors.streams import Detokenizer, PromptLogprobs, StreamAssembler
 from tickloom.events.commands import Command, EmitTokens, Finish
 from tickloom.events.inputs import ClientGone, Input, StopMatched
 from tickloom.events.types import SamplingSpec
 
-__all__ = ["RequestStream", "RetireActor", "merge_frames"]
+__all__ = ["GroupStream", "RequestStream", "RetireActor", "merge_frames"]
 
 
 def merge_frames(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -36,8 +36,12 @@ def merge_frames(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     else:
         nan = float("nan")
         logprobs = (a.logprobs or [nan] * len(a.token_ids)) + (b.logprobs or [nan] * len(b.token_ids))
+    tops = None
+    if a.top_logprobs is not None or b.top_logprobs is not None:
+        tops = (a.top_logprobs or [{} for _ in a.token_ids]) + (b.top_logprobs or [{} for _ in b.token_ids])
     return RequestOutput(
         request_id=a.request_id,
+        index=a.index,
         token_ids=a.token_ids + b.token_ids,
         text_delta=a.text_delta + b.text_delta,
         reasoning_delta=a.reasoning_delta + b.reasoning_delta,
@@ -46,20 +50,39 @@ def merge_frames(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         usage=b.usage,
         error=b.error,
         logprobs=logprobs,
+        top_logprobs=tops,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
     )
+
+
+def _prompt_entry(command: EmitTokens, rows: list[int]) -> PromptLogprobs | None:
+    """The prompt logprobs carried by the entry of ``rows`` that is output 0, if it carries any."""
+    lps = command.prompt_logprobs
+    if lps is None:
+        return None
+    for i in rows:
+        if command.token_indices[i] == 0 and lps[i]:
+            ids, tops = command.prompt_top_token_ids, command.prompt_top_logprobs
+            return lps[i], [] if ids is None else ids[i], [] if tops is None else tops[i]
+    return None
 
 
 class _Stream:
     """The actor's side of one stream: its assembler, pending frames, and the client's wake-up."""
 
-    __slots__ = ("assembler", "closed", "error", "finished", "frames", "lot", "max_frames", "request_id")
+    __slots__ = ("assembler", "closed", "error", "finished", "frames", "group", "lot", "max_frames", "member",
+                 "request_id")
 
-    def __init__(self, request_id: str, assembler: StreamAssembler | None, max_frames: int) -> None:
+    def __init__(self, request_id: str, assembler: StreamAssembler | None, max_frames: int,
+                 group: _Group | None = None, member: int = 0) -> None:
         self.request_id = request_id
         self.assembler = assembler
         self.max_frames = max_frames
         self.frames: deque[RequestOutput] = deque()
-        self.lot = trio.lowlevel.ParkingLot()
+        self.lot = trio.lowlevel.ParkingLot() if group is None else group.lot
+        self.group = group
+        self.member = member
+        """Its place in ``group.streams``."""
         self.finished = False
         """The final frame has been produced (it may still be pending)."""
         self.closed = False
@@ -72,6 +95,8 @@ class _Stream:
             frames[-1] = merge_frames(frames[-1], frame)
         else:
             frames.append(frame)
+            if self.group is not None:
+                self.group.order.append(self.member)
         if frame.finished:
             self.finished = True
         if self.lot:
@@ -81,6 +106,18 @@ class _Stream:
         self.error = error
         self.frames.clear()
         self.lot.unpark_all()
+
+
+class _Group:
+    """The streams of one request's ``n`` parallel choices, read as one: a shared wake-up and the order in which
+    their frames arrived (one entry per frame queued, so at most ``n * max_buffered_frames``)."""
+
+    __slots__ = ("lot", "order", "streams")
+
+    def __init__(self) -> None:
+        self.lot = trio.lowlevel.ParkingLot()
+        self.order: deque[int] = deque()
+        self.streams: list[_Stream] = []
 
 
 class RequestStream:
@@ -136,6 +173,62 @@ class RequestStream:
             self.close_nowait()
 
 
+class GroupStream:
+    """The frames of ``n`` choices of one request, in the order they arrived, each with its ``index``.
+
+    Iteration ends once every choice has delivered its final frame. Leaving early closes every choice that has
+    not finished (each reports ``ClientGone``). A fatal error raises as soon as any choice holds it.
+    """
+
+    def __init__(self, actor: RetireActor, request_id: str, group: _Group) -> None:
+        self.request_id = request_id
+        self._actor = actor
+        self._group = group
+
+    def __aiter__(self) -> GroupStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        group = self._group
+        while True:
+            for stream in group.streams:
+                if stream.error is not None:
+                    raise stream.error
+            while group.order:
+                frames = group.streams[group.order.popleft()].frames
+                if frames:
+                    return frames.popleft()
+            if all(stream.finished or stream.closed for stream in group.streams):
+                raise StopAsyncIteration
+            await group.lot.park()
+
+    async def aclose(self) -> None:
+        """Leave every choice; each unfinished one reports ``ClientGone`` (once)."""
+        self.close_nowait()
+        await trio.lowlevel.checkpoint()
+
+    def close_nowait(self) -> None:
+        for stream in self._group.streams:
+            self._actor._close(stream)
+        self._group.order.clear()
+
+    async def __aenter__(self) -> GroupStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        group = self.__dict__.get("_group")
+        if group is not None and any(not s.closed and not s.finished and s.error is None for s in group.streams):
+            self.close_nowait()
+
+
 class RetireActor:
     """Owns the client streams; see the module docstring."""
 
@@ -160,18 +253,40 @@ class RetireActor:
         """Streams still waiting for their request's finish."""
         return len(self._streams)
 
-    def open_stream(self, request_id: str, spec: SamplingSpec, prompt_len: int, submitted_at: float) -> RequestStream:
-        """Start assembling a request's stream; call before its arrival reaches the core."""
+    def open_stream(self, request_id: str, spec: SamplingSpec, prompt_len: int, submitted_at: float, *,
+                    prompt_token_ids: Sequence[int] = ()) -> RequestStream:
+        """Start assembling a request's stream; call before its arrival reaches the core. ``prompt_token_ids`` name
+        the prompt's tokens in ``prompt_logprobs`` (give them when the spec asks for those)."""
+        return RequestStream(self, self._open(request_id, spec, prompt_len, submitted_at, request_id, 0,
+                                              prompt_token_ids, None))
+
+    def open_group(self, request_id: str, choice_ids: Sequence[str], spec: SamplingSpec, prompt_len: int,
+                   submitted_at: float, *, prompt_token_ids: Sequence[int] = ()) -> GroupStream:
+        """Streams for the ``n`` choices of one request (the core requests ``choice_ids``), read as one: frames carry
+        ``request_id`` and the choice's ``index``. Call before the arrivals reach the core."""
+        taken = next((rid for rid in choice_ids if rid in self._streams), None)
+        if taken is not None:
+            raise ValueError(f"a stream for request {taken!r} is already open")
+        group = _Group()
+        for i, rid in enumerate(choice_ids):
+            group.streams.append(self._open(rid, spec, prompt_len, submitted_at, request_id, i, prompt_token_ids,
+                                            group))
+        return GroupStream(self, request_id, group)
+
+    def _open(self, request_id: str, spec: SamplingSpec, prompt_len: int, submitted_at: float, output_id: str,
+              index: int, prompt_token_ids: Sequence[int], group: _Group | None) -> _Stream:
         if request_id in self._streams:
             raise ValueError(f"a stream for request {request_id!r} is already open")
         if self._fatal is not None:
-            stream = _Stream(request_id, None, self._max_frames)
+            stream = _Stream(request_id, None, self._max_frames, group, index)
             stream.error = self._fatal
-            return RequestStream(self, stream)
-        assembler = StreamAssembler(request_id, spec, prompt_len, self._detok, submitted_at)
-        stream = _Stream(request_id, assembler, self._max_frames)
+            return stream
+        keep = prompt_token_ids if spec.prompt_logprobs is not None else ()
+        assembler = StreamAssembler(request_id, spec, prompt_len, self._detok, submitted_at, output_id=output_id,
+                                    index=index, prompt_token_ids=keep)
+        stream = _Stream(request_id, assembler, self._max_frames, group, index)
         self._streams[request_id] = stream
-        return RequestStream(self, stream)
+        return stream
 
     def deliver_nowait(self, commands: Sequence[Command]) -> None:
         """Take one tick's ``EmitTokens`` and ``Finish`` commands (others are ignored); never blocks."""
@@ -199,6 +314,7 @@ class RetireActor:
             else:
                 rows.append(i)
         tokens, indices, flags, logprobs = command.token_ids, command.token_indices, command.reasoning, command.logprobs
+        top_ids, top_lps = command.top_token_ids, command.top_logprobs
         streams = self._streams
         for rid, rows in groups.items():
             stream = streams.get(rid)
@@ -206,19 +322,25 @@ class RetireActor:
                 continue
             assembler = stream.assembler
             assert assembler is not None
+            lp = logprobs
+            top = None if top_ids is None or top_lps is None or not assembler.spec.logprobs else (top_ids, top_lps)
+            prompt = _prompt_entry(command, rows) if assembler.spec.prompt_logprobs is not None else None
             if len(rows) == n:
-                frames, match = assembler.on_tokens(tokens, indices, flags, logprobs, now)
+                frames, match = assembler.on_tokens(tokens, indices, flags, lp, now, top, prompt)
             elif len(rows) == 1:
                 i = rows[0]
-                lp = None if logprobs is None else [logprobs[i]]
-                frames, match = assembler.on_tokens([tokens[i]], [indices[i]], [flags[i]], lp, now)
+                frames, match = assembler.on_tokens([tokens[i]], [indices[i]], [flags[i]],
+                                                    None if lp is None else [lp[i]], now,
+                                                    None if top is None else ([top[0][i]], [top[1][i]]), prompt)
             else:
                 frames, match = assembler.on_tokens(
                     [tokens[i] for i in rows],
                     [indices[i] for i in rows],
                     [flags[i] for i in rows],
-                    None if logprobs is None else [logprobs[i] for i in rows],
+                    None if lp is None else [lp[i] for i in rows],
                     now,
+                    None if top is None else ([top[0][i] for i in rows], [top[1][i] for i in rows]),
+                    prompt,
                 )
             for frame in frames:
                 stream.push(frame)

@@ -15,8 +15,8 @@ What it does, per token, always one token at a time (so nothing depends on how t
 * **Stop strings** (``SamplingSpec.stop``) are matched against the content text in token order. Content that
   could still be the start of a stop string is held back. A match completes at the token whose text holds the
   stop string's last character; from then on nothing more is delivered, and the text ends before the stop
-  string (after it with ``include_stop_str``). A match that completes before ``min_tokens`` tokens is ignored,
-  as the core ignores EOS and stop ids there.
+  string (after it with ``include_stop_str``, the wire name of ``SamplingParams.include_stop_str_in_output``).
+  A match that completes before ``min_tokens`` tokens is ignored, as the core ignores EOS and stop ids there.
 * **The final frame** combines the core's ``Finish`` with the assembler's own match: the stream ends at the
   first terminal condition by token index, with precedence deciding a tie at one index, so the client's text,
   finish reason and usage never depend on how late the core learns of the match.
@@ -35,6 +35,18 @@ REPLACEMENT_CHAR = "\ufffd"
 
 FINISH_PRECEDENCE: dict[FinishReason, int] = {"timeout": 4, "cancelled": 3, "stop": 2, "length": 1, "error": 0}
 """Higher wins when several reasons apply at one token (timeout > cancelled > stop > length > error)."""
+
+
+PromptLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
+"""A request's prompt logprobs as ``EmitTokens`` carries them: logprobs, top ids, top logprobs (from position 1)."""
+
+
+def _top_dict(token: int, logprob: float, ids: list[int] | None, lps: list[float] | None) -> dict[int, float]:
+    """Token id -> logprob: the alternatives in their order (best first), then ``token`` if it is not among them."""
+    found = {} if ids is None or lps is None else dict(zip(ids, lps, strict=True))
+    if token not in found:
+        found[token] = logprob
+    return found
 
 
 class StreamProtocolError(ValueError):
@@ -57,8 +69,17 @@ class StreamAssembler:
         prompt_len: int,
         detokenizer: Detokenizer,
         submitted_at: float,
+        *,
+        output_id: str | None = None,
+        index: int = 0,
+        prompt_token_ids: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
+        self.output_id = request_id if output_id is None else output_id
+        """The ``request_id`` its frames carry: the id the client submitted (one of ``n`` choices has its own)."""
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        """The prompt, to name each position's token in ``prompt_logprobs`` (only kept when they are asked for)."""
         self.spec = spec
         self.prompt_len = prompt_len
         self._detok = detokenizer
@@ -97,8 +118,13 @@ class StreamAssembler:
         reasoning: list[bool],
         logprobs: list[float] | None,
         now: float,
+        top: tuple[list[list[int]], list[list[float]]] | None = None,
+        prompt: PromptLogprobs | None = None,
     ) -> tuple[list[RequestOutput], int | None]:
-        """Take consecutive tokens; return the frame to deliver (if any) and a stop match's token index (if new)."""
+        """Take consecutive tokens; return the frame to deliver (if any) and a stop match's token index (if new).
+
+        ``top`` holds the tokens' top-k alternatives (ids, logprobs), ``prompt`` the prompt logprobs that came
+        with output 0 (see ``RequestOutput``)."""
         n = len(token_ids)
         if len(token_indices) != n or len(reasoning) != n or (logprobs is not None and len(logprobs) != n):
             raise StreamProtocolError(f"{self.request_id!r}: token columns differ in length")
@@ -139,14 +165,36 @@ class StreamAssembler:
         if self._first_time is None:
             self._first_time = now
         self._last_time = now
+        tops = None
+        if logprobs is not None and self.spec.logprobs:
+            tops = [_top_dict(token_ids[i], logprobs[i], None if top is None else top[0][i],
+                              None if top is None else top[1][i]) for i in range(taken)]
         frame = RequestOutput(
-            request_id=self.request_id,
+            request_id=self.output_id,
             token_ids=token_ids[:taken],
             text_delta="".join(text),
             reasoning_delta="".join(reasoning_text),
             logprobs=None if logprobs is None else logprobs[:taken],
+            top_logprobs=tops,
+            prompt_logprobs=self._prompt_logprobs(prompt) if start == 0 else None,
+            index=self.index,
         )
         return [frame], matched
+
+    def _prompt_logprobs(self, prompt: PromptLogprobs | None) -> list[dict[int, float] | None] | None:
+        """The first frame's ``prompt_logprobs``: None first, then one dict per prompt position (see ``RequestOutput``).
+
+        None if they were not asked for, or the device reported none for a prompt of several tokens."""
+        ids = self.prompt_token_ids
+        if self.spec.prompt_logprobs is None or (prompt is None and self.prompt_len > 1):
+            return None
+        out: list[dict[int, float] | None] = [None]
+        if prompt is not None:
+            lps, top_ids, top_lps = prompt
+            for p in range(1, min(len(lps) + 1, len(ids))):
+                out.append(_top_dict(ids[p], lps[p - 1], top_ids[p - 1] if top_ids else None,
+                                     top_lps[p - 1] if top_lps else None))
+        return out
 
     def _decode_step(self) -> str:
         """Decode the newest token against the window; return the clean new text ("" while it ends in U+FFFD)."""
@@ -230,7 +278,8 @@ class StreamAssembler:
         ttft = None if first is None or count == 0 else first - self.submitted_at
         itl = None if first is None or last is None or count < 2 else (last - first) / (count - 1)
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=self.output_id,
+            index=self.index,
             token_ids=[],
             text_delta=text,
             reasoning_delta=reasoning_text,

@@ -44,6 +44,8 @@ class Engine:
         self._rt: Runtime | None = None
         self._next_id = 0
         self._draining = False
+        self._groups: dict[str, list[str]] = {}
+        """request id -> its choices' core ids, for ``n > 1`` requests (pruned once none is live)."""
 
     @classmethod
     @asynccontextmanager
@@ -97,10 +99,16 @@ class Engine:
 
         ``deadline`` is seconds from submit. Leaving the ``async for`` early cancels the request; use
         ``async with engine.stream(...)`` for cleanup at a known point.
+
+        With ``params.n > 1`` the one stream yields the frames of all ``n`` choices as they come, each with its
+        ``index`` (and the request's id); it ends once every choice has finished, and leaving it early cancels
+        them all. The choices are ``n`` core requests, logged and replayed one by one: ``<id>/<i>``, seeded
+        ``seed + i`` when ``params.seed`` is given (else the core derives a seed from each id), arriving together
+        so that they share the prompt's KV through the prefix cache.
         """
-        arrival, seconds = self._arrival(prompt, SamplingParams() if params is None else params, deadline,
-                                         request_id, priority, cache_salt)
-        return RequestStream(self, arrival, seconds)
+        rid, arrivals, seconds = self._arrivals(prompt, SamplingParams() if params is None else params, deadline,
+                                                request_id, priority, cache_salt)
+        return RequestStream(self, rid, arrivals, seconds)
 
     @asynccontextmanager
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
@@ -117,29 +125,30 @@ class Engine:
                 await stream.aclose()
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
-        """Run a request to the end; one ``RequestOutput`` with every token id and the whole text."""
-        tokens: list[int] = []
-        text, reasoning = [], []
-        logprobs: list[float] = []
-        any_logprobs = False
-        last: RequestOutput | None = None
+        """Run a request to the end; one ``RequestOutput`` with every token id, the whole text, and the logprobs,
+        top logprobs and prompt logprobs asked for. For ``n > 1`` use ``complete_n``."""
+        if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+            raise RequestRejected(f"SamplingParams.n={params.n}: complete() returns one output; use "
+                                  "Engine.complete_n() for n > 1")
+        [out] = await self.complete_n(prompt, params, **kw)
+        return out
+
+    async def complete_n(self, prompt: Prompt, params: SamplingParams | None = None,
+                         **kw: Any) -> list[RequestOutput]:
+        """Run a request's ``params.n`` choices to the end; one whole ``RequestOutput`` per choice (as ``complete``
+        returns), ordered by ``index``."""
+        choices: dict[int, Collected] = {}
         async with self.stream(prompt, params, **kw) as stream:
             async for out in stream:
-                tokens += out.token_ids
-                text.append(out.text_delta)
-                reasoning.append(out.reasoning_delta)
-                any_logprobs = any_logprobs or out.logprobs is not None
-                logprobs += out.logprobs if out.logprobs is not None else [math.nan] * len(out.token_ids)
-                last = out
-        assert last is not None and last.finished
-        return RequestOutput(request_id=last.request_id, token_ids=tokens, text_delta="".join(text),
-                             reasoning_delta="".join(reasoning), finished=True, finish_reason=last.finish_reason,
-                             usage=last.usage, error=last.error, logprobs=logprobs if any_logprobs else None)
+                choices.setdefault(out.index, Collected()).add(out)
+        return [choices[i].output() for i in sorted(choices)]
 
     async def cancel(self, request_id: str) -> None:
-        """Cancel a request: it finishes ``cancelled`` with the tokens delivered so far."""
+        """Cancel a request: it finishes ``cancelled`` with the tokens delivered so far (every choice of an ``n > 1``
+        request when given its id; one choice when given ``<id>/<i>``)."""
         rid = _request_id(request_id, "request_id")
-        await self.runtime.client.send(RequestCancelled(rid))
+        for core_id in self._live_group(rid) or [rid]:
+            await self.runtime.client.send(RequestCancelled(core_id))
 
     async def drain(self, timeout: float = math.inf) -> bool:
         """Stop admitting and let running requests finish; True if all finished within ``timeout`` seconds."""
@@ -157,11 +166,24 @@ class Engine:
         return self.runtime.stats()
 
     # -- submission ------------------------------------------------------------------------------------------
-    def _arrival(self, prompt: Prompt, params: SamplingParams, deadline: float | None, request_id: str | None,
-                 priority: int, cache_salt: str) -> tuple[RequestArrived, float | None]:
+    def _live_group(self, request_id: str) -> list[str] | None:
+        """The core ids of the live ``n > 1`` request ``request_id``, or None (a finished group is forgotten)."""
+        ids = self._groups.get(request_id)
+        if ids is not None and not any(rid in self.runtime.live for rid in ids):
+            del self._groups[request_id]
+            ids = None
+        return ids
+
+    def _taken(self, rid: str, ids: Sequence[str]) -> bool:
+        live = self.runtime.live
+        return self._live_group(rid) is not None or any(i in live or self._live_group(i) for i in ids)
+
+    def _arrivals(self, prompt: Prompt, params: SamplingParams, deadline: float | None, request_id: str | None,
+                  priority: int, cache_salt: str) -> tuple[str, list[RequestArrived], float | None]:
         """The one validation boundary of a request: every argument is checked, or ``RequestRejected`` names it.
 
-        Returns the arrival (without its ``deadline_ns``, which is measured at submit) and the deadline in seconds.
+        Returns the request's id, its arrivals (one per choice, without ``deadline_ns``, which is measured at
+        submit) and the deadline in seconds.
         """
         rt = self.runtime
         limits = rt.core_config
@@ -173,10 +195,11 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise RequestRejected(f"params must be SamplingParams, not {type(params).__name__}")
         params.validate()  # again: its lists are mutable, and a subclass may skip __post_init__
-        bad_stop = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
-        if bad_stop is not None:
-            raise RequestRejected(f"SamplingParams.stop_token_ids contains {bad_stop}, outside "
-                                  f"vocab_size={limits.vocab_size}")
+        params.check_vocabulary(limits.vocab_size)
+        n = params.n
+        if n > rt.max_slots:
+            raise RequestRejected(f"SamplingParams.n={n} is more than the engine holds open at once "
+                                  f"({rt.max_slots}: max_waiting + max_batch_size)")
         ids = self._prompt_ids(prompt)
         if len(ids) >= limits.max_seq_len:
             raise RequestRejected(f"the prompt has {len(ids)} tokens; max_seq_len={limits.max_seq_len}")
@@ -184,13 +207,16 @@ class Engine:
         if rid is None:
             rid = f"req-{self._next_id}"
             self._next_id += 1
-            while rid in rt.live:  # a caller's own id may look like ours
+            while self._taken(rid, choice_ids(rid, n)):  # a caller's own id may look like ours
                 rid = f"req-{self._next_id}"
                 self._next_id += 1
-        elif rid in rt.live:
+        elif self._taken(rid, choice_ids(rid, n)):
             raise RequestRejected(f"request_id={rid!r} is already in use")
-        arrival = RequestArrived(rid, ids, params.to_spec(), params.seed, args.priority, None, args.cache_salt)
-        return arrival, args.deadline
+        spec = params.to_spec()
+        arrivals = [RequestArrived(core_id, ids, spec, None if params.seed is None else params.seed + i,
+                                   args.priority, None, args.cache_salt)
+                    for i, core_id in enumerate(choice_ids(rid, n))]
+        return rid, arrivals, args.deadline
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids: text is tokenized, chat messages rendered first, token ids checked."""
@@ -221,7 +247,7 @@ class Engine:
             raise RequestRejected("the prompt is empty")
         return ids
 
-    async def _submit(self, arrival: RequestArrived, deadline: float | None) -> Any:
+    async def _submit(self, request_id: str, arrivals: list[RequestArrived], deadline: float | None) -> Any:
         rt = self.runtime
         if rt.fatal is not None:
             raise rt.fatal
@@ -232,23 +258,36 @@ class Engine:
             deadline_ns = rt.now_ns() + int(deadline * 1e9)
             if deadline_ns > INT64_MAX:
                 raise RequestRejected(f"deadline={deadline!r} s from now is past what the log can hold")
-        await rt.acquire_slot()
-        if arrival.request_id in rt.live:
-            rt.release_slot()
-            raise RequestRejected(f"request_id={arrival.request_id!r} is already in use")
+        await rt.acquire_slots(len(arrivals))
+        if self._taken(request_id, [a.request_id for a in arrivals]):
+            for _ in arrivals:
+                rt.release_slot()
+            raise RequestRejected(f"request_id={request_id!r} is already in use")
         if deadline is not None:
             # Measured again once a slot is free: the deadline runs from submit, not from the call.
             deadline_ns = min(rt.now_ns() + int(deadline * 1e9), INT64_MAX)
-            arrival = RequestArrived(arrival.request_id, arrival.prompt_token_ids, arrival.params, arrival.seed,
-                                     arrival.priority, deadline_ns, arrival.cache_salt)
-        stream = rt.open_stream(arrival)
+            arrivals = [msgspec.structs.replace(a, deadline_ns=deadline_ns) for a in arrivals]
+        if len(arrivals) == 1:
+            stream = rt.open_stream(arrivals[0])
+        else:
+            stream = rt.open_group(request_id, arrivals)
+            if len(self._groups) > len(rt.live) + 64:  # keeps the table bounded by the live requests
+                self._groups = {k: v for k, v in self._groups.items() if any(i in rt.live for i in v)}
+            self._groups[request_id] = [a.request_id for a in arrivals]
+        sent = 0
         try:
-            await rt.client.send(arrival)
+            for arrival in arrivals:
+                await rt.client.send(arrival)
+                sent += 1
         except BaseException:
-            # Not sent (a cancelled send sends nothing): the core never saw it, so free its stream, id and slot
-            # here, without a ClientGone that could hit a later request reusing the id.
-            rt.retire.abandon(arrival.request_id)
-            rt.finished(arrival.request_id)
+            # Not sent (a cancelled send sends nothing): the core never saw these, so free their streams, ids and
+            # slots here, without a ClientGone that could hit a later request reusing an id. Choices already sent
+            # are cancelled by closing the stream.
+            for arrival in arrivals[sent:]:
+                rt.retire.abandon(arrival.request_id)
+                rt.finished(arrival.request_id)
+            if sent:
+                stream.close_nowait()
             raise
         return stream
 
@@ -306,20 +345,60 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return found
 
 
-class RequestStream:
-    """An async iterator of ``RequestOutput`` frames for one request."""
+def choice_ids(request_id: str, n: int) -> list[str]:
+    """The core request ids of a request's ``n`` choices: the id itself for one, ``<id>/<i>`` for several."""
+    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
 
-    def __init__(self, engine: Engine, arrival: RequestArrived, deadline: float | None) -> None:
-        self.request_id = arrival.request_id
+
+class Collected:
+    """One choice's frames gathered into the single ``RequestOutput`` that ``complete`` returns."""
+
+    def __init__(self) -> None:
+        self.frames: list[RequestOutput] = []
+
+    def add(self, out: RequestOutput) -> None:
+        self.frames.append(out)
+
+    def output(self) -> RequestOutput:
+        frames = self.frames
+        last = frames[-1]
+        assert last.finished
+        logprobs: list[float] | None = None
+        if any(f.logprobs is not None for f in frames):
+            logprobs = [x for f in frames for x in (f.logprobs or [math.nan] * len(f.token_ids))]
+        tops: list[dict[int, float]] | None = None
+        if any(f.top_logprobs is not None for f in frames):
+            tops = [d for f in frames for d in (f.top_logprobs or [{} for _ in f.token_ids])]
+        prompt = next((f.prompt_logprobs for f in frames if f.prompt_logprobs is not None), None)
+        return RequestOutput(
+            request_id=last.request_id, index=last.index, token_ids=[t for f in frames for t in f.token_ids],
+            text_delta="".join(f.text_delta for f in frames),
+            reasoning_delta="".join(f.reasoning_delta for f in frames), finished=True,
+            finish_reason=last.finish_reason, usage=last.usage, error=last.error, logprobs=logprobs,
+            top_logprobs=tops, prompt_logprobs=prompt,
+        )
+
+
+class RequestStream:
+    """An async iterator of ``RequestOutput`` frames for one request (all its choices, when ``n > 1``)."""
+
+    def __init__(self, engine: Engine, request_id: str, arrivals: list[RequestArrived],
+                 deadline: float | None) -> None:
+        self.request_id = request_id
         self._engine = engine
-        self._arrival = arrival
+        self._arrivals = arrivals
         self._deadline = deadline
         self._inner: Any = None
         self._done = False
 
+    @property
+    def choices(self) -> int:
+        """``SamplingParams.n``: the stream ends after this many final frames."""
+        return len(self._arrivals)
+
     async def start(self) -> None:
         if self._inner is None:
-            self._inner = await self._engine._submit(self._arrival, self._deadline)
+            self._inner = await self._engine._submit(self.request_id, self._arrivals, self._deadline)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -331,8 +410,11 @@ class RequestStream:
         except StopAsyncIteration:
             self._done = True
             raise
-        if out.finished:
+        if out.finished and self.choices == 1:
             self._done = True
+        if out.logprobs is not None and not self._arrivals[0].params.logprobs:
+            # A batch computes logprobs for every row once one of them asks: only those that asked get them.
+            out = msgspec.structs.replace(out, logprobs=None)
         return out
 
     async def aclose(self) -> None:
@@ -347,4 +429,4 @@ class RequestStream:
             inner.close_nowait()
 
 
-__all__ = ["Engine", "Prompt", "RequestOutput", "RequestStream", "RequestUsage"]
+__all__ = ["Collected", "Engine", "Prompt", "RequestOutput", "RequestStream", "RequestUsage", "choice_ids"]

@@ -17,10 +17,10 @@ How it works:
   first ``Engine.open`` on that loop and ended when the last engine on it closes. Several engines in one asyncio
   app share that guest run; each is one trio task in it. There is no second event-loop thread: trio's ticks run
   as callbacks on the asyncio loop (trio's guest mode does keep its own helper thread that waits for I/O).
-- Every awaitable call (a stream's next frame, ``cancel``, ``drain``, ``complete``) becomes one trio task in the
-  guest run's nursery, submitted with ``TrioToken.run_sync_soon``. The task completes an asyncio future directly:
-  both sides run on the loop's thread. At most ``MAX_PENDING_CALLS`` calls per loop are in flight; more wait on
-  an ``asyncio.Semaphore``, so nothing queues without bound.
+- Every awaitable call (a stream's next frame, ``cancel``, ``drain``, ``complete``, ``complete_n``) becomes one
+  trio task in the guest run's nursery, submitted with ``TrioToken.run_sync_soon``. The task completes an asyncio
+  future directly: both sides run on the loop's thread. At most ``MAX_PENDING_CALLS`` calls per loop are in
+  flight; more wait on an ``asyncio.Semaphore``, so nothing queues without bound.
 - Cancelling the asyncio caller cancels its trio task. Breaking out of ``async for`` (the stream is dropped
   unfinished) cancels the request, as in trio.
 - ``generate``, ``stream``'s argument checks and ``stats`` are synchronous and run directly: bad input raises
@@ -296,6 +296,11 @@ class Engine:
         """Run a request to the end; one ``RequestOutput`` with every token id and the whole text."""
         return await self._host.call(functools.partial(self._inner.complete, prompt, params, **kw))
 
+    async def complete_n(self, prompt: api.Prompt, params: SamplingParams | None = None,
+                         **kw: Any) -> list[RequestOutput]:
+        """Run a request's ``params.n`` choices to the end; one ``RequestOutput`` per choice, ordered by ``index``."""
+        return await self._host.call(functools.partial(self._inner.complete_n, prompt, params, **kw))
+
     async def cancel(self, request_id: str) -> None:
         """Cancel a request: it finishes ``cancelled`` with the tokens delivered so far."""
         await self._host.call(self._inner.cancel, request_id)
@@ -355,7 +360,7 @@ class RequestStream:
             out: RequestOutput | None = await self._inner.__anext__()
         except StopAsyncIteration:
             out = None
-        if out is None or out.finished:
+        if out is None or (out.finished and self._inner.choices == 1):  # n choices: the end comes as None
             self._finished = True
         self._ready.append(out)
 

@@ -35,11 +35,17 @@ MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 2**18
+"""Entries of ``logit_bias`` and ``allowed_token_ids`` at most: above any vocabulary's size."""
+MAX_BIAS = 100.0
+"""``logit_bias`` values lie in [-MAX_BIAS, MAX_BIAS], as in OpenAI's API."""
+MAX_N = 128
 
 Count = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 """A token id's range on the wire; the vocabulary bound is checked where the vocabulary is known (``Engine``)."""
+Bias = Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 
 def checked(value: Any, type_: type[T] | Any, what: str, error: type[ValueError] = RequestRejected) -> T:
@@ -89,7 +95,7 @@ def unencodable(value: Any, path: str = "", depth: int = 0) -> str | None:
     return None
 
 
-_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_PATH = re.compile(r"(?:at|in) `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def _short(value: Any) -> str:
@@ -128,12 +134,20 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] = []
     """Stop strings; a single ``str`` is one stop string (``stop="Paris"`` is ``stop=["Paris"]``)."""
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
-    include_stop_str: bool = False
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """None: no logprobs; k: each output token's logprob and its top-k alternatives."""
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """None: none; k: each prompt token's logprob and its top-k alternatives, on the first frame."""
     thinking_budget: Count | None = None
     skip_special_tokens: bool = True
+    logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] = {}
+    """Token id -> a bias added to its logit before sampling."""
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_LOGIT_BIAS)] | None = None
+    """Only these tokens may be sampled; None: any."""
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    """Parallel samples of the prompt: ``n`` requests that share its KV through the prefix cache."""
 
 
 class SamplingParams(_SamplingFields, frozen=True, kw_only=True):
@@ -143,9 +157,16 @@ class SamplingParams(_SamplingFields, frozen=True, kw_only=True):
     ``top_k`` in [0, 2**31] (0: off); ``top_p`` in (0, 1]; ``min_p`` in [0, 1]; ``repetition_penalty`` finite,
     > 0; presence and frequency penalties in [-2, 2]; ``seed`` in [0, 2**63); ``stop`` a string or at most 128
     non-empty strings of at most 1024 characters; ``stop_token_ids`` at most 1024 ids inside the model's
-    vocabulary (checked at submit); ``top_logprobs`` in [0, 20]; ``thinking_budget`` None or in [0, 2**31].
+    vocabulary (checked at submit); ``logprobs`` and ``prompt_logprobs`` None or in [0, 20]; ``thinking_budget``
+    None or in [0, 2**31]; ``logit_bias`` ids inside the vocabulary (checked at submit), biases in [-100, 100];
+    ``allowed_token_ids`` None or 1 to 2**18 ids inside the vocabulary (checked at submit); ``n`` in [1, 128],
+    and with a ``seed``, ``seed + n - 1`` below 2**63 (choice i is seeded ``seed + i``).
     Values are normalised as they are checked: a ``str`` stop becomes a one-element list, ints given for floats
-    become floats, and the lists are the params' own copies.
+    become floats, and the lists and maps are the params' own copies.
+
+    Sampling applies, per row: penalties, ``logit_bias``, the ``allowed_token_ids`` mask, the ``min_tokens``
+    mask of EOS and ``stop_token_ids``, then greedy argmax or temperature and the filters. Logprobs are those of
+    this processed distribution, before temperature (``engine.model.sampling``).
     """
 
     def __post_init__(self) -> None:
@@ -159,25 +180,41 @@ class SamplingParams(_SamplingFields, frozen=True, kw_only=True):
         if fields.min_tokens > fields.max_tokens:
             raise RequestRejected(f"SamplingParams.min_tokens={fields.min_tokens} must not exceed "
                                   f"max_tokens={fields.max_tokens}")
+        if fields.seed is not None and fields.seed + fields.n - 1 > INT64_MAX:
+            raise RequestRejected(f"SamplingParams.seed={fields.seed} with n={fields.n}: choice i is seeded seed + i, "
+                                  f"which must stay below 2**63")
         for name in _SamplingFields.__struct_fields__:  # not msgspec.structs.fields: it re-evaluates annotations
             value = stop if name == "stop" else getattr(fields, name)
             if getattr(self, name) is not value:
                 msgspec.structs.force_setattr(self, name, value)
 
     def to_spec(self) -> SamplingSpec:
-        """The logged wire form (the seed travels separately, in the arrival).
+        """The logged wire form (the seed travels separately, in the arrival; ``n`` is the number of arrivals).
 
         Floats are made floats: ``temperature=0`` would otherwise encode as an int, decode as 0.0 and re-encode
         to other bytes, so a replay's digest would differ from the live run's.
         """
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        allowed = None if self.allowed_token_ids is None else sorted({int(t) for t in self.allowed_token_ids})
         return SamplingSpec(
             max_tokens=int(self.max_tokens), min_tokens=int(self.min_tokens), temperature=float(self.temperature),
             top_k=int(self.top_k), top_p=float(self.top_p), min_p=float(self.min_p),
             repetition_penalty=float(self.repetition_penalty), presence_penalty=float(self.presence_penalty),
             frequency_penalty=float(self.frequency_penalty), stop=stop,
-            stop_token_ids=[int(t) for t in self.stop_token_ids], include_stop_str=bool(self.include_stop_str),
-            ignore_eos=bool(self.ignore_eos), logprobs=bool(self.logprobs), top_logprobs=int(self.top_logprobs),
+            stop_token_ids=[int(t) for t in self.stop_token_ids],
+            include_stop_str=bool(self.include_stop_str_in_output), ignore_eos=bool(self.ignore_eos),
+            logprobs=self.logprobs is not None, top_logprobs=int(self.logprobs or 0),
             thinking_budget=None if self.thinking_budget is None else int(self.thinking_budget),
             skip_special_tokens=bool(self.skip_special_tokens),
+            logit_bias=[(int(t), float(b)) for t, b in sorted(self.logit_bias.items())],
+            allowed_token_ids=allowed,
+            prompt_logprobs=None if self.prompt_logprobs is None else int(self.prompt_logprobs),
         )
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse token ids at or beyond ``vocab_size`` (``Engine`` calls this at submit, when it is known)."""
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            ids = getattr(self, name) or ()
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise RequestRejected(f"SamplingParams.{name} contains {bad}, outside vocab_size={vocab_size}")

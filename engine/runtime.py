@@ -77,6 +77,8 @@ class Runtime:
         # however they split between waiting and running, the core never has to reject one for a full queue.
         limit = core_config.max_waiting + 64
         self._slots = trio.Semaphore(core_config.max_waiting)
+        self.max_slots = core_config.max_waiting
+        self._multi_slots = trio.Lock()
         self.store: SpillStore | None = None
         self.spill: SpillActor | None = None
         self.swap_in: SwapInActor | None = None
@@ -208,6 +210,32 @@ class Runtime:
         else:
             await self._slots.acquire()
 
+    async def acquire_slots(self, count: int) -> None:
+        """``count`` submit slots, all or none (the ``n`` choices of one request are ``n`` core requests).
+
+        One multi-slot acquisition runs at a time, so no two can each hold a part of what they need and wait for
+        the other's: whatever the first waits for is held by requests that finish."""
+        if count == 1:
+            await self.acquire_slot()
+            return
+        if self.config.overload == "reject":
+            if self._slots.value < count:
+                raise EngineOverloaded(f"{len(self.live)} requests are open; the waiting queue has no room for "
+                                       f"{count} more")
+            for _ in range(count):
+                self._slots.acquire_nowait()
+            return
+        async with self._multi_slots:
+            got = 0
+            try:
+                for _ in range(count):
+                    await self._slots.acquire()
+                    got += 1
+            except BaseException:
+                for _ in range(got):
+                    self._slots.release()
+                raise
+
     def release_slot(self) -> None:
         self._slots.release()
 
@@ -219,7 +247,15 @@ class Runtime:
     def open_stream(self, arrival: RequestArrived) -> Any:
         self.live.add(arrival.request_id)
         return self.retire.open_stream(arrival.request_id, arrival.params, len(arrival.prompt_token_ids),
-                                       trio.current_time())
+                                       trio.current_time(), prompt_token_ids=arrival.prompt_token_ids)
+
+    def open_group(self, request_id: str, arrivals: Sequence[RequestArrived]) -> Any:
+        """One stream over the arrivals of the ``n`` choices of ``request_id`` (``RetireActor.open_group``)."""
+        self.live.update(a.request_id for a in arrivals)
+        first = arrivals[0]
+        return self.retire.open_group(request_id, [a.request_id for a in arrivals], first.params,
+                                      len(first.prompt_token_ids), trio.current_time(),
+                                      prompt_token_ids=first.prompt_token_ids)
 
     def finished(self, request_id: str) -> None:
         if request_id in self.live:

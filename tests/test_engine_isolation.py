@@ -34,16 +34,16 @@ EXTREMES: dict[str, dict[str, Any]] = {
     "repetition_huge": dict(repetition_penalty=HUGE, temperature=0.0),
     "repetition_huge_sampled": dict(repetition_penalty=HUGE),
     "repetition_tiny": dict(repetition_penalty=TINY),
-    "logprobs": dict(logprobs=True, top_logprobs=20),
-    "min_p_one": dict(min_p=1.0, logprobs=True),
+    "logprobs": dict(logprobs=20),
+    "min_p_one": dict(min_p=1.0, logprobs=0),
     "top_p_tiny": dict(top_p=TINY, top_k=1),
     "seed_max": dict(seed=2**63 - 1),
     "seed_zero": dict(seed=0),
     "penalties_at_bounds": dict(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-3),
     # Every token is a stop token: all masked while ``min_tokens`` lasts, then the 6th token ends it as ``stop``.
-    "everything_masked": dict(stop_token_ids=list(range(VOCAB)), min_tokens=6, logprobs=True, top_logprobs=20),
+    "everything_masked": dict(stop_token_ids=list(range(VOCAB)), min_tokens=6, logprobs=20),
     "all_at_once": dict(top_k=2**31, temperature=1e-300, repetition_penalty=HUGE, min_p=1.0, top_p=TINY,
-                        presence_penalty=2.0, frequency_penalty=-2.0, logprobs=True, top_logprobs=20,
+                        presence_penalty=2.0, frequency_penalty=-2.0, logprobs=20,
                         seed=2**63 - 1),
 }
 
@@ -63,7 +63,10 @@ async def _collect(engine: Engine, prompt: list[int], params: SamplingParams, ri
 
 # -- the sampler ---------------------------------------------------------------------------------------------------
 def _spec(kw: dict[str, Any]) -> Spec:
+    """The wire-like spec of public params ``kw``: ``logprobs=k`` is ``logprobs=True, top_logprobs=k``."""
     fields = {k: v for k, v in kw.items() if k in Spec.__dataclass_fields__}
+    if "logprobs" in kw:
+        fields.update(logprobs=kw["logprobs"] is not None, top_logprobs=kw["logprobs"] or 0)
     return Spec(**{"temperature": 1.0, **fields})
 
 
@@ -131,7 +134,7 @@ def _tiny_config(model: Path, log: Path) -> EngineConfig:
                         max_batch_size=32, log_path=str(log))
 
 
-NORMAL = SamplingParams(max_tokens=6, temperature=0.7, seed=1, ignore_eos=True, logprobs=True)
+NORMAL = SamplingParams(max_tokens=6, temperature=0.7, seed=1, ignore_eos=True, logprobs=0)
 PROMPTS = [[5 + i, 9, 40 + i, 7, 7, 3 + i] for i in range(4)]
 
 
@@ -167,11 +170,11 @@ async def test_a_mixed_batch_on_the_tiny_model_all_finishes(tiny_model: Path, tm
 
 # -- the stub model: stop strings, deadlines, priorities, ids ----------------------------------------------------
 STUB_EXTREMES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "huge_stops": (dict(stop=["~" * 1023 + chr(33 + i % 90) for i in range(128)], include_stop_str=True), {}),
+    "huge_stops": (dict(stop=["~" * 1023 + chr(33 + i % 90) for i in range(128)], include_stop_str_in_output=True), {}),
     "huge_stop_prefixes": (dict(stop=[chr(33 + i % 90) * 1024 for i in range(128)]), {}),
     "every_token_a_stop": (dict(stop_token_ids=list(range(96)), min_tokens=10, max_tokens=10), {}),
     "max_tokens_max": (dict(max_tokens=2**31, min_tokens=2**31, seed=2**63 - 1), {}),
-    "thinking_budget_max": (dict(thinking_budget=2**31, top_logprobs=20, logprobs=True), {}),
+    "thinking_budget_max": (dict(thinking_budget=2**31, logprobs=20), {}),
     "priority_min": (dict(seed=0), dict(priority=-(2**31))),
     "priority_max": (dict(), dict(priority=2**31 - 1)),
     "deadline_huge": (dict(), dict(deadline=1e9)),

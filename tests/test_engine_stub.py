@@ -100,7 +100,7 @@ async def test_e04_include_stop_str(tmp_path: Path, autojump_clock: trio.testing
     async with Engine.open(stub_config(log)) as engine:
         text = (await engine.complete("abc", SamplingParams(max_tokens=30, seed=5))).text_delta
         out = await engine.complete("abc", SamplingParams(max_tokens=30, seed=5, stop=[text[6:8]],
-                                                           include_stop_str=True))
+                                                           include_stop_str_in_output=True))
     assert out.text_delta == text[:8] and out.finish_reason == "stop"
     assert_replays(log)
 

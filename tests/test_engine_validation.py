@@ -70,10 +70,14 @@ near_valid: dict[str, st.SearchStrategy[Any]] = {
     "seed": st.integers(-1, 2**64) | st.none(),
     "stop": st.lists(printable, max_size=3) | printable | st.lists(st.sampled_from(SPECIAL_STRS), max_size=2),
     "stop_token_ids": st.lists(st.integers(-1, 120), max_size=4),
-    "include_stop_str": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
     "ignore_eos": st.booleans(),
-    "logprobs": st.booleans(),
-    "top_logprobs": st.integers(-1, 25),
+    "logprobs": st.none() | st.integers(-1, 25) | st.booleans(),
+    "prompt_logprobs": st.none() | st.integers(-1, 25),
+    "logit_bias": st.dictionaries(st.integers(-1, 120), st.floats(-150, 150) | st.sampled_from(SPECIAL_FLOATS),
+                                  max_size=3),
+    "allowed_token_ids": st.none() | st.lists(st.integers(-1, 120), max_size=4),
+    "n": st.integers(-1, 4),
     "thinking_budget": st.none() | st.integers(-1, 10),
     "skip_special_tokens": st.booleans(),
     "deadline": st.none() | st.floats(-1, 2) | st.sampled_from([1e-300, 1e9, 1e9 + 1, 1e12]),
@@ -218,7 +222,8 @@ def test_a_str_stop_is_one_stop_string() -> None:
     ("frequency_penalty", math.nan), ("seed", -1), ("seed", 2**63), ("seed", 1.5), ("stop", [""]),
     ("stop", ["ok", 3]), ("stop", ["\ud800"]), ("stop", "x" * 1025), ("stop", ["s"] * 129), ("stop", None),
     ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [2**31]), ("stop_token_ids", 3),
-    ("include_stop_str", 1), ("ignore_eos", "yes"), ("logprobs", None), ("top_logprobs", 21),
+    ("include_stop_str_in_output", 1), ("ignore_eos", "yes"), ("logprobs", True), ("logprobs", 21),
+    ("prompt_logprobs", -1), ("logit_bias", {1: 100.5}), ("allowed_token_ids", []), ("n", 0), ("n", 129),
     ("thinking_budget", -1), ("skip_special_tokens", 0),
     ("max_tokens", "\ud800"), ("stop_token_ids", ["\udc00"]), ("seed", {"\ud800": 1}),  # msgspec would raise
 ])
@@ -237,7 +242,7 @@ def test_cross_field_and_normalisation() -> None:
     ids.append(-5)
     assert p.stop_token_ids == [1, 2], "the params hold their own copy"
     edge = SamplingParams(max_tokens=2**31, seed=2**63 - 1, top_k=2**31, temperature=1e-300, top_p=5e-324,
-                          repetition_penalty=1.7e308, top_logprobs=20)
+                          repetition_penalty=1.7e308, logprobs=20)
     assert edge.to_spec().max_tokens == 2**31
 
 

@@ -218,13 +218,51 @@ async def test_stop_strings(tmp_path: Path) -> None:
 
 
 async def test_logprobs_shape_on_the_stub(tmp_path: Path) -> None:
-    """The stub reports no logprobs: the structure is there, each value null."""
+    """The stub's oracle is a distribution too: each token has its logprob and its top alternatives, best first."""
     async with running(stub(tmp_path / "s.tlog")) as srv:
-        r = await srv.call(lambda c: c.chat.completions.create(model="stub", messages=CHAT, max_tokens=5, seed=1,
-                                                                logprobs=True, top_logprobs=2))
-        content = r.choices[0].logprobs.content
-        assert "".join(t.token for t in content) == r.choices[0].message.content
-        assert all(t.logprob is None and t.top_logprobs == [] for t in content)
+        def go(c: openai.OpenAI) -> tuple[Any, Any, Any]:
+            chat = c.chat.completions.create(model="stub", messages=CHAT, max_tokens=5, seed=1, logprobs=True,
+                                             top_logprobs=2)
+            plain = c.chat.completions.create(model="stub", messages=CHAT, max_tokens=5, seed=1, logprobs=True)
+            comp = c.completions.create(model="stub", prompt="hello", max_tokens=5, seed=1, logprobs=3)
+            return chat, plain, comp
+
+        chat, plain, comp = await srv.call(go)
+        content = chat.choices[0].logprobs.content
+        assert "".join(t.token for t in content) == chat.choices[0].message.content
+        for t in content:
+            assert isinstance(t.logprob, float) and t.logprob <= 0.0
+            assert len(t.top_logprobs) == 2
+            assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+            assert t.top_logprobs[0].logprob >= t.logprob  # the best alternative is at least as likely
+            assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob  # the stub is greedy
+        assert all(t.top_logprobs == [] for t in plain.choices[0].logprobs.content), "top_logprobs defaults to 0"
+        lp = comp.choices[0].logprobs
+        assert len(lp.top_logprobs) == len(lp.tokens) == 5
+        for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert 1 <= len(top) <= 4 and top[token] == token_lp, "up to logprobs + 1 entries, the sampled one in"
+
+
+async def test_logit_bias_through_the_sdk(tmp_path: Path) -> None:
+    """OpenAI's string-keyed ``logit_bias`` reaches the sampler: +100 forces a token, -100 bans it; bad keys, values
+    and ids are 400s naming ``logit_bias``."""
+    async with running(stub(tmp_path / "s.tlog")) as srv:
+        def go(c: openai.OpenAI) -> tuple[str, str, str, list[Any]]:
+            free = chat_text(c, max_tokens=8, seed=4)
+            forced = chat_text(c, max_tokens=8, seed=4, logit_bias={str(ord("q") - 32): 100})
+            banned = chat_text(c, max_tokens=8, seed=4, logit_bias={str(ord(ch) - 32): -100 for ch in set(free)})
+            errors = []
+            for bias in ({"x": 1}, {"5": 101}, {"5000": 1}):
+                try:
+                    c.completions.create(model="stub", prompt="x", max_tokens=2, logit_bias=bias)  # type: ignore[arg-type]
+                except openai.BadRequestError as exc:
+                    errors.append(exc.body)
+            return free, forced, banned, errors
+
+        free, forced, banned, errors = await srv.call(go)
+        assert forced == "q" * 8
+        assert len(banned) == 8 and not set(banned) & set(free)
+        assert len(errors) == 3 and all(e["param"] == "logit_bias" for e in errors), errors
 
 
 async def test_logprobs_on_a_real_model(tmp_path: Path) -> None:
@@ -248,6 +286,10 @@ async def test_logprobs_on_a_real_model(tmp_path: Path) -> None:
         chat, comp, stream, chat_stream = await srv.call(go)
         content = chat.choices[0].logprobs.content
         assert len(content) == 6
+        for t in content:
+            tops = [a.logprob for a in t.top_logprobs]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+            assert t.logprob in tops or t.logprob <= tops[-1], "the sampled token is a top one, or less likely"
         streamed_chat = [t for ch in chat_stream if ch.choices and ch.choices[0].logprobs
                          for t in ch.choices[0].logprobs.content]
         assert [(t.token, t.logprob) for t in streamed_chat] == [(t.token, t.logprob) for t in content]
@@ -263,7 +305,7 @@ async def test_logprobs_on_a_real_model(tmp_path: Path) -> None:
     config = EngineConfig(model=str(model), dtype="float64", max_seq_len=128, num_blocks=64,
                           log_path=str(tmp_path / "complete.tlog"))
     async with Engine.open(config) as engine:
-        out = await engine.complete("hello", SamplingParams(max_tokens=6, seed=2, logprobs=True, ignore_eos=True))
+        out = await engine.complete("hello", SamplingParams(max_tokens=6, seed=2, logprobs=0, ignore_eos=True))
     assert out.logprobs == lp.token_logprobs and len(out.token_ids) == 6
     assert_replays(tmp_path / "complete.tlog")
 
@@ -359,7 +401,7 @@ async def test_errors_are_openai_json_naming_the_field(tmp_path: Path) -> None:
                 expect(lambda c: c.chat.completions.create(model="stub", messages=[{"role": "wizard",  # type: ignore
                                                                                     "content": "x"}]),
                        openai.BadRequestError),
-                expect(lambda c: chat_text(c, logit_bias={"1": 2.0}), openai.BadRequestError),
+                expect(lambda c: chat_text(c, logit_bias={"1": 200.0}), openai.BadRequestError),  # out of [-100, 100]
                 expect(lambda c: c.chat.completions.create(model="gpt-4o", messages=CHAT),  # type: ignore[arg-type]
                        openai.NotFoundError),
             ]

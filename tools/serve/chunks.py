@@ -39,6 +39,8 @@ class ChunkWriter:
         self.rid = rid
         self.created = created
         self.want_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs
+        self.top_k = 0 if isinstance(req, CompletionRequest) else req.top_logprobs or 0
+        """Chat's ``top_logprobs``: the alternatives listed per token."""
         options = req.stream_options
         self.include_usage = options is not None and options.include_usage
         self.offsets: dict[int, int] = {}
@@ -61,13 +63,14 @@ class ChunkWriter:
         decode = self.token_text
         if self.chat:
             delta = Delta(content=out.text_delta or None, reasoning_content=out.reasoning_delta or None)
-            lp = None if logprobs is None else translate.chat_logprobs(out.token_ids, logprobs, decode)
+            lp = None if logprobs is None else translate.chat_logprobs(out.token_ids, logprobs, decode,
+                                                                         translate.frame_tops(out), self.top_k)
             chunk: Any = self._chat_chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lp,
                                                            finish_reason=finish)])
         else:
             offset = self.offsets.get(choice.index, 0)
             clp = None if logprobs is None else translate.completion_logprobs(out.token_ids, logprobs, decode,
-                                                                               offset)
+                                                                               offset, translate.frame_tops(out))
             self.offsets[choice.index] = offset + len(out.text_delta)
             chunk = Completion(id=self.rid, object="text_completion", created=self.created,
                                model=self.model_name, usage=None,
@@ -105,7 +108,8 @@ class ChunkWriter:
             chat_choices = []
             for c in choices:
                 reasoning = "".join(c.reasoning)
-                lp = translate.chat_logprobs(c.token_ids, c.logprobs, decode) if self.want_logprobs else None
+                lp = (translate.chat_logprobs(c.token_ids, c.logprobs, decode, c.tops, self.top_k)
+                      if self.want_logprobs else None)
                 message = AssistantMessage(content="".join(c.text), reasoning_content=reasoning or None)
                 chat_choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
                                                finish_reason=c.finish_reason))
@@ -113,7 +117,8 @@ class ChunkWriter:
                                   model=self.model_name, choices=chat_choices, usage=usage)
         cchoices = []
         for c in choices:
-            clp = translate.completion_logprobs(c.token_ids, c.logprobs, decode, 0) if self.want_logprobs else None
+            clp = (translate.completion_logprobs(c.token_ids, c.logprobs, decode, 0, c.tops)
+                   if self.want_logprobs else None)
             cchoices.append(CompletionChoice(index=c.index, text="".join(c.text), logprobs=clp,
                                              finish_reason=c.finish_reason))
         return Completion(id=self.rid, object="text_completion", created=self.created, model=self.model_name,

@@ -18,6 +18,7 @@ from tickloom.tools.serve.openai_types import (
     OpenAIError,
     PromptTokensDetails,
     TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
@@ -29,8 +30,6 @@ OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 def check_supported(req: OpenAIRequest) -> None:
     """Refuse what this server does not do, naming the field (rather than ignoring it)."""
-    if req.logit_bias:
-        raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise OpenAIError(400, "echo is not supported", param="echo")
@@ -85,17 +84,27 @@ def sampling_params(req: OpenAIRequest, choice: int, default_max_tokens: int) ->
         kw["seed"] = req.seed + choice
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
-            kw["logprobs"] = True
-            kw["top_logprobs"] = req.logprobs
+            kw["logprobs"] = req.logprobs
     elif req.logprobs:
-        kw["logprobs"] = True
-        kw["top_logprobs"] = req.top_logprobs or 0
-    return SamplingParams(ignore_eos=req.ignore_eos, include_stop_str=req.include_stop_str_in_output,
+        kw["logprobs"] = req.top_logprobs or 0
+    if req.logit_bias:
+        kw["logit_bias"] = logit_bias(req.logit_bias)
+    return SamplingParams(ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                           skip_special_tokens=req.skip_special_tokens, **kw)
 
 
+def logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with int keys; a key that is no id is a 400."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"\d{1,10}", key):
+            raise OpenAIError(400, f"logit_bias keys are token ids, not {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
 _FIELD = re.compile(r"^(SamplingParams|request)(?:\.(\w+)|: .*at `\$\.(\w+))")
-_RENAMED = {"include_stop_str": "include_stop_str_in_output", "deadline": "timeout"}
+_RENAMED = {"deadline": "timeout"}
 
 
 def rejected(exc: RequestRejected, req: OpenAIRequest) -> OpenAIError:
@@ -109,8 +118,8 @@ def rejected(exc: RequestRejected, req: OpenAIRequest) -> OpenAIError:
         param = _RENAMED.get(name, name)
         if name == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
             param = "max_completion_tokens"
-        elif name == "top_logprobs" and isinstance(req, CompletionRequest):
-            param = "logprobs"
+        elif name == "logprobs" and isinstance(req, ChatCompletionRequest):
+            param = "top_logprobs"
     elif re.match(r"^(the )?prompt\b", message):
         param = prompt_field
     return OpenAIError(400, message, param=param)
@@ -135,6 +144,7 @@ class Choice:
     reasoning: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    tops: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -147,6 +157,7 @@ class Choice:
         self.reasoning.append(out.reasoning_delta)
         self.token_ids += out.token_ids
         self.logprobs += frame_logprobs(out)
+        self.tops += frame_tops(out)
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error = out.error
@@ -164,24 +175,47 @@ def frame_logprobs(out: RequestOutput) -> list[float | None]:
     return [None if lp != lp else lp for lp in out.logprobs]
 
 
-def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float | None], decode: Decode) -> ChatLogprobs:
-    """OpenAI's chat form. ``top_logprobs`` is empty: the engine's frames carry the sampled token's logprob only."""
+def frame_tops(out: RequestOutput) -> list[dict[int, float]]:
+    """A frame's top logprobs per token (``RequestOutput.top_logprobs``): empty dicts where there are none."""
+    if out.top_logprobs is None:
+        return [{} for _ in out.token_ids]
+    return out.top_logprobs
+
+
+def _finite(lp: float) -> float | None:
+    return None if lp != lp else lp
+
+
+def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float | None], decode: Decode,
+                  tops: Sequence[dict[int, float]], top_k: int) -> ChatLogprobs:
+    """OpenAI's chat form: each token's ``top_logprobs`` are its ``top_k`` best alternatives (the first ``top_k``
+    entries of the engine's dict, which lists them best first and only then the sampled token)."""
     content = []
-    for tid, lp in zip(token_ids, logprobs, strict=True):
+    for tid, lp, top in zip(token_ids, logprobs, tops, strict=True):
         text = decode(tid)
-        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")), top_logprobs=[]))
+        alternatives = []
+        for alt, alt_lp in list(top.items())[:top_k]:
+            alt_text = decode(alt)
+            alternatives.append(TopLogprob(token=alt_text, logprob=_finite(alt_lp),
+                                           bytes=list(alt_text.encode("utf-8"))))
+        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")),
+                                    top_logprobs=alternatives))
     return ChatLogprobs(content=content)
 
 
 def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float | None], decode: Decode,
-                        offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy form, ``text_offset`` counted from ``offset`` (the choice's text so far)."""
+                        offset: int, tops: Sequence[dict[int, float]]) -> CompletionLogprobs:
+    """OpenAI's legacy form, ``text_offset`` counted from ``offset`` (the choice's text so far). ``top_logprobs``
+    holds per token the ``logprobs`` best alternatives and the sampled token (so up to ``logprobs + 1`` entries,
+    as OpenAI documents), keyed by their text."""
     tokens = [decode(t) for t in token_ids]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=None, text_offset=offsets)
+    top_logprobs = [{decode(alt): lp for alt, lp in top.items() if lp == lp} for top in tops]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=top_logprobs,
+                              text_offset=offsets)
 
 
 def usage(choices: Sequence[Choice], n: int) -> Usage:
