@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from types import TracebackType
+from typing import Self
 
 import trio
 
@@ -120,7 +121,30 @@ class _Group:
         self.streams: list[_Stream] = []
 
 
-class RequestStream:
+class _LeftOnExit:
+    """``aclose`` and ``async with`` for a stream whose ``close_nowait`` leaves it."""
+
+    def close_nowait(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """``close_nowait``, then a checkpoint."""
+        self.close_nowait()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class RequestStream(_LeftOnExit):
     """A client's stream of ``RequestOutput`` frames; an async iterator and an async context manager.
 
     Iteration ends after the frame with ``finished=True``. Leaving early (``aclose``, the ``async with`` exit,
@@ -147,25 +171,10 @@ class RequestStream:
                 raise StopAsyncIteration
             await stream.lot.park()
 
-    async def aclose(self) -> None:
-        """Leave the stream; reports ``ClientGone`` if the request has not finished (once)."""
-        self.close_nowait()
-        await trio.lowlevel.checkpoint()
-
     def close_nowait(self) -> None:
-        """Synchronous ``aclose``: safe from ``__del__`` and from code that cannot await."""
+        """Leave the stream; reports ``ClientGone`` if the request has not finished (once). Safe from ``__del__``
+        and from code that cannot await."""
         self._actor._close(self._stream)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __del__(self) -> None:
         stream = self.__dict__.get("_stream")
@@ -173,7 +182,7 @@ class RequestStream:
             self.close_nowait()
 
 
-class GroupStream:
+class GroupStream(_LeftOnExit):
     """The frames of ``n`` choices of one request, in the order they arrived, each with its ``index``.
 
     Iteration ends once every choice has delivered its final frame. Leaving early closes every choice that has
@@ -202,26 +211,11 @@ class GroupStream:
                 raise StopAsyncIteration
             await group.lot.park()
 
-    async def aclose(self) -> None:
-        """Leave every choice; each unfinished one reports ``ClientGone`` (once)."""
-        self.close_nowait()
-        await trio.lowlevel.checkpoint()
-
     def close_nowait(self) -> None:
+        """Leave every choice; each unfinished one reports ``ClientGone`` (once)."""
         for stream in self._group.streams:
             self._actor._close(stream)
         self._group.order.clear()
-
-    async def __aenter__(self) -> GroupStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __del__(self) -> None:
         group = self.__dict__.get("_group")

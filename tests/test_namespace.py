@@ -34,7 +34,7 @@ def test_the_public_api_is_at_the_top() -> None:
     from tickloom.engine.api import Engine
 
     assert tickloom.Engine is Engine and AsyncioEngine.__module__ == "tickloom.engine.asyncio"
-    assert sorted(tickloom.__all__) == sorted(tickloom._EXPORTS)
+    assert sorted(tickloom.__all__) == sorted(tickloom.engine.__all__)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = tickloom.Nope
 

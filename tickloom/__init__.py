@@ -27,46 +27,17 @@ from typing import TYPE_CHECKING, Any
 if not (Path(__file__).parent / "engine").is_dir() and (Path(__file__).parent.parent / "engine" / "core").is_dir():
     __path__.append(str(Path(__file__).parent.parent))
 
-_EXPORTS = {
-    "Engine": "tickloom.engine.api",
-    "RequestStream": "tickloom.engine.api",
-    "EngineConfig": "tickloom.engine.config",
-    "FaultPlan": "tickloom.engine.config",
-    "SamplingParams": "tickloom.engine.params",
-    "RequestOutput": "tickloom.actors.outputs",
-    "RequestUsage": "tickloom.actors.outputs",
-    "EngineError": "tickloom.engine.errors",
-    "EngineOverloaded": "tickloom.engine.errors",
-    "RequestRejected": "tickloom.engine.errors",
-    "ConfigError": "tickloom.engine.errors",
-}
+from tickloom.engine import __all__ as _API  # the public API's one list of names (engine/__init__.py)
 
-__all__ = [
-    "ConfigError",
-    "Engine",
-    "EngineConfig",
-    "EngineError",
-    "EngineOverloaded",
-    "FaultPlan",
-    "RequestOutput",
-    "RequestRejected",
-    "RequestStream",
-    "RequestUsage",
-    "SamplingParams",
-]
+__all__ = list(_API)
 
 if TYPE_CHECKING:
-    from tickloom.actors.outputs import RequestOutput, RequestUsage
-    from tickloom.engine.api import Engine, RequestStream
-    from tickloom.engine.config import EngineConfig, FaultPlan
-    from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
-    from tickloom.engine.params import SamplingParams
+    from tickloom.engine import *  # noqa: F403  (the same names, for type checkers)
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _API:
         raise AttributeError(f"module 'tickloom' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module("tickloom.engine"), name)
     globals()[name] = value
     return value
