@@ -7,7 +7,6 @@ un-permuted (llama.cpp's converter interleaves rope pairs for them). The tokeniz
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,33 +18,13 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from tickloom.engine.model.config import ModelConfig
 from tickloom.engine.model.errors import ModelLoadError
+from tickloom.engine.model.gguf_blocks import hf_name, unpermute_rope
 from tickloom.engine.model.quant import RawBlocks
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.F64, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Pre-tokenizer regexes by ``tokenizer.ggml.pre`` (behaviour as documented by llama.cpp).
 _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -64,21 +43,6 @@ def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     if f is None:
         return default
     return f.contents()
-
-
-def hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    m = _BLK.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
-
-
-def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (pairs interleaved back to rotate-half halves)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def open_gguf(path: Path) -> GGUFReader:

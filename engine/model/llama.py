@@ -2,11 +2,16 @@
 
 Plain torch in the gpt-fast style: a fused qkv weight, small functions, an explicit KV
 cache. One forward runs a mixed batch of prefill chunks and decode rows, flattened to ``T`` tokens.
+
+At batch 1 a small model's step is mostly per-op overhead (30 layers of a dozen small ops each), so each layer
+keeps the op count down: one fused RMSNorm, rope on q and k at once written back into the qkv output, K and V
+stored by one ``index_copy_`` and gathered by one ``index_select`` (``kv_cache.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +26,7 @@ from tickloom.engine.model.quant import (
     Weight,
     activation_dtype,
     check_quant,
-    head_quant,
+    head_linear,
     join_linear,
 )
 
@@ -65,8 +70,8 @@ class LayerWeights:
         self, t: Mapping[str, Weight], prefix: str, bias: bool, quant: str, dtype: torch.dtype, act: torch.dtype
     ) -> None:
         a = prefix + "self_attn."
-        self.attn_norm = _dense(t[prefix + "input_layernorm.weight"], dtype)
-        self.mlp_norm = _dense(t[prefix + "post_attention_layernorm.weight"], dtype)
+        self.attn_norm = norm_weight2(_dense(t[prefix + "input_layernorm.weight"], dtype))
+        self.mlp_norm = norm_weight2(_dense(t[prefix + "post_attention_layernorm.weight"], dtype))
         biases = None
         if bias:
             biases = [_dense(t[a + f"{p}_proj.bias"], dtype) for p in "qkv"]
@@ -81,25 +86,48 @@ def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     return (w.dequantize() if isinstance(w, RawBlocks) else w).to(dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    var = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+def rms_norm(x: torch.Tensor, weight2: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` (``tokens x hidden``) with ``weight2 = norm_weight2(weight)``.
+
+    Why layer_norm: torch's CPU ``rms_norm`` is a composite of seven ops, while ``layer_norm`` is one fused kernel
+    (float32 statistics for 16-bit inputs). Over ``[x, -x]`` the mean is zero and the variance is ``mean(x^2)``,
+    so its first half is exactly RMSNorm, for half the time at batch 1. The result is a view (contiguous for one
+    token)."""
+    h = x.shape[-1]
+    return F.layer_norm(torch.cat((x, x.neg()), -1), (2 * h,), weight2, None, eps)[..., :h]
+
+
+def norm_weight2(w: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm weight padded with zeros to the width ``rms_norm`` normalizes."""
+    return torch.cat((w, torch.zeros_like(w)))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope on ``tokens x heads x head_dim``; ``cos``/``sin`` are ``tokens x 1 x dim/2``."""
+    """Rotate-half rope on ``tokens x heads x head_dim``, in place; ``cos`` is ``tokens x 1 x dim`` (the angles
+    twice), ``sin`` the same with its first half negated (``rope_tables``).
+
+    ``rotate_half(x) * sin == x.roll(dim / 2) * sin_signed``, so rope is three ops and needs no ``cat``."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, x.roll(half, -1), sin, out=x)
+
+
+def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin), each ``n x head_dim``, for positions ``0..n-1``. The angles are computed in float32, as the
+    reference implementation does."""
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq.float())
+    cos, sin = freqs.cos(), freqs.sin()
+    return (torch.cat((cos, cos), -1).to(device=device, dtype=dtype),
+            torch.cat((-sin, sin), -1).to(device=device, dtype=dtype))
 
 
 class LlamaModel:
     """Weights plus the paged-attention forward. Not an ``nn.Module``: it never trains.
 
-    ``quant`` (``engine.model.quant.QUANT_SETTINGS``) picks the projections' and the LM head's form; the
-    embedding table stays in ``dtype`` for lookup (or GGUF Q8_0 rows, dequantized per lookup). Tensors may be
-    GGUF ``RawBlocks``; float tensors are converted to ``dtype`` as they are used."""
+    ``quant`` (``engine.model.quant.QUANT_SETTINGS``) picks the projections' form; the LM head is dense without
+    ``quant`` and int8 with it (``quant.head_linear``). The embedding table stays in ``dtype`` for lookup (or GGUF
+    Q8_0 rows, dequantized per lookup). Tensors may be GGUF ``RawBlocks``; float tensors are converted to ``dtype``
+    as they are used."""
 
     def __init__(
         self,
@@ -120,25 +148,27 @@ class LlamaModel:
             for k, v in tensors.items()
         }
         self.embed = Embedding(t["model.embed_tokens.weight"], dtype)
-        self.norm = _dense(t["model.norm.weight"], dtype)
+        self.norm = norm_weight2(_dense(t["model.norm.weight"], dtype))
         head = self.embed.weight() if cfg.tie_word_embeddings else t["lm_head.weight"]
-        self.lm_head: Linear = join_linear([head], None, head_quant(quant), act)
-        self.embed.raw = None  # the head has what it needed from the blocks
-        self.layers = [
-            LayerWeights(t, f"model.layers.{n}.", cfg.attention_bias, quant, dtype, act) for n in range(cfg.num_layers)
-        ]
+        # The head packs on a second thread while the layers pack here: fbgemm's packing of the 49152-row head
+        # (0.3 s) releases the GIL, and most of the layers' packing does too.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(head_linear, head, quant, act)
+            self.layers = [
+                LayerWeights(t, f"model.layers.{n}.", cfg.attention_bias, quant, dtype, act)
+                for n in range(cfg.num_layers)
+            ]
+            self.lm_head: Linear = pending.result()
+        self.embed.release_pages()  # packing read every page of the file; lookups need a few rows
         self.scale = cfg.head_dim**-0.5
-        inv = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64)
-        self._inv_freq = inv
-        self._cos = torch.empty(0, device=device)
-        self._sin = torch.empty(0, device=device)
-        self._grow_rope(max(cfg.max_position_embeddings, 1))
+        self._q_size, self._kv_size, self._gqa = cfg.q_size, cfg.kv_size, cfg.num_heads // cfg.num_kv_heads
+        self._rope_heads, self._kv_heads2 = cfg.num_heads + cfg.num_kv_heads, 2 * cfg.num_kv_heads
+        self._inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64)
+        self._cos = self._sin = torch.empty(0, device=device)
+        self._grow_rope(max(min(cfg.max_position_embeddings, 2048), 1))
 
     def _grow_rope(self, n: int) -> None:
-        # positions x inv_freq in float32, as the reference implementation does
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self._inv_freq.float())
-        self._cos = freqs.cos().to(device=self.device, dtype=self.dtype)
-        self._sin = freqs.sin().to(device=self.device, dtype=self.dtype)
+        self._cos, self._sin = rope_tables(self._inv_freq, n, self.dtype, self.device)
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.cfg
@@ -152,13 +182,14 @@ class LlamaModel:
             self._grow_rope(max(2 * self._cos.shape[0], max_pos + 1))
         cos = self._cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self._sin.index_select(0, batch.positions).unsqueeze(1)
+        masks = [self._decode_bias(g) if g.q_len == 1 and g.rows > 1 else g.mask for g in batch.groups]
+        eps = self.cfg.rms_norm_eps
         x = self.embed(batch.input_ids)
         for n, layer in enumerate(self.layers):
-            x = x + self._attention(n, layer, rms_norm(x, layer.attn_norm, self.cfg.rms_norm_eps), cos, sin, batch, kv)
-            x = x + self._mlp(layer, rms_norm(x, layer.mlp_norm, self.cfg.rms_norm_eps))
+            x.add_(self._attention(n, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, batch, masks, kv))
+            x.add_(self._mlp(layer, rms_norm(x, layer.mlp_norm, eps)))
         h = x if batch.logit_index is None else x.index_select(0, batch.logit_index)
-        h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+        return self.lm_head(rms_norm(h, self.norm, eps)).float()
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads (every projection and the head; the embedding rows are few)."""
@@ -171,8 +202,13 @@ class LlamaModel:
         return self.weight_bytes() + (0 if shared else self.embed.nbytes())
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(layer.w1(x))
+        gate = F.silu(layer.w1(x), inplace=True)
         return layer.w2(gate.mul_(layer.w3(x)))
+
+    def _decode_bias(self, g: AttnGroup) -> torch.Tensor:
+        """A decode group's mask as an additive bias, ``1 x rows x 1 x ctx``, made once per step for all layers."""
+        bias = torch.zeros(g.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~g.mask, float("-inf"))
+        return bias.view(1, g.rows, 1, -1)
 
     def _attention(
         self,
@@ -182,44 +218,46 @@ class LlamaModel:
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: StepBatch,
+        masks: list[torch.Tensor],
         kv: PagedKVCache,
     ) -> torch.Tensor:
-        c = self.cfg
         t = x.shape[0]
+        qs, d = self._q_size, self.cfg.head_dim
         qkv = layer.qkv(x)
-        q = qkv[:, : c.q_size]
-        k = qkv[:, c.q_size : c.q_size + c.kv_size]
-        v = qkv[:, c.q_size + c.kv_size :]
-        q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-        kv.write(n, batch.write_slots, k, v.reshape(t, c.num_kv_heads, c.head_dim))
-        if len(batch.groups) == 1 and batch.groups[0].token_index is None:
-            out = self._attend(n, q, batch.groups[0], kv)
-        else:
-            out = torch.empty_like(q)
-            for g in batch.groups:
-                if g.token_index is None:
-                    out[g.start : g.end] = self._attend(n, q[g.start : g.end], g, kv)
-                else:
-                    part = self._attend(n, q.index_select(0, g.token_index), g, kv)
-                    out.index_copy_(0, g.token_index, part)
-        return layer.wo(out.reshape(t, c.q_size))
+        apply_rope(qkv[:, : qs + self._kv_size].view(t, self._rope_heads, d), cos, sin)
+        kv.write(n, batch.write_slots, qkv[:, qs:].view(t, self._kv_heads2, d))
+        q = qkv[:, :qs]
+        groups = batch.groups
+        if len(groups) == 1 and groups[0].token_index is None:
+            return layer.wo(self._attend(n, q, groups[0], masks[0], kv))
+        out = torch.empty(t, qs, dtype=qkv.dtype, device=qkv.device)
+        for g, mask in zip(groups, masks, strict=True):
+            if g.token_index is None:
+                out[g.start : g.end] = self._attend(n, q[g.start : g.end], g, mask, kv)
+            else:
+                out.index_copy_(0, g.token_index, self._attend(n, q.index_select(0, g.token_index), g, mask, kv))
+        return layer.wo(out)
 
-    def _attend(self, n: int, q: torch.Tensor, g: AttnGroup, kv: PagedKVCache) -> torch.Tensor:
-        """Attention for ``g.rows`` rows of ``g.q_len`` queries each over their gathered blocks.
+    def _attend(self, n: int, q: torch.Tensor, g: AttnGroup, mask: torch.Tensor, kv: PagedKVCache) -> torch.Tensor:
+        """Attention for ``g.rows`` rows of ``g.q_len`` queries each over their gathered blocks; returns
+        ``rows * q_len x q_size``.
 
-        Grouped-query heads are folded into the query axis (head ``h`` uses kv head ``h // G``), so
-        K/V are never repeated: queries become ``rows x kv_heads x (G * q_len) x head_dim``.
-        """
-        c = self.cfg
-        groups = c.num_heads // c.num_kv_heads
+        Grouped-query heads are folded into the query axis (head ``h`` uses kv head ``h // G``), so K/V are never
+        repeated, and kv heads lead (the gathered cache's order): queries become ``kv_heads x rows x (G * q_len) x
+        head_dim``. Batched decode rows use two matmuls and a softmax: torch's CPU flash attention runs per (row,
+        head) and cost 3x that at batch 32; a single row or a prefill chunk uses it."""
+        kvh, groups, d = self.cfg.num_kv_heads, self._gqa, self.cfg.head_dim
         b, ql = g.rows, g.q_len
         kb, vb = kv.gather(n, g.block_index)
-        ctx = kb.shape[0] // b * kv.block_size
-        kk = kb.view(b, ctx, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        vv = vb.view(b, ctx, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        qq = q.view(b, ql, c.num_kv_heads, groups, c.head_dim).permute(0, 2, 3, 1, 4)
-        qq = qq.reshape(b, c.num_kv_heads, groups * ql, c.head_dim)
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=self.scale)
-        o = o.view(b, c.num_kv_heads, groups, ql, c.head_dim).permute(0, 3, 1, 2, 4)
-        return o.reshape(b * ql, c.num_heads, c.head_dim)
+        k, v = kb.view(kvh, b, -1, d), vb.view(kvh, b, -1, d)
+        if ql == 1 and b == 1:  # one token: rows x kv_heads and kv_heads x rows are the same memory
+            o = F.scaled_dot_product_attention(q.view(kvh, 1, groups, d), k, v, attn_mask=mask, scale=self.scale)
+            return o.view(1, self._q_size)
+        if ql == 1:
+            qq = q.view(b, kvh, groups, d).transpose(0, 1)
+            scores = torch.add(mask, torch.matmul(qq, k.transpose(-1, -2)), alpha=self.scale)
+            o = torch.matmul(scores.softmax(-1), v)
+            return o.transpose(0, 1).reshape(b, self._q_size)
+        qq = q.view(ql, kvh, groups, d).permute(1, 2, 0, 3).reshape(kvh, 1, groups * ql, d)
+        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=self.scale)
+        return o.view(kvh, groups, ql, d).permute(2, 0, 1, 3).reshape(ql, self._q_size)

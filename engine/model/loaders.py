@@ -269,10 +269,11 @@ def load_hf_dir(
 
 def _gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, Weight]:
     from tickloom.engine.model.gguf_blocks import read_gguf_blocks
-    from tickloom.engine.model.gguf_loader import gguf_weights, open_gguf
 
     got = read_gguf_blocks(path, cfg)
-    if got is None:
+    if got is None:  # only now import the gguf package (0.2 s)
+        from tickloom.engine.model.gguf_loader import gguf_weights, open_gguf
+
         got = gguf_weights(path, open_gguf(path), cfg)
     out: dict[str, Weight] = {}
     for name, shape in expected_shapes(cfg).items():
