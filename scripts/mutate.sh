@@ -166,6 +166,12 @@ engine.core.state.xǁWaitingQueueǁdiscard__mutmut_2	the assert's message: the a
 engine.core.state.xǁWaitingQueueǁdiscard__mutmut_3	as mutant 2
 engine.core.state.x_find_in_run_order__mutmut_17	-2 for -1 when absent: the only caller that may miss tests i >= 0
 engine.core.lifecycle.x_release_fences__mutmut_13	unblocked not set when fences are released: they are released while applying a settled or failed step, before this tick's own admission, swap-in and resume run; as apply_inputs mutant 47
+engine.core.lane.x_plan_lane_decode__mutmut_83	>= for >: with exactly enough free and cached blocks the lane stands down (only speed, as _join mutant 6)
+engine.core.lane.x_plan_lane_decode__mutmut_94	>= for >: when the rows need exactly the free blocks, reclaim(0) frees nothing
+engine.core.lane.x_plan_lane_decode__mutmut_98	popitem(last=None): falsy like False
+engine.core.lane.x_plan_lane_decode__mutmut_121	zip(strict=None): the positions are computed from the members, one each
+engine.core.lane.x_plan_lane_decode__mutmut_124	as mutant 121
+engine.core.lane.x_plan_lane_decode__mutmut_125	as mutant 121
 EOF
 )
 
