@@ -172,6 +172,26 @@ engine.core.lane.x_plan_lane_decode__mutmut_98	popitem(last=None): falsy like Fa
 engine.core.lane.x_plan_lane_decode__mutmut_121	zip(strict=None): the positions are computed from the members, one each
 engine.core.lane.x_plan_lane_decode__mutmut_124	as mutant 121
 engine.core.lane.x_plan_lane_decode__mutmut_125	as mutant 121
+engine.core.blocks.xǁBlockPoolǁallocate__mutmut_6	popitem(last=None): falsy like False
+engine.core.blocks.xǁBlockPoolǁrelease__mutmut_9	as reclaim mutant 20 (the ordered sets' values are never read)
+engine.core.blocks.xǁBlockPoolǁrelease__mutmut_10	as reclaim mutant 20
+engine.core.blocks.xǁBlockPoolǁrelease__mutmut_11	<= 0 for < 0 in the elif: a count of 0 took the branch before it
+engine.core.blocks.xǁBlockPoolǁrelease__mutmut_12	as mutant 11 (< 1)
+engine.core.lane.x_plan_lane_decode__mutmut_135	tokens = None for []: the lane's tokens are read only when tokens_step names its step, and hand_tokens assigns a new list first
+engine.core.lane.x_start_lane__mutmut_2	stop_rule without the config: cached at arrival, as _join mutant 8
+engine.core.lane.x_start_lane__mutmut_7	as mutant 2
+engine.core.lane.x_start_lane__mutmut_19	zip(strict=None): the limits are computed from the members, one each
+engine.core.lane.x_start_lane__mutmut_23	as mutant 19
+engine.core.lane.x_start_lane__mutmut_24	as mutant 19
+engine.core.lane.x_start_lane__mutmut_40	tokens=None: as plan_lane_decode mutant 135
+engine.core.lane.x_start_lane__mutmut_41	tokens_step=None: it is only compared with step ids (>= 0), which -1 never equals either
+engine.core.lane.x_start_lane__mutmut_58	tokens_step=-2: as mutant 41
+engine.core.state.x_ends_in_thinking__mutmut_2	True when no markers are configured: the flag it sets at arrival is then never acted on (same steps and outputs with a zero budget while running ahead: tests/test_core_cache.py)
+engine.core.state.xǁSeqǁtokens__mutmut_2	< for <=: at end == prompt_len the general branch returns the same slice (prompt[start:] plus no outputs)
+engine.core.state.xǁSeqǁtokens__mutmut_3	> for >=: at start == prompt_len the general branch returns the same slice (no prompt plus the outputs)
+engine.core.state.xǁWaitingQueueǁinsert__mutmut_8	<= for <: queue keys end in the arrival number, unique, so no two are equal
+engine.core.state.xǁWaitingQueueǁpop_head__mutmut_1	returns None: its one caller (admission) already holds the head from head()
+engine.core.state.xǁCoreStateǁjoin_running__mutmut_4	run orders step by 2: they are only compared with each other
 EOF
 )
 

@@ -100,3 +100,10 @@ def test_chain_hashes_cover_only_full_blocks() -> None:
     assert len(chain_hashes(bytes(16), pack_tokens(tokens), 4, "")) == 2
     assert len(chain_hashes(bytes(16), pack_tokens(tokens[:8]), 4, "")) == 2
     assert len(chain_hashes(bytes(16), pack_tokens(tokens[:7]), 4, "")) == 1
+
+
+def test_allocate_refuses_more_than_the_free_blocks_and_takes_nothing() -> None:
+    pool = _cached_pool(4, 2)
+    with pytest.raises(ValueError, match=r"^allocate\(3\) with only 2 free blocks$"):
+        pool.allocate(3)
+    assert pool.num_free == 2 and pool.allocate(2) == [2, 3], "free blocks go out in order"

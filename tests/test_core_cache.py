@@ -167,6 +167,22 @@ def test_c20_thinking_state_survives_requeue() -> None:
         assert pressed.output(rid) == calm.output(rid) and pressed.reasoning[rid] == calm.reasoning[rid]
 
 
+
+def test_c20_a_thinking_budget_does_nothing_without_thinking_markers() -> None:
+    """With no think-start/think-end configured nothing is reasoning, so a budget (even 0) forces nothing and does
+    not keep the sequence from running ahead: the steps are the same as without a budget."""
+    from tickloom.events import SamplingSpec
+
+    plain, budgeted = (Harness(CoreConfig(num_blocks=16, block_size=16, max_seq_len=128, pipeline_depth=2),
+                               device_lag=1) for _ in range(2))
+    plain.step(arrival("r", 10, params=SamplingSpec(max_tokens=6)))
+    budgeted.step(arrival("r", 10, params=SamplingSpec(max_tokens=6, thinking_budget=0)))
+    for h in (plain, budgeted):
+        h.run()
+    assert budgeted.output("r") == plain.output("r") and len(plain.output("r")) == 6
+    assert budgeted.finishes["r"].usage.reasoning_tokens == 0 and budgeted.reasoning["r"] == [False] * 6
+    assert budgeted.commands(RunStep) == plain.commands(RunStep)
+
 def test_c21_no_leaks_after_a_mixed_workload() -> None:
     config = CoreConfig(num_blocks=10, block_size=16, max_seq_len=96, spill_enabled=True, pipeline_depth=2,
                         eos_token_ids=(2,))
