@@ -192,6 +192,8 @@ engine.core.state.xǁSeqǁtokens__mutmut_3	> for >=: at start == prompt_len the 
 engine.core.state.xǁWaitingQueueǁinsert__mutmut_8	<= for <: queue keys end in the arrival number, unique, so no two are equal
 engine.core.state.xǁWaitingQueueǁpop_head__mutmut_1	returns None: its one caller (admission) already holds the head from head()
 engine.core.state.xǁCoreStateǁjoin_running__mutmut_4	run orders step by 2: they are only compared with each other
+engine.core.state.xǁCoreStateǁprune_running__mutmut_2	the threshold between two ways of dropping the finished (binary searches or one rebuild), which leave the same list: only speed
+engine.core.state.xǁCoreStateǁprune_running__mutmut_3	as mutant 2
 EOF
 )
 
