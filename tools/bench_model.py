@@ -1,12 +1,17 @@
 """``tickloom bench model``: this runner's decode/prefill throughput against transformers ``generate``, or with
 ``--against llama.cpp`` against llama-cpp-python on the same GGUF.
 
-Both run in one process, on the same prompts, with ``torch.set_num_threads(1)`` (``--threads`` takes a list).
-Greedy decoding; eos never stops either side. ``--settings`` lists the weight settings to run (``dtype+quant``:
-``float32+none``, ``bfloat16+none``, ``bfloat16+int8``, ``bfloat16+int4``; ``default`` is the model's own).
+Both run in one process, on the same prompts, with ``torch.set_num_threads(1)`` (``--threads`` takes a list;
+against llama.cpp the default is 1 and 2, and 128 new tokens instead of 32). Greedy decoding; eos never stops
+either side. ``--settings`` lists the weight settings to run (``dtype+quant``: ``float32+none``, ``bfloat16+none``,
+``bfloat16+int8``, ``bfloat16+int4``; ``default`` is the model's own).
+
 With llama.cpp, runs alternate (ours, theirs, ours, ...), the median of ``--repeat`` counts, and each batch-1 row
-shows the physical limit: weight bytes read per token over the memory bandwidth of a large torch copy. A child
-process per setting measures resident memory (the model loaded, a 4096-token KV cache) and the warm load time.
+shows the physical limit: the weight bytes one token reads (every projection and the LM head; not the few
+embedding rows, nor the KV cache, a few MiB at these lengths) over the memory bandwidth measured with the same
+thread count (a large torch reduction: reading is what a decode step does to its weights), and the fraction of it
+reached. A child process per setting measures resident memory (the model loaded, a 4096-token KV cache) and the
+warm load time (from before the first tickloom import, torch already imported, to a model and cache in hand).
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", default=["tiny-bench", "smollm2-135m"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, nargs="+", default=[1])
+    p.add_argument("--new-tokens", type=int, default=None, help="default: 32; 128 against llama.cpp")
+    p.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1; 1 and 2 against llama.cpp")
     p.add_argument("--settings", nargs="+", default=["default"], help="dtype+quant settings (default: the model's)")
     p.add_argument("--against", choices=["transformers", "llama.cpp"], default="transformers")
     p.add_argument("--block-size", type=int, default=16)
@@ -107,7 +112,8 @@ def _hf(ref: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, flo
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.against == "llama.cpp":
         return run_llamacpp(args)
-    torch.set_num_threads(args.threads[0])
+    args.new_tokens = args.new_tokens or 32
+    torch.set_num_threads((args.threads or [1])[0])
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -165,15 +171,15 @@ if __name__ == "__main__":
 
 
 def memory_bandwidth(nbytes: int = 256 << 20, repeat: int = 5) -> float:
-    """Bytes per second of a large torch copy (read + write counted), the best of ``repeat``."""
+    """Bytes per second read by a reduction over a large tensor (far larger than any cache), the best of
+    ``repeat``, with torch's current thread count."""
     src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    return nbytes / best
 
 
 _FOOTPRINT = """
@@ -211,12 +217,17 @@ def run_llamacpp(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tickloom.engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
     from tickloom.tools import bench_llamacpp
 
-    new_tokens = args.new_tokens if args.new_tokens != 32 else 128
+    new_tokens = args.new_tokens or 128
+    thread_counts = args.threads or [1, 2]
     have = bench_llamacpp.available()
     if not have:
         print(f"llama.cpp: llama_cpp is not importable; to compare, {bench_llamacpp.INSTALL_HINT}", flush=True)
-    bw = memory_bandwidth()
-    print(f"memory bandwidth (torch copy): {bw / 1e9:.1f} GB/s", flush=True)
+    bw = {}
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        bw[threads] = memory_bandwidth()
+    print("memory bandwidth (torch read): " + ", ".join(f"{t} thread{'s' if t > 1 else ''} {b / 1e9:.1f} GB/s"
+                                                       for t, b in bw.items()), flush=True)
     rows: list[dict[str, Any]] = []
     for name in args.models:
         gguf = smollm2_gguf_path() if name == DEFAULT_MODEL else (Path(name) if name.endswith(".gguf") else None)
@@ -236,7 +247,7 @@ def run_llamacpp(args: argparse.Namespace) -> list[dict[str, Any]]:
                   f"weights read per token {wbytes / 2**20:.0f} MiB", flush=True)
             rng = random.Random(0)
             vocab = min(lm.config.vocab_size, lm.tokenizer.vocab_size)
-            for threads in args.threads:
+            for threads in thread_counts:
                 torch.set_num_threads(threads)
                 for b in args.batch_sizes:
                     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
@@ -252,7 +263,7 @@ def run_llamacpp(args: argparse.Namespace) -> list[dict[str, Any]]:
                                            "decode_tok_s": b * (new_tokens - 1) / _median(ours_t),
                                            "rss": fp["rss"], "load_s": fp["load_s"]}
                     if b == 1:
-                        row["limit_tok_s"] = bw / wbytes
+                        row["limit_tok_s"] = bw[threads] / wbytes
                     if theirs_t:
                         row["llamacpp_tok_s"] = b * (new_tokens - 1) / _median(theirs_t)
                         row["ratio"] = row["decode_tok_s"] / row["llamacpp_tok_s"]
@@ -266,5 +277,5 @@ def _print_llamacpp_row(row: dict[str, Any]) -> None:
     if "llamacpp_tok_s" in row:
         parts.append(f"| llama.cpp {row['llamacpp_tok_s']:8.1f} | x{row['ratio']:.2f}")
     if "limit_tok_s" in row:
-        parts.append(f"| batch-1 limit {row['limit_tok_s']:7.1f}")
+        parts.append(f"| batch-1 limit {row['limit_tok_s']:7.1f} ({row['decode_tok_s'] / row['limit_tok_s']:.0%})")
     print("  ".join(parts), flush=True)
