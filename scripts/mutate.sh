@@ -194,6 +194,7 @@ engine.core.state.xǁWaitingQueueǁpop_head__mutmut_1	returns None: its one call
 engine.core.state.xǁCoreStateǁjoin_running__mutmut_4	run orders step by 2: they are only compared with each other
 engine.core.state.xǁCoreStateǁprune_running__mutmut_2	the threshold between two ways of dropping the finished (binary searches or one rebuild), which leave the same list: only speed
 engine.core.state.xǁCoreStateǁprune_running__mutmut_3	as mutant 2
+engine.core.state.xǁCoreStateǁprune_running__mutmut_4	as mutant 2
 EOF
 )
 

@@ -76,7 +76,7 @@ def cache_prefix_of(state: CoreState, seq: Seq, tokens: int) -> list[int]:
 
 
 def context() -> TickContext:
-    return TickContext(now_ns=0)
+    return TickContext()
 
 
 def tick(core: SchedulerCore, *inputs: Input) -> TickOutputs:

@@ -28,7 +28,7 @@ def _same(a: list[float] | None, b: list[float]) -> bool:
 
 
 def test_optional_columns_are_padded_for_the_entries_before_them() -> None:
-    ctx = TickContext(now_ns=0)
+    ctx = TickContext()
     ctx.emit("a", 5, 0, False, None)
     ctx.emit("b", 6, 0, False, -0.5, ([6, 7], [-0.5, -1.0]), ([-1.25], [[3]], [[-0.75]]))
     ctx.emit("a", 8, 1, False, None)
@@ -46,7 +46,7 @@ def test_optional_columns_are_padded_for_the_entries_before_them() -> None:
 
 
 def test_top_k_alone_starts_its_columns_without_a_logprob_column_change() -> None:
-    ctx = TickContext(now_ns=0)
+    ctx = TickContext()
     ctx.emit("a", 1, 0, False, -0.25)
     ctx.emit("a", 2, 1, False, -0.5)
     ctx.emit("b", 3, 0, False, -0.75, ([3], [-0.75]))

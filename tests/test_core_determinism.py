@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import msgspec
+import pytest
 from test_core_blast import BlastHarness, blast_config, run_blast
 
 from tickloom.engine.core import SchedulerCore
@@ -188,3 +189,31 @@ def test_c22_snapshot_is_a_copy() -> None:
         restored.tick(tick_inputs)
     assert encode_snapshot(snap) == before
     assert encode_snapshot(core.snapshot()) == encode_snapshot(restored.snapshot())
+
+
+def test_c22_the_tick_keeps_the_encoding_of_its_commands_for_the_log() -> None:
+    """The log writer and the verifier reuse ``last_encoded_commands`` instead of encoding the commands again: it
+    must be exactly this tick's commands, encoded."""
+    from tickloom.events import encode_commands
+
+    h = run_blast(5, 40, blast_config(2, True, True, 64))
+    core = h.core
+    out = core.tick(TickInputs(core.state.tick + 1, core.state.now_ns, []))
+    assert core.last_encoded_commands == encode_commands(out.commands)
+
+
+def test_c22_a_finished_sequence_missing_from_running_is_named() -> None:
+    from core_state import add_seq, make_core
+
+    from tickloom.engine.core import InvariantViolation
+
+    state = make_core(num_blocks=16, block_size=16, max_seq_len=128).state
+    for i in range(9):
+        add_seq(state, f"r{i}", 4)
+    ghost = add_seq(state, "ghost", 4)
+    state.running.remove(ghost)
+    ghost.status = Status.FINISHED
+    state.stale.append(ghost)
+    with pytest.raises(InvariantViolation) as raised:
+        state.prune_running()
+    assert str(raised.value) == "finished sequences leave running once: 'ghost' is stale but not running"

@@ -37,7 +37,6 @@ class TickContext:
     or that blank.
     """
 
-    now_ns: int
     commands: list[Command] = attrs.Factory(list)
     releases: list[Command] = attrs.Factory(list)
     """``ReleaseRequest``s, emitted after the tick's ``RunStep``: a request that ends in the end-of-tick phases

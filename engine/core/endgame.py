@@ -161,8 +161,9 @@ def _resume(state: CoreState, seq: Seq) -> None:
 def resume_preempted(state: CoreState, ctx: TickContext) -> None:
     """Resume requeued sequences, fewest blocks first, each when ``need + 1`` blocks (``resume_want``) can be had.
 
-    The sequence's own cached prefix counts towards its need and is never reclaimed to make room for it; a
-    sequence that needs more blocks than the pool has gets an error instead of waiting forever.
+    The sequence's own cached prefix counts towards its need and is never reclaimed to make room for it. Every
+    sequence fits eventually: ``resume_want`` is at most ``blocks_for(max_seq_len)``, which the configuration
+    keeps within the pool.
     """
     if not state.preempted:
         return
@@ -173,10 +174,6 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
         seq = min(state.preempted, key=lambda s: (resume_blocks(state, s), s.arrival))
         need = resume_blocks(state, seq)
         want = resume_want(state, seq)
-        if want > pool.num_blocks:
-            mark_finish(state, seq, "error", len(seq.outputs) - 1,
-                        f"needs {want} KV blocks to resume, more than the pool's {pool.num_blocks}")
-            continue
         # A fresh prompt keeps its last token to compute (it samples); a history's pending token is fed later.
         reusable = seq.prefill_target if seq.outputs else seq.prefill_target - 1
         cached = state.config.prefix_caching and may_hit_cache(seq)

@@ -62,7 +62,7 @@ class SchedulerCore:
             raise InvariantViolation("time never goes back", f"now_ns {tick_inputs.now_ns} < {state.now_ns}")
         state.tick = tick_inputs.tick
         state.now_ns = tick_inputs.now_ns
-        ctx = TickContext(tick_inputs.now_ns)
+        ctx = TickContext()
 
         apply_inputs(state, ctx, tick_inputs.inputs)
         sweep_deadlines(state)
@@ -71,8 +71,6 @@ class SchedulerCore:
         retire_finished(state, ctx, fence_finished(state))
         swap_in(state, ctx)
         resume_preempted(state, ctx)
-        if state.finishing:  # resume_preempted may end a sequence that can never fit
-            retire_finished(state, ctx, fence_finished(state))
         compact_deadlines(state)
         if step is not None:
             ctx.commands.append(step)
