@@ -10,7 +10,7 @@ from tickloom.engine.core import CoreConfig
 from tickloom.engine.core.apply import apply_inputs
 from tickloom.engine.core.endgame import resume_preempted, retire_finished, swap_in
 from tickloom.engine.core.lifecycle import choose_victim
-from tickloom.engine.core.state import Status
+from tickloom.engine.core.state import CoreState, Seq, Status
 from tickloom.events import DropSpill, EmitTokens, Finish, Preempted, RunStep, SpillOut, SwapIn, SwapInFailed
 
 
@@ -251,3 +251,46 @@ def test_c07_a_requeued_sequence_sends_its_new_block_table_whole() -> None:
     for start, new in rows:
         assert start == sent, "each row continues the table where the previous one left it"
         sent += new
+
+
+def _swapped(state: CoreState, request_id: str, prompt: int) -> Seq:
+    seq = add_seq(state, request_id, prompt, outputs=5, status=Status.SWAPPED)
+    seq.spill_tokens, seq.swap_ready, seq.has_spill = seq.num_tokens - 1, True, True
+    return seq
+
+
+def test_c10_swap_in_reclaims_only_the_shortfall() -> None:
+    """The smallest candidate needs 2 blocks and 1 is free: exactly one cached block is evicted, the LRU one."""
+    core = make_core(num_blocks=12, block_size=16, max_seq_len=128, max_batch_size=8)
+    state = core.state
+    hold_blocks(state, add_seq(state, "holder", 100, outputs=1), 7)
+    small = _swapped(state, "small", 20)  # 24 KV tokens: 2 blocks
+    cache_unrelated(state, 4)
+    lru_first = list(state.pool.cached)
+    assert state.pool.num_free == 1
+    swap_in(state, context())
+    assert small.status is Status.RUNNING
+    assert list(state.pool.cached) == lru_first[1:], "one block evicted, the least recently used"
+
+
+def test_c10_swap_in_with_exactly_enough_free_blocks_evicts_nothing() -> None:
+    core = make_core(num_blocks=12, block_size=16, max_seq_len=128, max_batch_size=8)
+    state = core.state
+    hold_blocks(state, add_seq(state, "holder", 100, outputs=1), 6)
+    small = _swapped(state, "small", 20)
+    cache_unrelated(state, 4)
+    assert state.pool.num_free == 2
+    swap_in(state, context())
+    assert small.status is Status.RUNNING and state.pool.num_cached == 4
+
+
+def test_c10_swap_in_fills_the_batch_exactly() -> None:
+    """max_batch_size 3 with one running: two swapped sequences come back in the same tick, a third does not."""
+    core = make_core(num_blocks=20, block_size=16, max_seq_len=128, max_batch_size=3)
+    state = core.state
+    hold_blocks(state, add_seq(state, "holder", 20, outputs=1), 2)
+    first, second, third = (_swapped(state, name, 20) for name in ("s1", "s2", "s3"))
+    ctx = context()
+    swap_in(state, ctx)
+    assert [c.request_id for c in ctx.commands if isinstance(c, SwapIn)] == ["s1", "s2"]
+    assert first.status is second.status is Status.RUNNING and third.status is Status.SWAPPED
