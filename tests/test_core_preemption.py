@@ -294,3 +294,40 @@ def test_c10_swap_in_fills_the_batch_exactly() -> None:
     swap_in(state, ctx)
     assert [c.request_id for c in ctx.commands if isinstance(c, SwapIn)] == ["s1", "s2"]
     assert first.status is second.status is Status.RUNNING and third.status is Status.SWAPPED
+
+
+def test_c08_a_whole_cached_history_resumes_with_only_its_pending_token_to_feed() -> None:
+    """A history of 32 tokens (2 full blocks), all cached: both blocks are reused, so the resumed sequence computes
+    nothing again (for a fresh prompt the last token is always computed; a history's pending token is fed)."""
+    core = make_core(num_blocks=10, block_size=16, max_seq_len=128)
+    state = core.state
+    hold_blocks(state, add_seq(state, "holder", 80, outputs=1), 6)
+    parked = add_seq(state, "parked", 20, outputs=13, status=Status.PREEMPTED)  # history 32 = prompt + 12 outputs
+    own = cache_prefix_of(state, parked, 32)
+    assert len(own) == 2
+    resume_preempted(state, context())
+    assert parked.status is Status.RUNNING and parked.block_ids[:2] == own and parked.num_computed == 32
+
+
+def test_c08_resume_reclaims_only_the_shortfall() -> None:
+    core = make_core(num_blocks=60, block_size=16, max_seq_len=128)
+    state = core.state
+    hold_blocks(state, add_seq(state, "holder", 40, outputs=1), 8)
+    cache_unrelated(state, 50)
+    assert state.pool.num_free == 2
+    parked = add_seq(state, "parked", 20, outputs=13, status=Status.PREEMPTED)  # wants need + 1 = 4
+    resume_preempted(state, context())
+    assert parked.status is Status.RUNNING and state.pool.num_cached == 48, "2 free + 2 evicted make the 4"
+
+
+def test_c08_a_request_for_prompt_logprobs_resumes_without_cache_hits_before_its_first_token() -> None:
+    from tickloom.events import SamplingSpec
+
+    core = make_core(num_blocks=10, block_size=16, max_seq_len=128)
+    state = core.state
+    hold_blocks(state, add_seq(state, "holder", 80, outputs=1), 6)
+    parked = add_seq(state, "parked", 40, status=Status.PREEMPTED)
+    parked.params = SamplingSpec(max_tokens=8, prompt_logprobs=1)
+    assert len(cache_prefix_of(state, parked, 32)) == 2
+    resume_preempted(state, context())
+    assert parked.status is Status.RUNNING and parked.num_computed == 0, "every prompt position is computed"
