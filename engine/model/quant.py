@@ -121,14 +121,20 @@ class Int8Linear:
         return _nbytes(self.q, self.scales, self.bias)
 
 
-def q8_0_rows(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def q8_0_rows(blocks: np.ndarray, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q8_0 rows (a scale per 32) onto int8 ``N x K`` with one scale per row, the row's largest block scale:
-    each value moves by at most half a step of that scale."""
-    d8, q8 = gguf_q8_0(blocks)
-    d, q = torch.from_numpy(d8), torch.from_numpy(q8)
-    scales = d.abs().amax(dim=1).clamp(min=1e-12)
-    t = q.float().mul_((d / scales[:, None])[..., None]).round_().clamp_(-127, 127)
-    return t.to(torch.int8).reshape(q.shape[0], -1), scales
+    each value moves by at most half a step of that scale. Done ``chunk`` rows at a time, so the float
+    temporaries stay in cache (the whole 49152-row head at once took 2.5x as long)."""
+    n = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(n, -1, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    scales = np.maximum(np.abs(d).max(axis=1), np.float32(1e-12))
+    ratio = (d / scales[:, None])[..., None]  # |ratio| <= 1, so |q * ratio| <= 127: no clamp needed
+    q = np.empty((n, b.shape[1], 32), dtype=np.int8)
+    for lo in range(0, n, chunk):
+        part = b[lo : lo + chunk, :, 2:].view(np.int8)
+        q[lo : lo + chunk] = np.rint(part * ratio[lo : lo + chunk])
+    return torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(scales)
 
 
 def int8_rows(w: Weight) -> tuple[torch.Tensor, torch.Tensor]:
