@@ -146,7 +146,7 @@ def int8_rows(w: Weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fbgemm_available() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines
+    return "fbgemm" in torch.backends.quantized.supported_engines and _fbgemm_op() is not None
 
 
 def _vnni() -> bool:
@@ -157,9 +157,14 @@ def _vnni() -> bool:
         return False
 
 
-_QLINEAR: Callable[[torch.Tensor, float, int, Any], torch.Tensor] = (
-    torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
-)
+def _fbgemm_op() -> Any:
+    try:  # registered by every x86 build; absent from some others, which then never build a DynInt8Linear
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_QLINEAR: Callable[[torch.Tensor, float, int, Any], torch.Tensor] = _fbgemm_op()
 _LEVELS = 127 if _vnni() else 63
 """Activation steps each side of zero. fbgemm multiplies uint8 activations by int8 weights; without VNNI it sums
 pairs of products in int16, which saturates past 32767 (255 * 127 * 2 does), so there it gets 7-bit activations
