@@ -57,7 +57,8 @@ def pack(q: np.ndarray) -> torch.Tensor:
     rows = block_rows()
     if rows is not None and q.shape[0] % rows == 0:
         return torch.from_numpy(pack_values(q, rows))
-    return _INT4_PACK(torch.from_numpy(q.astype(np.int32)), 2)
+    packed: torch.Tensor = _INT4_PACK(torch.from_numpy(q.astype(np.int32)), 2)
+    return packed
 
 
 def pack_nibbles(qs: np.ndarray) -> torch.Tensor:
@@ -66,4 +67,5 @@ def pack_nibbles(qs: np.ndarray) -> torch.Tensor:
     if rows is not None and qs.shape[0] % rows == 0:
         return torch.from_numpy(pack_gguf_nibbles(qs, rows))
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(qs.shape[0], -1)
-    return _INT4_PACK(torch.from_numpy(q.astype(np.int32)), 2)
+    packed: torch.Tensor = _INT4_PACK(torch.from_numpy(q.astype(np.int32)), 2)
+    return packed
