@@ -142,12 +142,7 @@ def test_chat_line_editing_and_ctrl_c_on_a_terminal(tmp_path: Path) -> None:
     assert "Traceback" not in out, out
     assert "chat: 2 replies" in out, out
 
-    arrivals: list[RequestArrived] = []
-    finishes: dict[str, str] = {}
-    with LogReader(log) as reader:
-        for record in reader.ticks():
-            arrivals += [i for i in record.inputs.inputs if isinstance(i, RequestArrived)]
-            finishes.update({c.request_id: c.reason for c in record.outputs.commands if isinstance(c, Finish)})
+    arrivals, finishes = _arrivals_and_finishes(log)
     prompts = ["".join(chr(t + 32) for t in a.prompt_token_ids) for a in arrivals]
     assert len(prompts) == 2, prompts
     assert "hello" in prompts[0] and "helo" not in prompts[0], prompts[0]
@@ -280,12 +275,7 @@ def test_chat_in_tmux_arrow_keys_history_and_ctrl_c(tmp_path: Path, capsys: pyte
     assert "Traceback" not in out, out
     assert "chat: 2 replies" in out, out
 
-    arrivals: list[RequestArrived] = []
-    finishes: dict[str, str] = {}
-    with LogReader(log) as reader:
-        for record in reader.ticks():
-            arrivals += [i for i in record.inputs.inputs if isinstance(i, RequestArrived)]
-            finishes.update({c.request_id: c.reason for c in record.outputs.commands if isinstance(c, Finish)})
+    arrivals, finishes = _arrivals_and_finishes(log)
     prompts = [StubTokenizer().decode(a.prompt_token_ids) for a in arrivals]
     first, rest = "<user>hello <assistant>", " <user>hello again <assistant>"
     assert len(prompts) == 2 and prompts[0] == first, prompts  # Left edited the line: "hello", never "helo"
@@ -299,3 +289,14 @@ def test_chat_in_tmux_arrow_keys_history_and_ctrl_c(tmp_path: Path, capsys: pyte
     assert [finishes[a.request_id] for a in arrivals] == ["cancelled", "length"], finishes
     assert main(["replay", str(log)]) == 0
     assert "identical" in capsys.readouterr().out
+
+
+def _arrivals_and_finishes(log: Path) -> tuple[list[RequestArrived], dict[str, str]]:
+    """The log's arrivals in order, and each request's finish reason."""
+    arrivals: list[RequestArrived] = []
+    finishes: dict[str, str] = {}
+    with LogReader(log) as reader:
+        for record in reader.ticks():
+            arrivals += [i for i in record.inputs.inputs if isinstance(i, RequestArrived)]
+            finishes.update({c.request_id: c.reason for c in record.outputs.commands if isinstance(c, Finish)})
+    return arrivals, finishes
