@@ -270,7 +270,7 @@ def test_c14_stop_token_at_exactly_min_tokens_on_the_slow_path() -> None:
 
 def _cached_pool(n: int) -> tuple[BlockPool, list[int]]:
     """A pool whose cache holds ``n`` blocks, freed in the order returned (least recently used first)."""
-    pool = BlockPool.create(n + 2, 16)
+    pool = BlockPool.create(n + 2)
     blocks = pool.allocate(n)
     for block in blocks:
         pool.register(block, bytes([block]) * 16)

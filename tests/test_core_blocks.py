@@ -18,7 +18,7 @@ def _hash(n: int) -> bytes:
 
 def _cached_pool(blocks: int, cached: int) -> BlockPool:
     """A pool whose blocks 0..cached-1 are cached (hashed, unreferenced), released in that order."""
-    pool = BlockPool.create(blocks, 4)
+    pool = BlockPool.create(blocks)
     taken = pool.allocate(cached)
     for block in taken:
         assert pool.register(block, _hash(block)) is True
@@ -29,7 +29,7 @@ def _cached_pool(blocks: int, cached: int) -> BlockPool:
 
 
 def test_register_gives_an_in_use_block_its_hash() -> None:
-    pool = BlockPool.create(4, 4)
+    pool = BlockPool.create(4)
     (block,) = pool.allocate(1)
     assert pool.register(block, _hash(1)) is True
     assert pool.hash_of[block] == _hash(1) and pool.by_hash[_hash(1)] == block
@@ -39,7 +39,7 @@ def test_register_gives_an_in_use_block_its_hash() -> None:
 def test_register_refuses_content_that_is_cached_already() -> None:
     """Two blocks with one hash would make the cache's map point at whichever registered last, and evicting
     either would unmap the other."""
-    pool = BlockPool.create(4, 4)
+    pool = BlockPool.create(4)
     first, second = pool.allocate(2)
     assert pool.register(first, _hash(1)) is True
     assert pool.register(second, _hash(1)) is False
@@ -49,7 +49,7 @@ def test_register_refuses_content_that_is_cached_already() -> None:
 
 
 def test_register_refuses_a_block_that_has_a_hash() -> None:
-    pool = BlockPool.create(4, 4)
+    pool = BlockPool.create(4)
     (block,) = pool.allocate(1)
     assert pool.register(block, _hash(1)) is True
     assert pool.register(block, _hash(2)) is False
@@ -79,7 +79,7 @@ def test_reclaim_evicts_least_recently_released_first_and_keeps_the_order_of_wha
 
 
 def test_release_sends_hashed_blocks_to_the_cache_and_others_to_the_free_list() -> None:
-    pool = BlockPool.create(4, 4)
+    pool = BlockPool.create(4)
     hashed, plain = pool.allocate(2)
     pool.register(hashed, _hash(7))
     pool.release([hashed, plain])

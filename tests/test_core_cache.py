@@ -77,7 +77,7 @@ def test_c18_identical_prompts_in_one_tick_share() -> None:
 
 
 def test_c18_eviction_order() -> None:
-    pool = BlockPool.create(6, 16)
+    pool = BlockPool.create(6)
     a = pool.allocate(3)
     for i, block in enumerate(a):
         pool.register(block, bytes([i]) * 16)

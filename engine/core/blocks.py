@@ -74,7 +74,6 @@ class BlockPool:
     """Refcounted blocks with a hash-addressed prefix cache. Pure bookkeeping: no KV data lives here."""
 
     num_blocks: int
-    block_size: int
     ref: list[int]
     hash_of: list[bytes | None]
     by_hash: dict[bytes, int]
@@ -82,10 +81,9 @@ class BlockPool:
     cached: OrderedDict[int, None]
 
     @classmethod
-    def create(cls, num_blocks: int, block_size: int) -> BlockPool:
+    def create(cls, num_blocks: int) -> BlockPool:
         return cls(
             num_blocks=num_blocks,
-            block_size=block_size,
             ref=[0] * num_blocks,
             hash_of=[None] * num_blocks,
             by_hash={},

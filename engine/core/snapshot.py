@@ -138,7 +138,6 @@ def restore_state(snapshot: CoreSnapshot) -> CoreState:
     config = snap.config
     pool = BlockPool(
         num_blocks=config.num_blocks,
-        block_size=config.block_size,
         ref=list(snap.pool.ref),
         hash_of=list(snap.pool.hash_of),
         by_hash={h: block for block, h in enumerate(snap.pool.hash_of) if h is not None},

@@ -357,4 +357,4 @@ class CoreState:
 
     @classmethod
     def create(cls, config: CoreConfig) -> CoreState:
-        return cls(config=config, pool=BlockPool.create(config.num_blocks, config.block_size))
+        return cls(config=config, pool=BlockPool.create(config.num_blocks))
