@@ -10,6 +10,7 @@ import pytest
 import torch
 from engine_helpers import assert_replays
 
+from tickloom.engine.model import native
 from tickloom.engine.model.loaders import load_model, split_setting
 from tickloom.engine.model.quant import (
     Int4Linear,
@@ -38,23 +39,36 @@ def test_int8_matches_its_dequantized_weight(m: int, act: torch.dtype) -> None:
     assert _rel_err(lin.dequantize(), w) < 1e-2  # and the weight itself is close to the original
 
 
+KERNELS = [False, pytest.param(True, marks=pytest.mark.skipif(not native.available(), reason=native.status()))]
+
+
+@pytest.mark.parametrize("use_native", KERNELS, ids=["torch", "native"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 5, 32])
-def test_int4_matches_its_dequantized_weight(m: int, group: int) -> None:
+def test_int4_matches_its_dequantized_weight(m: int, group: int, use_native: bool) -> None:
+    if use_native and group != 32:
+        with pytest.raises(ValueError, match="groups of 32"):
+            Int4Linear.from_float(torch.randn(64, 256), group, use_native=True)
+        return
     g = torch.Generator().manual_seed(group + m)
     n, k = 64, 256
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
-    lin = Int4Linear.from_float(w, group)
+    lin = Int4Linear.from_float(w, group, use_native=use_native)
+    assert (lin.tiles is not None) == use_native and (lin.packed is not None) != use_native
     # the reference from q, scale and zero directly, not through the kernel
     wg = w.reshape(n, k // group, group)
     lo, hi = wg.amin(-1), wg.amax(-1)
     scale = (hi - lo) / 15
     q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15)
-    sz = lin.scales_zeros.float()  # K/group x N x 2, rounded to bfloat16 like the kernel sees them
-    deq = (q - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+    if use_native:  # scale and zero kept as float16, as GGUF stores them
+        s, z = scale.half().float(), lo.half().float()
+    else:  # torch's form, rounded to bfloat16 like its kernel sees them
+        sz = lin.scales_zeros.float()  # type: ignore[union-attr]
+        s, z = sz[..., 0].t(), sz[..., 1].t() - 8 * sz[..., 0].t()
+    deq = q * s[..., None] + z[..., None]
     ref = x @ deq.reshape(n, k).t()
     assert _rel_err(lin(x.bfloat16()), ref) < 1e-2
-    assert _rel_err(lin.dequantize(), deq.reshape(n, k)) < 1e-2
+    assert _rel_err(lin.dequantize(), deq.reshape(n, k)) < (1e-6 if use_native else 1e-2)
     assert _rel_err(deq.reshape(n, k), w) < 0.15  # 4 bits: ~8% rms error on Gaussian weights
 
 
@@ -75,16 +89,19 @@ def _q4_blocks(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.
     return rows, torch.from_numpy(w.reshape(n, k).astype(np.float32))
 
 
+@pytest.mark.parametrize("use_native", KERNELS, ids=["torch", "native"])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_gguf_q4_blocks_pack_exactly(kind: str) -> None:
+def test_gguf_q4_blocks_pack_exactly(kind: str, use_native: bool) -> None:
     rows, w = _q4_blocks(kind, 48, 128, seed=3)
     _, m, q = gguf_q4_fields(rows, kind)
     assert q.shape == (48, 4, 32) and (m is None) == (kind == "Q4_0")
     assert torch.equal(RawBlocks(kind, rows, (48, 128)).dequantize(), w)
-    lin = quantize_linear(RawBlocks(kind, rows, (48, 128)), None, "int4", torch.bfloat16)
-    assert isinstance(lin, Int4Linear) and lin.group == 32
-    # the packed weight is the GGUF weight up to bfloat16 rounding of (scale, zero): the sign conventions hold
-    assert _rel_err(lin.dequantize(), w) < 1e-2
+    lin = Int4Linear.from_gguf_blocks(rows, kind, use_native=use_native)
+    assert lin.group == 32
+    if use_native:  # the GGUF file's own float16 scales and offsets: exactly its weight
+        assert torch.equal(lin.dequantize(), w)
+    else:  # up to bfloat16 rounding of (scale, zero): the sign conventions hold
+        assert _rel_err(lin.dequantize(), w) < 1e-2
     x = torch.randn(3, 128)
     assert _rel_err(lin(x.bfloat16()), x @ w.t()) < 2e-2
 

@@ -12,7 +12,8 @@ class AttnGroup:
     """Rows attended together: ``rows`` rows of ``q_len`` queries over ``block_index`` blocks.
 
     Queries are the flat tokens ``start:end`` when ``token_index`` is None, else ``token_index``.
-    ``mask`` is a bool ``rows x 1 x (G * q_len or 1) x ctx`` mask (True = attend).
+    ``mask`` is a bool ``rows x 1 x (G * q_len or 1) x ctx`` mask (True = attend). A decode group (``q_len`` 1)
+    also has ``lengths``, each row's context length (its own position included).
     """
 
     rows: int
@@ -22,6 +23,7 @@ class AttnGroup:
     token_index: torch.Tensor | None
     block_index: torch.Tensor
     mask: torch.Tensor
+    lengths: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +121,7 @@ def build_step_batch(
                 token_index=None if contiguous else torch.tensor(toks, device=device),
                 block_index=torch.tensor(bidx, dtype=torch.long, device=device),
                 mask=mask,
+                lengths=lim + 1,
             )
         )
     for r_i, row in enumerate(rows):

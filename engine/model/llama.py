@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
+from tickloom.engine.model import native
 from tickloom.engine.model.batch import AttnGroup, StepBatch
 from tickloom.engine.model.config import ModelConfig, rope_inv_freq
 from tickloom.engine.model.kv_cache import PagedKVCache
@@ -161,6 +162,8 @@ class LlamaModel:
             self.lm_head: Linear = pending.result()
         self.embed.release_pages()  # packing read every page of the file; lookups need a few rows
         self.scale = cfg.head_dim**-0.5
+        self._native_attention = (dtype == torch.bfloat16 and device.type == "cpu" and cfg.head_dim % 16 == 0
+                                  and cfg.head_dim <= 256 and native.available())
         self._q_size, self._kv_size, self._gqa = cfg.q_size, cfg.kv_size, cfg.num_heads // cfg.num_kv_heads
         self._rope_heads, self._kv_heads2 = cfg.num_heads + cfg.num_kv_heads, 2 * cfg.num_kv_heads
         self._inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64)
@@ -182,7 +185,8 @@ class LlamaModel:
             self._grow_rope(max(2 * self._cos.shape[0], max_pos + 1))
         cos = self._cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self._sin.index_select(0, batch.positions).unsqueeze(1)
-        masks = [self._decode_bias(g) if g.q_len == 1 and g.rows > 1 else g.mask for g in batch.groups]
+        masks = [self._decode_bias(g) if g.q_len == 1 and g.rows > 1 and not self._native_attention else g.mask
+                 for g in batch.groups]
         eps = self.cfg.rms_norm_eps
         x = self.embed(batch.input_ids)
         for n, layer in enumerate(self.layers):
@@ -248,6 +252,8 @@ class LlamaModel:
         head) and cost 3x that at batch 32; a single row or a prefill chunk uses it."""
         kvh, groups, d = self.cfg.num_kv_heads, self._gqa, self.cfg.head_dim
         b, ql = g.rows, g.q_len
+        if ql == 1 and self._native_attention and g.lengths is not None:
+            return native.decode_attention(q, kv.kv[n], g.block_index, g.lengths, groups, self.scale)
         kb, vb = kv.gather(n, g.block_index)
         k, v = kb.view(kvh, b, -1, d), vb.view(kvh, b, -1, d)
         if ql == 1 and b == 1:  # one token: rows x kv_heads and kv_heads x rows are the same memory

@@ -4,11 +4,11 @@ Both run torch's own kernels with bfloat16 (or float16) activations; float32 act
 matmul and the result cast back (torch has no fast float32 path for these ops):
 
 - ``Int8Linear``: ``aten._weight_int8pack_mm(x, q, scales)``: ``w[n, k] = q[n, k] * scales[n]``, ``q`` int8.
-- ``Int4Linear``: ``aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)``:
-  ``w[n, k] = (q[n, k] - 8) * scale[k // group, n] + zero[k // group, n]``, ``q`` in 0..15, packed by
-  ``aten._convert_weight_to_int4pack_for_cpu``; ``scales_and_zeros`` is ``[K / group, N, 2]`` in the activation
-  dtype. A GGUF Q4_1 block (``w = d * q + m``) is exactly ``scale = d, zero = m + 8 d``; Q4_0 (``w = d (q - 8)``)
-  is ``scale = d, zero = 0`` (``from_gguf_blocks``).
+- ``Int4Linear``: ``w[n, k] = s[n, g] * q[n, k] + z[n, g]``, ``q`` in 0..15, ``g = k // group``; a GGUF Q4_1
+  block (``w = d * q + m``) is exactly ``s = d, z = m``, Q4_0 (``w = d (q - 8)``) is ``s = d, z = -8 d``. It runs
+  tickloom's own kernel (``engine.model.native``, which keeps GGUF's nibble order) where the CPU has it, else
+  ``aten._weight_int4pack_mm_for_cpu`` (weights packed by ``engine.model.int4pack``, ``scales_and_zeros``
+  ``[K / group, N, 2]`` in the activation dtype, ``w = (q - 8) * scale + zero``: ``zero = z + 8 s``).
 
 The LM head of a quantized model is a ``DynInt8Linear`` where torch has fbgemm (x86): int8 weights, activations
 quantized per row at each call, fbgemm's integer GEMM (see the class for why it is both fast and exact enough).
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tickloom.engine.model import int4pack
+from tickloom.engine.model import int4pack, native
 
 QUANT_SETTINGS: dict[str, tuple[int, int]] = {
     "none": (0, 0),
@@ -230,66 +230,92 @@ class DynInt8Linear:
 
 
 class Int4Linear:
-    """Weight-only asymmetric int4 in groups of ``group`` input features (torch's CPU int4 pack)."""
+    """Weight-only asymmetric int4 in groups of ``group`` input features: ``w[n, k] = s[n, g] * q[n, k] + z[n, g]``
+    with ``q`` in 0..15 and ``g = k // group`` (GGUF Q4_1's own form).
 
-    __slots__ = ("act", "bias", "group", "in_features", "out_features", "packed", "scales_zeros")
+    Two kernels: tickloom's (``engine.model.native``: groups of 32, bfloat16 activations, output rows in
+    sixteens, on CPUs with AVX512-VNNI/BF16), else torch's ``_weight_int4pack_mm_for_cpu``. ``use_native=False``
+    forces torch's; only the chosen one's weight is kept."""
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                 bias: torch.Tensor | None, act: torch.dtype) -> None:
-        """``packed``: the ``N x K/2`` bytes of ``engine.model.int4pack``; ``scale``, ``zero``: ``N x K/group``."""
-        n, k = packed.shape[0], 2 * packed.shape[1]
-        if k % group or scale.shape != (n, k // group) or zero.shape != scale.shape:
-            raise ValueError(f"int4: bad shapes packed {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
-                             f"group {group}")
-        self.packed = packed
-        self.scales_zeros = torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).to(act).contiguous()
+    __slots__ = ("act", "bias", "group", "in_features", "out_features", "packed", "scales_zeros", "tiles")
+
+    def __init__(self, nibbles: np.ndarray, s: np.ndarray, z: np.ndarray, group: int, bias: torch.Tensor | None,
+                 act: torch.dtype, use_native: bool | None = None) -> None:
+        """``nibbles``: ``N x K/32 x 16`` bytes in GGUF order (byte ``j`` of block ``b`` holds input ``32 b + j`` in
+        its low nibble and ``32 b + 16 + j`` in its high one); ``s``, ``z``: ``N x K/group`` float32."""
+        n, k = nibbles.shape[0], 32 * nibbles.shape[1]
+        if nibbles.shape[2] != 16 or k % group or s.shape != (n, k // group) or z.shape != s.shape:
+            raise ValueError(f"int4: bad shapes nibbles {nibbles.shape}, s {s.shape}, z {z.shape}, group {group}")
         self.group, self.act = group, act
         self.bias = None if bias is None else bias.to(act)
         self.out_features, self.in_features = n, k
+        self.tiles: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        self.scales_zeros: torch.Tensor | None = None
+        can = group == native.GROUP and act == torch.bfloat16 and n % native.TILE_ROWS == 0
+        if use_native is None:
+            use_native = can and native.available()
+        if use_native:
+            if not can:
+                raise ValueError(f"the native int4 kernel takes groups of 32, bfloat16 and rows in 16s "
+                                 f"(group {group}, {act}, {n} rows)")
+            self.tiles = native.pack_tiles(nibbles, s, z)
+        else:  # torch's form: w = (q - 8) * scale + zero
+            zero = torch.from_numpy(z + 8.0 * s)
+            stacked = torch.stack([torch.from_numpy(s).float(), zero.float()], dim=-1).transpose(0, 1)
+            self.scales_zeros = stacked.to(act).contiguous()
+            self.packed = int4pack.pack_nibbles(nibbles)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group: int, bias: torch.Tensor | None = None,
-                   act: torch.dtype = torch.bfloat16) -> Int4Linear:
+                   act: torch.dtype = torch.bfloat16, use_native: bool | None = None) -> Int4Linear:
         """Min/max asymmetric quantization per group (what GGUF Q4_1 does)."""
         n, k = w.shape
         wg = w.float().reshape(n, k // group, group)
         lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
         scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).reshape(n, k)
-        return cls(int4pack.pack(q.to(torch.uint8).numpy()), scale, lo + 8.0 * scale, group, bias, act)
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, -1, 2, 16)
+        nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).numpy()
+        return cls(nibbles, scale.numpy(), lo.numpy(), group, bias, act, use_native)
 
     @classmethod
     def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None,
-                         act: torch.dtype = torch.bfloat16) -> Int4Linear:
+                         act: torch.dtype = torch.bfloat16, use_native: bool | None = None) -> Int4Linear:
         """``blocks``: a GGUF Q4_0 or Q4_1 tensor's raw bytes, ``N x (K / 32 * block bytes)`` uint8. The nibbles
-        are rearranged into the packed layout as they are (``int4pack.pack_nibbles``), never widened."""
+        are taken as they are, never widened."""
         size = {"Q4_0": 18, "Q4_1": 20}[kind]
         b = np.ascontiguousarray(blocks).reshape(blocks.shape[0], -1, size)
         d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        scale = torch.from_numpy(d)
-        if kind == "Q4_1":
-            m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            zero = torch.from_numpy(m + 8.0 * d)
-        else:
-            zero = torch.zeros_like(scale)
-        return cls(int4pack.pack_nibbles(b[..., size - 16 :]), scale, zero, 32, bias, act)
+        z = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else -8.0 * d
+        return cls(b[..., size - 16 :], d, z, 32, bias, act, use_native)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 ``N x K`` weight this layer multiplies by (unpacked by multiplying the identity)."""
-        eye = torch.eye(self.in_features, dtype=self.act)
+        """The float32 ``N x K`` weight this layer multiplies by."""
+        if self.tiles is not None:
+            nibbles, s, z = native.unpack_tiles(self.tiles)
+            q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.float32)  # N x G x 32
+            return torch.from_numpy((q * s[..., None] + z[..., None]).reshape(self.out_features, -1))
+        assert self.packed is not None and self.scales_zeros is not None
+        eye = torch.eye(self.in_features, dtype=self.act)  # unpacked by multiplying the identity
         return _INT4_MM(eye, self.packed, self.group, self.scales_zeros).float().t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == self.act and self.bias is None and x.is_contiguous():
-            return _INT4_MM(x, self.packed, self.group, self.scales_zeros)  # the forward's case
+            return self._mm(x)  # the forward's case
         x2, lead = _matmul_2d(x, self.act, self.in_features)
-        y = _INT4_MM(x2, self.packed, self.group, self.scales_zeros)
+        y = self._mm(x2.contiguous())
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features).to(x.dtype)
 
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None:
+            return native.matmul(x, self.tiles, self.out_features)
+        assert self.packed is not None and self.scales_zeros is not None
+        return _INT4_MM(x, self.packed, self.group, self.scales_zeros)
+
     def nbytes(self) -> int:
-        return _nbytes(self.packed, self.scales_zeros, self.bias)
+        return _nbytes(self.tiles, self.packed, self.scales_zeros, self.bias)
 
 
 def gguf_q4_fields(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:

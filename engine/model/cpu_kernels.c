@@ -1,0 +1,226 @@
+/* tickloom's CPU kernels for x86 with AVX512 VNNI and BF16: a 4-bit weight x bfloat16 activation matmul, and
+   paged attention for decode rows.
+
+   Built at first use by engine/model/native.py (gcc -O3, OpenMP) and called through ctypes. Plain C, no Python
+   or torch headers, so it compiles in about a second.
+
+   ---- The matmul ----
+
+   Weights: w[n, k] = s[n, g] * q[n, k] + z[n, g] for q in 0..15, g = k / 32 (GGUF Q4_1 is exactly this with
+   s = d, z = m; Q4_0 with s = d, z = -8 d). The layout is one stream of 320-byte tiles, one per (block of 16
+   output rows, group of 32 inputs), in that order:
+     bytes   0..255  4 chunks of 64 bytes; in chunk t, byte 4r + c of row r holds q[16b + r, 32g + 4t + c] in its
+                     low nibble and q[16b + r, 32g + 16 + 4t + c] in its high one (GGUF's byte 4t + c of the row)
+     bytes 256..287  s for the 16 rows, float16
+     bytes 288..319  z for the 16 rows, float16
+
+   Why: a decode step multiplies one activation row by every weight once, so it is bound by how fast weights
+   become products. Activations are quantized per group of 32 to int8 (x ~ dx * qx), and VPDPBUSD multiplies 64
+   unsigned nibbles by 64 signed activations a time, summing each 4 into a 32-bit lane: lane r of a chunk's low
+   nibbles is row r's dot product over 4 inputs. Sixteen output rows sit in one register, so the group's scale and
+   offset apply as vector FMAs once per group, with no horizontal sums:
+     sum_k w x ~ dx * (s * sum q qx + z * sum qx).
+
+   Arithmetic is the same for a row whatever the batch or the thread count (threads split output rows), so a row's
+   result does not depend on what else is in the batch. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define TILE_BYTES 320
+#define MT 8 /* activation rows per pass over a row block's weights */
+
+/* x: M x K bfloat16 -> per row and group of 32: qx = x / dx rounded to nearest (|qx| <= 127), in x's order;
+   dx = max|x| / 127 and dxs = dx * sum(qx). */
+static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, float *dx, float *dxs) {
+    const int64_t groups = k / 32;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t m = 0; m < m_rows; m++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *in = x + m * k + 32 * g;
+            /* bfloat16 -> float32 is a 16-bit shift */
+            __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)in)), 16));
+            __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(in + 16))), 16));
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m512 scale = _mm512_set1_ps(inv);
+            /* round to nearest even, as nearbyintf would */
+            __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128((__m128i *)(qx + m * k + 32 * g), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(qx + m * k + 32 * g + 16), _mm512_cvtepi32_epi8(q1));
+            dx[m * groups + g] = d;
+            dxs[m * groups + g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+    }
+}
+
+/* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT, constant after inlining. */
+static inline __attribute__((always_inline)) void block_rows(
+    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, int64_t n, int64_t k,
+    int64_t block, int64_t m0, int mt) {
+    const int64_t groups = k / 32;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    /* VPDPBUSD takes several cycles to finish, so a lone row would wait on its own accumulator: few rows get
+       several independent partial sums (chains), added once per group. */
+    const int chains = mt >= 4 ? 1 : (mt == 1 ? 4 : 2);
+    __m512 acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    const uint8_t *tile = w + block * groups * TILE_BYTES;
+    for (int64_t g = 0; g < groups; g++, tile += TILE_BYTES) {
+        __m512i part[MT];
+        for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
+        for (int t = 0; t < 4; t++) {
+            __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * t));
+            __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+            for (int i = 0; i < mt; i++) {
+                const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
+                int c0 = i * chains + (2 * t) % chains, c1 = i * chains + (2 * t + 1) % chains;
+                part[c0] = _mm512_dpbusd_epi32(part[c0], lo, _mm512_set1_epi32(*(const int32_t *)xq));
+                part[c1] = _mm512_dpbusd_epi32(part[c1], hi, _mm512_set1_epi32(*(const int32_t *)(xq + 16)));
+            }
+        }
+        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
+        __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
+        for (int i = 0; i < mt; i++) {
+            __m512i sum = part[i * chains];
+            for (int c = 1; c < chains; c++) sum = _mm512_add_epi32(sum, part[i * chains + c]);
+            int64_t at = (m0 + i) * groups + g;
+            __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[at]));
+            acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(sum), acc[i]);
+            acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs[at]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        _mm256_storeu_si256((__m256i *)(y + (m0 + i) * n + 16 * block), (__m256i)_mm512_cvtneps_pbh(acc[i]));
+}
+
+/* y (M x N bfloat16) = x (M x K bfloat16) @ w^T. N % 16 == 0, K % 32 == 0. `scratch` holds at least
+   q4_scratch_bytes(M, K) bytes. Returns 0, or 1 for shapes it does not take. */
+int64_t q4_scratch_bytes(int64_t m_rows, int64_t k) { return m_rows * k + 2 * m_rows * (k / 32) * 4 + 64; }
+
+int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
+              void *scratch, int threads) {
+    if (n % 16 || k % 32) return 1;
+    int8_t *qx = (int8_t *)scratch;
+    float *dx = (float *)(((uintptr_t)(qx + m_rows * k) + 63) & ~(uintptr_t)63);
+    float *dxs = dx + m_rows * (k / 32);
+    prepare(x, m_rows, k, qx, dx, dxs);
+    const int64_t blocks = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t m0 = 0;
+        for (; m0 + MT <= m_rows; m0 += MT) block_rows(w, qx, dx, dxs, y, n, k, b, m0, MT);
+        switch (m_rows - m0) {
+        case 7: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 7); break;
+        case 6: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 6); break;
+        case 5: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 5); break;
+        case 4: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 4); break;
+        case 3: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 3); break;
+        case 2: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 2); break;
+        case 1: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 1); break;
+        default: break;
+        }
+    }
+    return 0;
+}
+
+/* ---- Paged attention for decode rows (one query token per row) ----
+
+   kv: one layer of the paged cache, 2 * kv_heads x num_blocks x block_size x head_dim bfloat16 (K's heads, then
+   V's). Row b attends to its first lengths[b] positions; position t lives in block block_index[b * per_row + t /
+   block_size], slot t % block_size. q: row b's query heads at q + b * q_stride, heads x head_dim bfloat16, query
+   head h reading kv head h / groups. out: rows x heads x head_dim bfloat16.
+
+   Why: at batch 1 the torch path gathered every block of the context into a new tensor and ran a flash attention
+   made for long queries, 40 us a layer for a few thousand multiply-adds. Here each (row, kv head) reads its blocks
+   in place, in float32, with the query heads that share the kv head together (one read of each key and value). */
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* e^x for x <= 0 (softmax inputs after subtracting the max), relative error under 2e-7; -inf gives 0. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)); /* x log2(e) */
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n); /* in [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n); /* p * 2^n */
+}
+
+int64_t attn_scratch_floats(int64_t rows, int64_t kv_heads, int64_t groups, int64_t max_len, int64_t head_dim) {
+    return rows * kv_heads * groups * (max_len + 16 + head_dim);
+}
+
+int paged_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t num_blocks,
+                           int64_t block_size, const int64_t *block_index, int64_t per_row, const int64_t *lengths,
+                           int64_t rows, int64_t kv_heads, int64_t groups, int64_t head_dim, float scale,
+                           uint16_t *out, float *scratch, int threads) {
+    if (head_dim % 16 || head_dim > 256) return 1;
+    const int64_t max_len = per_row * block_size, chunks = head_dim / 16, heads = kv_heads * groups;
+    const int64_t head_stride = num_blocks * block_size * head_dim; /* one kv head of one layer */
+    for (int64_t b = 0; b < rows; b++)
+        if (lengths[b] < 1 || lengths[b] > max_len) return 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t item = 0; item < rows * kv_heads; item++) {
+        const int64_t b = item / kv_heads, h = item % kv_heads, len = lengths[b];
+        const int64_t *table = block_index + b * per_row;
+        const uint16_t *kbase = kv + h * head_stride, *vbase = kv + (kv_heads + h) * head_stride;
+        float *mine = scratch + item * groups * (max_len + 16 + head_dim);
+        for (int64_t j = 0; j < groups; j++) {
+            float *scores = mine + j * (max_len + 16 + head_dim), *acc = scores + max_len + 16;
+            const uint16_t *qh = q + b * q_stride + (h * groups + j) * head_dim;
+            __m512 qv[16];
+            for (int64_t c = 0; c < chunks; c++) qv[c] = _mm512_mul_ps(load_bf16(qh + 16 * c), _mm512_set1_ps(scale));
+            float best = -INFINITY;
+            for (int64_t t = 0; t < len; t++) {
+                const uint16_t *key = kbase + (table[t / block_size] * block_size + t % block_size) * head_dim;
+                __m512 dot = _mm512_mul_ps(qv[0], load_bf16(key));
+                for (int64_t c = 1; c < chunks; c++) dot = _mm512_fmadd_ps(qv[c], load_bf16(key + 16 * c), dot);
+                float s = _mm512_reduce_add_ps(dot);
+                scores[t] = s;
+                best = s > best ? s : best;
+            }
+            __m512 total = _mm512_setzero_ps(), top = _mm512_set1_ps(best);
+            int64_t t = 0;
+            for (; t + 16 <= len; t += 16) {
+                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t), top));
+                _mm512_storeu_ps(scores + t, e);
+                total = _mm512_add_ps(total, e);
+            }
+            if (t < len) {
+                __mmask16 m = (__mmask16)((1u << (len - t)) - 1);
+                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top));
+                e = _mm512_maskz_mov_ps(m, e);
+                _mm512_mask_storeu_ps(scores + t, m, e);
+                total = _mm512_add_ps(total, e);
+            }
+            const float inv = 1.0f / _mm512_reduce_add_ps(total);
+            for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(acc + 16 * c, _mm512_setzero_ps());
+            for (int64_t t2 = 0; t2 < len; t2++) {
+                const uint16_t *val = vbase + (table[t2 / block_size] * block_size + t2 % block_size) * head_dim;
+                __m512 p = _mm512_set1_ps(scores[t2]);
+                for (int64_t c = 0; c < chunks; c++)
+                    _mm512_storeu_ps(acc + 16 * c,
+                                     _mm512_fmadd_ps(p, load_bf16(val + 16 * c), _mm512_loadu_ps(acc + 16 * c)));
+            }
+            uint16_t *o = out + (b * heads + h * groups + j) * head_dim;
+            for (int64_t c = 0; c < chunks; c++)
+                _mm256_storeu_si256((__m256i *)(o + 16 * c),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c),
+                                                                              _mm512_set1_ps(inv))));
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,153 @@
+"""Issue 16: tickloom's own CPU kernels (``engine/model/native.py``, ``cpu_kernels.c``) against plain torch
+references: the int4 matmul at every remainder of its row tiling, the paged decode attention over scattered
+blocks, the properties replay leans on (a row's result does not depend on its batch or the thread count), and the
+fallback when the kernels are off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tickloom.engine.model import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+
+
+def _weights(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
+    """Random GGUF-order nibbles, float16-exact s and z, and the float32 weight they encode."""
+    rng = np.random.default_rng(seed)
+    g = k // 32
+    q = rng.integers(0, 16, (n, g, 32), dtype=np.uint8)
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+    s = (rng.random((n, g)) * 0.02 + 0.001).astype(np.float16).astype(np.float32)
+    z = (-8 * s + rng.normal(0, 0.01, (n, g))).astype(np.float16).astype(np.float32)
+    w = q.astype(np.float32) * s[..., None] + z[..., None]
+    return nibbles, s, z, torch.from_numpy(w.reshape(n, k))
+
+
+def test_pack_and_unpack_are_inverse() -> None:
+    nibbles, s, z, _ = _weights(48, 96, seed=1)
+    tiles = native.pack_tiles(nibbles, s, z)
+    assert tiles.shape == (3, 3, native.TILE_BYTES)
+    back = native.unpack_tiles(tiles)
+    assert np.array_equal(back[0], nibbles) and np.array_equal(back[1], s) and np.array_equal(back[2], z)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 21])
+def test_matmul_matches_the_dequantized_weight_at_every_tile_remainder(m: int) -> None:
+    """Rows go through the kernel 8 at a time and the rest 1..7 at a time, each count its own code path."""
+    nibbles, s, z, w = _weights(64, 160, seed=m)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).bfloat16()
+    y = native.matmul(x, native.pack_tiles(nibbles, s, z), 64)
+    ref = x.float() @ w.t()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 64)
+    # int8 activations per group of 32 (rounding error up to 1/254 of the group's largest value), bfloat16 out
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_matmul_of_zero_activations_is_exactly_zero() -> None:
+    """A group of zeros has no scale to divide by; it must contribute nothing (not NaN)."""
+    nibbles, s, z, _ = _weights(16, 64, seed=3)
+    y = native.matmul(torch.zeros(2, 64, dtype=torch.bfloat16), native.pack_tiles(nibbles, s, z), 16)
+    assert torch.equal(y, torch.zeros(2, 16, dtype=torch.bfloat16))
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads() -> None:
+    """Replay and preemption re-run rows in other batches: the kernel must give the same bits."""
+    nibbles, s, z, _ = _weights(128, 256, seed=4)
+    tiles = native.pack_tiles(nibbles, s, z)
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    whole = native.matmul(x, tiles, 128)
+    for i in range(11):
+        assert torch.equal(native.matmul(x[i : i + 1].contiguous(), tiles, 128), whole[i : i + 1])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(native.matmul(x, tiles, 128), whole)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_matmul_rejects_shapes_it_cannot_tile() -> None:
+    nibbles, s, z, _ = _weights(16, 64, seed=5)
+    with pytest.raises(ValueError, match="N=8"):
+        native.matmul(torch.zeros(1, 64, dtype=torch.bfloat16), native.pack_tiles(nibbles, s, z), 8)
+
+
+def _attention_case(lengths: list[int], kv_heads: int, groups: int, head_dim: int, block_size: int, seed: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    per_row = max(-(-n // block_size) for n in lengths)
+    kv = torch.randn(2 * kv_heads, num_blocks, block_size, head_dim, generator=g).bfloat16()
+    # scattered, distinct blocks per row; padding entries point at block 0, as build_step_batch pads
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables = torch.zeros(len(lengths), per_row, dtype=torch.long)
+    at = 0
+    for r, n in enumerate(lengths):
+        need = -(-n // block_size)
+        tables[r, :need] = perm[at : at + need]
+        at += need
+    width = (kv_heads * groups + 2 * kv_heads) * head_dim
+    qkv = torch.randn(len(lengths), width, generator=g).bfloat16()
+    return qkv, kv, tables, torch.tensor(lengths, dtype=torch.long), torch.empty(0)
+
+
+def _reference(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, groups: int,
+               scale: float) -> torch.Tensor:
+    kvh, _, bs, d = kv.shape[0] // 2, *kv.shape[1:]
+    out = []
+    for r in range(q.shape[0]):
+        n = int(lengths[r])
+        k = kv[:kvh, tables[r]].reshape(kvh, -1, d)[:, :n].float()
+        v = kv[kvh:, tables[r]].reshape(kvh, -1, d)[:, :n].float()
+        qq = q[r].float().view(kvh, groups, d)
+        out.append((torch.softmax(qq @ k.transpose(1, 2) * scale, -1) @ v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("lengths", "kv_heads", "groups", "head_dim"), [
+    ([1], 3, 3, 64),  # the first token attends to itself only
+    ([16], 3, 3, 64),  # exactly one full block
+    ([17], 1, 4, 32),  # one past a block boundary
+    ([200], 3, 3, 64),  # several vector chunks of scores plus a remainder
+    ([5, 33, 100, 64], 2, 2, 128),  # rows of different lengths in one call
+])
+def test_decode_attention_matches_softmax_attention(lengths: list[int], kv_heads: int, groups: int,
+                                                    head_dim: int) -> None:
+    qkv, kv, tables, lens, _ = _attention_case(lengths, kv_heads, groups, head_dim, 16, seed=len(lengths))
+    q = qkv[:, : kv_heads * groups * head_dim]  # a column slice: rows are strided, as in the forward
+    got = native.decode_attention(q, kv, tables.reshape(-1), lens, groups, head_dim**-0.5)
+    ref = _reference(q, kv, tables, lens, groups, head_dim**-0.5)
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    assert float((got.float() - ref).abs().max()) < 2e-2  # bfloat16 output of values near 1
+
+
+def test_decode_attention_ignores_blocks_past_the_length() -> None:
+    """Positions at or past a row's length must not count, whatever the cache holds there."""
+    qkv, kv, tables, lens, _ = _attention_case([20], 2, 2, 32, 16, seed=7)
+    q = qkv[:, :128]
+    first = native.decode_attention(q, kv, tables.reshape(-1), lens, 2, 0.2)
+    kv[:, tables[0, 1], 4:] = 100.0  # the second block's slots 4.. (positions 20..31)
+    assert torch.equal(native.decode_attention(q, kv, tables.reshape(-1), lens, 2, 0.2), first)
+
+
+def test_decode_attention_rejects_a_length_outside_the_table() -> None:
+    qkv, kv, tables, _, _ = _attention_case([20], 2, 2, 32, 16, seed=8)
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match="context length"):
+            native.decode_attention(qkv[:, :128], kv, tables.reshape(-1), torch.tensor([bad]), 2, 0.2)
+
+
+def test_off_switch_falls_back_to_torch_and_says_why() -> None:
+    code = ("from tickloom.engine.model import native; from tickloom.engine.model.quant import Int4Linear; "
+            "import torch; lin = Int4Linear.from_float(torch.randn(32, 64), 32); "
+            "print(native.status(), lin.tiles is None)")
+    env = {**os.environ, "TICKLOOM_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "off (TICKLOOM_NATIVE=0) True"
