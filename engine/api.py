@@ -199,7 +199,7 @@ class Engine:
         n = params.n
         if n > rt.max_slots:
             raise RequestRejected(f"SamplingParams.n={n} is more than the engine holds open at once "
-                                  f"({rt.max_slots}: max_waiting + max_batch_size)")
+                                  f"({rt.max_slots}: max_waiting)")
         ids = self._prompt_ids(prompt)
         if len(ids) >= limits.max_seq_len:
             raise RequestRejected(f"the prompt has {len(ids)} tokens; max_seq_len={limits.max_seq_len}")

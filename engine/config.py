@@ -1,4 +1,5 @@
-"""``EngineConfig``: the model, the device, the KV pool, spill, the log, and the core's scheduling knobs."""
+"""``EngineConfig``: the core's scheduling knobs (declared once, in ``engine.core.config.SchedulingKnobs``), then the
+model, the device, the KV pool, spill, the log, the stub model and faults."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import msgspec
 from msgspec import Meta
 
 from tickloom.engine.core import ConfigError
-from tickloom.engine.params import FLOAT_MAX, INT64_MAX, TokenId, checked
+from tickloom.engine.core.config import BlockCount, SchedulingKnobs
+from tickloom.engine.params import FLOAT_MAX, INT64_MAX, checked
 
-Positive = Annotated[int, Meta(ge=1, le=2**24)]
-"""Sizes and counts: at least 1, and small enough that the lists and tensors they size stay allocatable."""
 Bytes = Annotated[int, Meta(ge=0, le=2**48)]
 Seconds = Annotated[float, Meta(ge=0.0, le=FLOAT_MAX)]
 PathStr = Annotated[str, Meta(min_length=1, max_length=4096)]
@@ -42,47 +42,42 @@ class FaultPlan(_FaultFields, frozen=True, kw_only=True):
         _normalise(self, checked(msgspec.structs.asdict(self), _FaultFields, "FaultPlan", ConfigError))
 
 
-class _EngineFields(msgspec.Struct, frozen=True, kw_only=True):
-    model: PathStr = "smollm2-135m"
-    dtype: Literal["float32", "float64", "float16", "bfloat16"] | None = None
-    """None: float32 on CPU, bfloat16 on CUDA; for the bundled model on a CPU with native bfloat16 (with ``quant``
-    also None), bfloat16 with int4 weights (``engine.model.loaders.default_setting``)."""
-    quant: Literal["none", "int8", "int4"] | None = None
-    """Weight-only quantization (CPU): int8 per output channel, or int4 in groups of 32 (GGUF Q4_0/Q4_1 blocks
-    packed as they are; the LM head stays int8). None: the model's default (see ``dtype``)."""
-    device: Annotated[str, Meta(min_length=1, max_length=64)] = "cpu"
-    threads: Annotated[int, Meta(ge=1, le=4096)] | None = None
-    num_blocks: Positive | None = None
-    """KV blocks; None derives them from ``kv_memory_bytes``."""
-    kv_memory_bytes: Annotated[int, Meta(ge=1, le=2**48)] = 256 << 20
-    block_size: Annotated[int, Meta(ge=1, le=4096)] = 16
-    max_batch_size: Annotated[int, Meta(ge=1, le=65536)] = 32
-    max_seq_len: Annotated[int, Meta(ge=2, le=2**24)] = 2048
-    max_prefill_tokens: Positive = 512
-    max_batch_tokens: Positive = 2048
-    admit_watermark: Annotated[int, Meta(ge=0, le=2**24)] = 0
-    pipeline_depth: Literal[1, 2] = 2
-    preempt_immunity_tokens: Annotated[int, Meta(ge=0, le=2**31)] = 64
-    prefix_caching: bool = True
-    max_waiting: Annotated[int, Meta(ge=0, le=2**20)] = 1024
-    """Requests that may wait beyond a full batch: at most ``max_waiting + max_batch_size`` are open at once;
-    past that, submit waits (``overload="wait"``) or raises ``EngineOverloaded`` (``"reject"``)."""
-    overload: Literal["wait", "reject"] = "wait"
-    spill_dir: PathStr | None = None
-    """A spill store's disk tier (a private subdirectory is made in it). Spill is on when this is set or
-    ``host_spill_bytes`` > 0."""
-    host_spill_bytes: Bytes = 0
-    log_path: PathStr | None = None
-    fsync: Annotated[str, Meta(pattern="^(never|tick|[1-9][0-9]{0,8}ms)$")] = "never"
-    """``"never"``, ``"tick"`` or ``"<N>ms"``."""
-    snapshot_every: Annotated[int, Meta(ge=0, le=2**31)] = 0
-    """Ticks between core snapshots in the log (0: none)."""
-    think_start_token: TokenId | None = None
-    think_end_token: TokenId | None = None
-    stub_vocab_size: Annotated[int, Meta(ge=96, le=2**20)] = 96
-    stub_step_time: Annotated[float, Meta(ge=0.0, le=3600.0)] = 0.01
-    """Seconds per step of the stub model (virtual time under ``MockClock``)."""
-    faults: FaultPlan | None = None
+class _EngineFields(SchedulingKnobs, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The engine's own fields; the scheduling knobs (``SchedulingKnobs``) come first, declared in the core."""
+
+    model: Annotated[PathStr, Meta(
+        description="A bundled model's name (smollm2-135m), a Hugging Face directory, a .gguf file, or stub (the "
+                    "core's oracle: tests, benchmarks).")] = "smollm2-135m"
+    dtype: Annotated[Literal["float32", "float64", "float16", "bfloat16"] | None, Meta(
+        description="None: float32 on CPU, bfloat16 on CUDA; the bundled model on a CPU with native bfloat16 (with "
+                    "quant also None) runs bfloat16 with int4 weights.")] = None
+    quant: Annotated[Literal["none", "int8", "int4"] | None, Meta(
+        description="Weight-only quantization (CPU): int8 per output channel, or int4 in groups of 32 (GGUF "
+                    "Q4_0/Q4_1 blocks as they are; the LM head stays int8). None: the model's default.")] = None
+    device: Annotated[str, Meta(min_length=1, max_length=64, description="A torch device.")] = "cpu"
+    threads: Annotated[Annotated[int, Meta(ge=1, le=4096)] | None, Meta(
+        description="torch threads; None: torch's default.")] = None
+    num_blocks: Annotated[BlockCount | None, Meta(
+        description="KV blocks in the pool; None derives them from kv_memory_bytes.")] = None
+    kv_memory_bytes: Annotated[int, Meta(ge=1, le=2**48, description="The KV pool's size in bytes, when "
+                                                                     "num_blocks is None.")] = 256 << 20
+    overload: Annotated[Literal["wait", "reject"], Meta(
+        description="With max_waiting requests open, submit waits (wait) or raises EngineOverloaded "
+                    "(reject).")] = "wait"
+    spill_dir: Annotated[PathStr | None, Meta(
+        description="A spill store's disk tier (a private subdirectory is made in it). Spill is on when this is "
+                    "set or host_spill_bytes > 0.")] = None
+    host_spill_bytes: Annotated[Bytes, Meta(description="The spill store's host tier, in bytes.")] = 0
+    log_path: Annotated[PathStr | None, Meta(
+        description="The log to create (never overwritten); None: no log.")] = None
+    fsync: Annotated[str, Meta(pattern="^(never|tick|[1-9][0-9]{0,8}ms)$",
+                               description="never, tick or <N>ms: what a machine crash may lose.")] = "never"
+    snapshot_every: Annotated[int, Meta(ge=0, le=2**31, description="Ticks between core snapshots in the log "
+                                                                    "(0: none).")] = 0
+    stub_vocab_size: Annotated[int, Meta(ge=96, le=2**20, description="The stub model's vocabulary.")] = 96
+    stub_step_time: Annotated[float, Meta(
+        ge=0.0, le=3600.0, description="Seconds per step of the stub model (virtual time under MockClock).")] = 0.01
+    faults: Annotated[FaultPlan | None, Meta(description="Faults to inject (FaultPlan).")] = None
 
 
 class EngineConfig(_EngineFields, frozen=True, kw_only=True):
@@ -95,9 +90,7 @@ class EngineConfig(_EngineFields, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         fields: _EngineFields = checked(msgspec.structs.asdict(self), _EngineFields, "EngineConfig", ConfigError)
-        if (fields.think_start_token is None) != (fields.think_end_token is None):
-            raise ConfigError(f"EngineConfig.think_start_token={fields.think_start_token} and "
-                              f"think_end_token={fields.think_end_token} must be set together")
+        fields.check_knob_relations("EngineConfig")
         from tickloom.actors.log import parse_fsync
 
         try:
@@ -117,3 +110,52 @@ def _normalise(target: msgspec.Struct, fields: msgspec.Struct) -> None:
         value = getattr(fields, field.name)
         if getattr(target, field.name) is not value:
             msgspec.structs.force_setattr(target, field.name, value)
+
+
+def configuration_table() -> str:
+    """The README's configuration table (Markdown), rendered from the declarations: each field of ``EngineConfig``
+    with its default, its bound and its meaning; the scheduling knobs (``SchedulingKnobs``) first, marked *core*
+    (they reach the core and its log header as they are)."""
+    schema = msgspec.json.schema(EngineConfig)
+    fields = schema["$defs"]["EngineConfig"]["properties"]
+    rows = ["| field | default | bound | meaning |", "|---|---|---|---|"]
+    for name, field in fields.items():
+        label = f"`{name}` (core)" if name in SchedulingKnobs.__struct_fields__ else f"`{name}`"
+        default = "required" if "default" not in field else f"`{_json_value(field['default'])}`"
+        cells = [label, default, _bound(field), str(field.get("description", ""))]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _bound(field: dict[str, object]) -> str:
+    """A JSON schema's constraint, in words: ``1–4096``, ``1 or 2``, ``None or 0–2**31-1``..."""
+    options = field.get("anyOf")
+    if isinstance(options, list):
+        parts = [_bound(option) for option in options if option.get("type") != "null"]
+        nullable = len(parts) < len(options)
+        return ("None or " if nullable else "") + " or ".join(parts)
+    if "enum" in field:
+        values = field["enum"]
+        assert isinstance(values, list)
+        return " or ".join(f"`{_json_value(v)}`" for v in values)
+    if "$ref" in field:
+        return str(field["$ref"]).rsplit("/", 1)[-1]
+    if field.get("type") == "string":
+        if "pattern" in field:
+            return f"matches `{field['pattern']}`"
+        return f"{field.get('minLength', 0)}–{field.get('maxLength')} characters"
+    if field.get("type") in ("integer", "number"):
+        return f"{_number(field.get('minimum'))}–{_number(field.get('maximum'))}"
+    return "true or false" if field.get("type") == "boolean" else str(field.get("type", "any"))
+
+
+def _number(value: object) -> str:
+    if isinstance(value, int) and value >= 2**16:
+        for exponent in range(16, 64):
+            if value in (2**exponent, 2**exponent - 1):
+                return f"2**{exponent}" + ("" if value == 2**exponent else "-1")
+    return str(value)
+
+
+def _json_value(value: object) -> str:
+    return "None" if value is None else msgspec.json.encode(value).decode()

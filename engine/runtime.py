@@ -25,6 +25,7 @@ from tickloom.actors.spill import SpillActor, SpillStore, SwapInActor
 from tickloom.actors.step import StepActor
 from tickloom.engine.config import EngineConfig
 from tickloom.engine.core import CoreConfig, SchedulerCore
+from tickloom.engine.core.config import SchedulingKnobs
 from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
 from tickloom.engine.stub import StubTokenizer
 from tickloom.events import (
@@ -73,8 +74,8 @@ class Runtime:
         self.started_at = time.monotonic()
         send, self._inbox = trio.open_memory_channel[Envelope](INBOX_SIZE)
         self.client = Outbox(Source.CLIENT, send)
-        # Open requests are bounded by max_waiting + max_batch_size (the core's waiting bound, see build_runtime):
-        # however they split between waiting and running, the core never has to reject one for a full queue.
+        # Open requests are bounded by max_waiting, the core's waiting bound: however they split between waiting
+        # and running, the core never has to refuse one for a full queue.
         limit = core_config.max_waiting + 64
         self._slots = trio.Semaphore(core_config.max_waiting)
         self.max_slots = core_config.max_waiting
@@ -296,24 +297,22 @@ def _check_log_path(path: str) -> None:
         raise ConfigError(str(exc)) from exc
 
 
+def core_config_for(config: EngineConfig, **derived: Any) -> CoreConfig:
+    """The core's configuration: ``config``'s scheduling knobs as they are, overridden by what the engine derives
+    from the model (``num_blocks``, ``vocab_size``, ``eos_token_ids``, a ``max_seq_len`` capped by its context)."""
+    knobs = {name: getattr(config, name) for name in SchedulingKnobs.__struct_fields__}
+    return CoreConfig(**{**knobs, "spill_enabled": config.spill_enabled, **derived})
+
+
 async def build_runtime(config: EngineConfig) -> Runtime:
     """Load the model (in a worker thread) and wire everything; nothing runs until ``supervise``."""
     if config.log_path is not None:
         _check_log_path(config.log_path)
-    common = dict(
-        block_size=config.block_size, max_batch_size=config.max_batch_size,
-        max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens,
-        admit_watermark=config.admit_watermark, pipeline_depth=config.pipeline_depth,
-        spill_enabled=config.spill_enabled, preempt_immunity_tokens=config.preempt_immunity_tokens,
-        think_start_token=config.think_start_token, think_end_token=config.think_end_token,
-        prefix_caching=config.prefix_caching, max_waiting=config.max_waiting + config.max_batch_size,
-    )
     if config.model == "stub":
         tokenizer = StubTokenizer(config.stub_vocab_size)
         num_blocks = config.num_blocks or 1024
-        core_config = CoreConfig(num_blocks=num_blocks, max_seq_len=config.max_seq_len,
-                                 vocab_size=config.stub_vocab_size, eos_token_ids=(tokenizer.eos_token_id,),
-                                 **common)  # type: ignore[arg-type]
+        core_config = core_config_for(config, num_blocks=num_blocks, vocab_size=config.stub_vocab_size,
+                                      eos_token_ids=(tokenizer.eos_token_id,))
         return Runtime(config, core_config, tokenizer, "stub", None, ("", "stub", "", 0))
     from tickloom.engine.model import ModelExecutor, load_model
 
@@ -329,8 +328,8 @@ async def build_runtime(config: EngineConfig) -> Runtime:
         dtype_bytes = torch.tensor([], dtype=loaded.model.dtype).element_size()
         per_block = 2 * mcfg.num_layers * config.block_size * mcfg.num_kv_heads * mcfg.head_dim * dtype_bytes
         num_blocks = max(config.kv_memory_bytes // per_block, max_seq_len // config.block_size + 1)
-    core_config = CoreConfig(num_blocks=num_blocks, max_seq_len=max_seq_len, vocab_size=mcfg.vocab_size,
-                             eos_token_ids=tuple(mcfg.eos_token_ids), **common)  # type: ignore[arg-type]
+    core_config = core_config_for(config, num_blocks=num_blocks, max_seq_len=max_seq_len,
+                                  vocab_size=mcfg.vocab_size, eos_token_ids=tuple(mcfg.eos_token_ids))
     executor = ModelExecutor(loaded.model, num_blocks, config.block_size)
     dtype_name = str(loaded.model.dtype).removeprefix("torch.")
     if loaded.model.quant != "none":  # "bfloat16+int4": what replay --full passes back to load_model

@@ -310,7 +310,7 @@ async def test_token_ids_outside_the_vocabulary_are_rejected_at_submit(
             with pytest.raises(RequestRejected, match=rf"SamplingParams\.{field} contains 96, outside vocab_size=96"):
                 engine.generate("hi", SamplingParams(**{field: value}))
     assert core_finishes(tmp_path / "run.tlog") == {}
-    async with Engine.open(stub_config(tmp_path / "small.tlog", max_waiting=2, max_batch_size=1)) as engine:
+    async with Engine.open(stub_config(tmp_path / "small.tlog", max_waiting=3, max_batch_size=1)) as engine:
         with pytest.raises(RequestRejected, match=r"SamplingParams\.n=4 is more than the engine holds open at once"):
             engine.generate("hi", SamplingParams(n=4))
         outs = await engine.complete_n("hi", SamplingParams(n=3, max_tokens=2))

@@ -244,7 +244,7 @@ async def test_chat_messages_on_the_stub(tmp_path: Path, autojump_clock: trio.te
 
 async def test_overload_reject_and_drain(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     log = tmp_path / "run.tlog"
-    async with Engine.open(stub_config(log, max_waiting=2, max_batch_size=2, overload="reject")) as engine:
+    async with Engine.open(stub_config(log, max_waiting=4, max_batch_size=2, overload="reject")) as engine:
         streams = [engine.generate("go", SamplingParams(max_tokens=20), request_id=f"r{i}") for i in range(4)]
         for stream in streams:
             await stream.start()

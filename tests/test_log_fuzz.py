@@ -250,9 +250,8 @@ def _bad_snapshot(b: Base, rng: random.Random) -> Mutant:
     if choice == 0:
         new = msgspec.structs.replace(record, state=rng.randbytes(rng.randrange(200)))
     elif choice == 1:  # a huge pool from a snapshot's own configuration
-        config = msgspec.structs.replace(state.config, num_blocks=rng.choice([1 << 22, 1 << 40]))
-        raw = msgspec.msgpack.decode(encode_snapshot(state))
-        raw["config"] = msgspec.msgpack.decode(msgspec.msgpack.encode(config))
+        raw = msgspec.msgpack.decode(encode_snapshot(state))  # (a CoreConfig cannot even be made with 1 << 40)
+        raw["config"]["num_blocks"] = rng.choice([1 << 22, 1 << 40])
         new = msgspec.structs.replace(record, state=msgspec.msgpack.encode(raw))
     elif choice == 2:
         new = msgspec.structs.replace(record, state=encode_snapshot(msgspec.structs.replace(
@@ -394,7 +393,8 @@ def test_a_huge_pool_is_refused_before_it_is_built(base: Base, tmp_path: Path) -
     rss_before = _max_rss_mb()
     for argv in (["replay", str(path)], ["replay", "--bisect", str(path)], ["replay", "--until", "3", str(path)]):
         status, text = _cli(argv)
-        assert status == 2 and "num_blocks" in text and "limit" in text, text
+        # refused by the declared bound (engine.core.config) or, below it, by replay's own limit
+        assert status == 2 and "num_blocks" in text and ("limit" in text or "<= 16777216" in text), text
     assert _max_rss_mb() - rss_before < 50
 
 

@@ -430,7 +430,7 @@ async def test_errors_are_openai_json_naming_the_field(tmp_path: Path) -> None:
 
 
 async def test_overload_is_503_and_a_failed_request_is_500(tmp_path: Path) -> None:
-    config = stub(tmp_path / "s.tlog", stub_step_time=0.02, max_batch_size=1, max_waiting=0, overload="reject",
+    config = stub(tmp_path / "s.tlog", stub_step_time=0.02, max_batch_size=1, max_waiting=1, overload="reject",
                   faults=FaultPlan(fail_steps=[1]))
     async with running(config) as srv:
         with pytest.raises(openai.InternalServerError) as failed:  # step 1 carries this request's prefill

@@ -38,10 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", default=None, choices=["none", "int8", "int4"],
                         help="weight-only quantization on CPU, as for `tickloom generate` (default: the model's)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
-    parser.add_argument("--max-batch-size", type=int, default=32, help="sequences per step at most (default 32)")
+    parser.add_argument("--max-batch-size", type=int, default=None,
+                        help="sequences per step at most (default: EngineConfig's)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from the KV memory)")
-    parser.add_argument("--max-waiting", type=int, default=1024,
-                        help="requests that may wait beyond a full batch (default 1024)")
+    parser.add_argument("--max-waiting", type=int, default=None,
+                        help="requests open at once at most, running or waiting (default: EngineConfig's)")
     parser.add_argument("--overload", choices=["wait", "reject"], default="wait",
                         help="past --max-waiting: hold new requests (wait) or answer 503 (reject); default wait")
     parser.add_argument("--stub-step-time", type=float, default=None, metavar="SECONDS",
@@ -66,11 +67,12 @@ def run(args: argparse.Namespace) -> int:
 
     check_model_options(args.model, args.device, args.dtype)
     log_path = None if args.no_log else (args.log or default_log_path())
-    extra = {} if args.stub_step_time is None else {"stub_step_time": args.stub_step_time}
+    given = {"stub_step_time": args.stub_step_time, "max_batch_size": args.max_batch_size,
+             "max_waiting": args.max_waiting}
+    extra = {name: value for name, value in given.items() if value is not None}
     try:
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, log_path=log_path,
-                              max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
-                              num_blocks=args.num_blocks, max_waiting=args.max_waiting, overload=args.overload,
+                              max_seq_len=args.max_seq_len, num_blocks=args.num_blocks, overload=args.overload,
                               quant=args.quant, **extra)
     except ConfigError as exc:
         raise CliError(str(exc)) from None

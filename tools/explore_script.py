@@ -168,7 +168,7 @@ def engine_config(script: Script, log_path: Path) -> EngineConfig:
     return EngineConfig(
         model="stub", log_path=str(log_path), fsync="never", num_blocks=s.num_blocks, block_size=s.block_size,
         max_seq_len=s.max_seq_len, max_batch_size=s.max_batch_size, pipeline_depth=s.pipeline_depth,  # type: ignore[arg-type]
-        max_waiting=s.max_waiting, overload=s.overload,  # type: ignore[arg-type]
+        max_waiting=s.max_waiting + s.max_batch_size, overload=s.overload,  # type: ignore[arg-type]
         host_spill_bytes=1 << 30 if s.spill else 0, spill_dir=None, prefix_caching=s.prefix_caching,
         preempt_immunity_tokens=s.immunity,
         snapshot_every=s.snapshot_every, stub_step_time=s.step_time, faults=plan,
