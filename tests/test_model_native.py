@@ -100,7 +100,7 @@ def _attention_case(lengths: list[int], kv_heads: int, groups: int, head_dim: in
 
 def _reference(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, groups: int,
                scale: float) -> torch.Tensor:
-    kvh, _, bs, d = kv.shape[0] // 2, *kv.shape[1:]
+    kvh, d = kv.shape[0] // 2, kv.shape[3]
     out = []
     for r in range(q.shape[0]):
         n = int(lengths[r])
@@ -151,3 +151,53 @@ def test_off_switch_falls_back_to_torch_and_says_why() -> None:
     env = {**os.environ, "TICKLOOM_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "off (TICKLOOM_NATIVE=0) True"
+
+
+def _bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+
+
+def test_add_rms_norm_adds_in_place_then_normalizes() -> None:
+    x, add, w = _bf16(3, 64, seed=1), _bf16(3, 64, seed=2), torch.rand(64) + 0.5
+    want_x = (x.float() + add.float()).bfloat16()  # the residual stream stays bfloat16
+    xf = want_x.float()
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    got = native.add_rms_norm(x, add, w, 1e-5)
+    assert torch.equal(x, want_x)
+    assert float((got.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    alone = native.add_rms_norm(x, None, w, 1e-5)  # no add: x is left as it is
+    assert torch.equal(x, want_x) and torch.equal(alone, got)
+
+
+def test_rope_and_store_rotates_q_and_k_and_stores_k_and_v() -> None:
+    from tickloom.engine.model.kv_cache import PagedKVCache
+    from tickloom.engine.model.llama import apply_rope, rope_tables
+
+    heads, kv_heads, d = 4, 2, 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    cos, sin = rope_tables(inv_freq, 64, torch.bfloat16, torch.device("cpu"))
+    qkv = _bf16(3, (heads + 2 * kv_heads) * d, seed=3)
+    positions, slots = torch.tensor([0, 7, 40]), torch.tensor([5, 17, 2])
+    ref_qkv = qkv.clone()
+    rope_heads = heads + kv_heads
+    rot = apply_rope(ref_qkv[:, : rope_heads * d].float().view(3, rope_heads, d).clone(),
+                     cos.float()[positions].unsqueeze(1), sin.float()[positions].unsqueeze(1))
+    cache = PagedKVCache(1, 4, 8, kv_heads, d, torch.bfloat16, torch.device("cpu"))
+    native.rope_and_store(qkv, positions, cos, sin, rope_heads, kv_heads, slots, cache.kv[0])
+    got = qkv[:, : rope_heads * d].float().view(3, rope_heads, d)
+    assert float((got - rot).abs().max()) < 3e-2
+    assert torch.equal(qkv[:, rope_heads * d :], ref_qkv[:, rope_heads * d :])  # V is not rotated
+    flat = cache.kv[0].view(2 * kv_heads, -1, d)
+    for r in range(3):
+        assert torch.equal(flat[:, int(slots[r])], qkv[r, heads * d :].view(2 * kv_heads, d))
+    untouched = [s for s in range(32) if s not in slots.tolist()]
+    assert not flat[:, untouched].any()
+
+
+def test_silu_mul_matches_torch_and_saturates_cleanly() -> None:
+    gate_up = torch.cat([_bf16(2, 48, seed=4, scale=4.0), _bf16(2, 48, seed=5)], dim=-1)
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -88.0]).bfloat16()
+    want = torch.nn.functional.silu(gate_up[:, :48].float()) * gate_up[:, 48:].float()
+    got = native.silu_mul(gate_up).float()
+    assert not got.isnan().any()
+    assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())

@@ -10,7 +10,7 @@ stored by one ``index_copy_`` and gathered by one ``index_select`` (``kv_cache.p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -60,26 +60,25 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 class LayerWeights:
-    """One decoder layer's weights, with q/k/v fused. Gate and up stay separate: on CPU two GEMMs
-    beat one fused GEMM for prefill-sized inputs, and silu on a contiguous tensor is faster.
+    """One decoder layer's weights, with q/k/v fused and gate/up fused (``w13``: rows ``[gate; up]``).
 
-    Projections are ``Linear`` callables (``engine.model.quant``): dense, int8 or int4."""
+    Projections are ``Linear`` callables (``engine.model.quant``): dense, int8 or int4. Norm weights are in the
+    form the model's norm takes (``LlamaModel._norm_weight``)."""
 
-    __slots__ = ("attn_norm", "mlp_norm", "qkv", "w1", "w2", "w3", "wo")
+    __slots__ = ("attn_norm", "mlp_norm", "qkv", "w2", "w13", "wo")
 
-    def __init__(
-        self, t: Mapping[str, Weight], prefix: str, bias: bool, quant: str, dtype: torch.dtype, act: torch.dtype
-    ) -> None:
+    def __init__(self, t: Mapping[str, Weight], prefix: str, bias: bool, quant: str, dtype: torch.dtype,
+                 act: torch.dtype, norm_weight: Callable[[torch.Tensor], torch.Tensor]) -> None:
         a = prefix + "self_attn."
-        self.attn_norm = norm_weight2(_dense(t[prefix + "input_layernorm.weight"], dtype))
-        self.mlp_norm = norm_weight2(_dense(t[prefix + "post_attention_layernorm.weight"], dtype))
+        self.attn_norm = norm_weight(_dense(t[prefix + "input_layernorm.weight"], dtype))
+        self.mlp_norm = norm_weight(_dense(t[prefix + "post_attention_layernorm.weight"], dtype))
         biases = None
         if bias:
             biases = [_dense(t[a + f"{p}_proj.bias"], dtype) for p in "qkv"]
         self.qkv: Linear = join_linear([t[a + f"{p}_proj.weight"] for p in "qkv"], biases, quant, act)
         self.wo: Linear = join_linear([t[a + "o_proj.weight"]], None, quant, act)
-        self.w1: Linear = join_linear([t[prefix + "mlp.gate_proj.weight"]], None, quant, act)
-        self.w3: Linear = join_linear([t[prefix + "mlp.up_proj.weight"]], None, quant, act)
+        self.w13: Linear = join_linear([t[prefix + "mlp.gate_proj.weight"], t[prefix + "mlp.up_proj.weight"]], None,
+                                       quant, act)
         self.w2: Linear = join_linear([t[prefix + "mlp.down_proj.weight"]], None, quant, act)
 
 
@@ -148,22 +147,24 @@ class LlamaModel:
             k: v if isinstance(v, RawBlocks) else v.to(device=device, dtype=dtype if quant == "none" else v.dtype)
             for k, v in tensors.items()
         }
+        # tickloom's fused CPU kernels (engine.model.native) for the row-wise ops and decode attention
+        self._native = (dtype == torch.bfloat16 and device.type == "cpu" and cfg.head_dim % 32 == 0
+                        and cfg.head_dim <= 256 and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0
+                        and native.available())
         self.embed = Embedding(t["model.embed_tokens.weight"], dtype)
-        self.norm = norm_weight2(_dense(t["model.norm.weight"], dtype))
+        self.norm = self._norm_weight(_dense(t["model.norm.weight"], dtype))
         head = self.embed.weight() if cfg.tie_word_embeddings else t["lm_head.weight"]
         # The head packs on a second thread while the layers pack here: fbgemm's packing of the 49152-row head
         # (0.3 s) releases the GIL, and most of the layers' packing does too.
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(head_linear, head, quant, act)
             self.layers = [
-                LayerWeights(t, f"model.layers.{n}.", cfg.attention_bias, quant, dtype, act)
+                LayerWeights(t, f"model.layers.{n}.", cfg.attention_bias, quant, dtype, act, self._norm_weight)
                 for n in range(cfg.num_layers)
             ]
             self.lm_head: Linear = pending.result()
         self.embed.release_pages()  # packing read every page of the file; lookups need a few rows
         self.scale = cfg.head_dim**-0.5
-        self._native_attention = (dtype == torch.bfloat16 and device.type == "cpu" and cfg.head_dim % 16 == 0
-                                  and cfg.head_dim <= 256 and native.available())
         self._q_size, self._kv_size, self._gqa = cfg.q_size, cfg.kv_size, cfg.num_heads // cfg.num_kv_heads
         self._rope_heads, self._kv_heads2 = cfg.num_heads + cfg.num_kv_heads, 2 * cfg.num_kv_heads
         self._inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64)
@@ -183,31 +184,47 @@ class LlamaModel:
         max_pos = batch.max_position
         if max_pos >= self._cos.shape[0]:
             self._grow_rope(max(2 * self._cos.shape[0], max_pos + 1))
-        cos = self._cos.index_select(0, batch.positions).unsqueeze(1)
-        sin = self._sin.index_select(0, batch.positions).unsqueeze(1)
-        masks = [self._decode_bias(g) if g.q_len == 1 and g.rows > 1 and not self._native_attention else g.mask
+        rope = None if self._native else (self._cos.index_select(0, batch.positions).unsqueeze(1),
+                                          self._sin.index_select(0, batch.positions).unsqueeze(1))
+        masks = [self._decode_bias(g) if g.q_len == 1 and g.rows > 1 and not self._native else g.mask
                  for g in batch.groups]
-        eps = self.cfg.rms_norm_eps
         x = self.embed(batch.input_ids)
+        y: torch.Tensor | None = None  # the last sublayer's output, not yet added to the residual stream x
         for n, layer in enumerate(self.layers):
-            x.add_(self._attention(n, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, batch, masks, kv))
-            x.add_(self._mlp(layer, rms_norm(x, layer.mlp_norm, eps)))
+            y = self._attention(n, layer, self._add_norm(x, y, layer.attn_norm), rope, batch, masks, kv)
+            y = layer.w2(self._silu_mul(layer.w13(self._add_norm(x, y, layer.mlp_norm))))
+        if y is not None:
+            x.add_(y)
         h = x if batch.logit_index is None else x.index_select(0, batch.logit_index)
-        return self.lm_head(rms_norm(h, self.norm, eps)).float()
+        return self.lm_head(self._add_norm(h, None, self.norm)).float()
+
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return w.float().contiguous() if self._native else norm_weight2(w)
+
+    def _add_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """``x += add`` (when given), then RMSNorm of ``x``."""
+        eps = self.cfg.rms_norm_eps
+        if self._native:
+            return native.add_rms_norm(x, add, weight, eps)
+        if add is not None:
+            x.add_(add)
+        return rms_norm(x, weight, eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._native:
+            return native.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads (every projection and the head; the embedding rows are few)."""
-        linears = [self.lm_head, *(p for ly in self.layers for p in (ly.qkv, ly.wo, ly.w1, ly.w2, ly.w3))]
+        linears = [self.lm_head, *(p for ly in self.layers for p in (ly.qkv, ly.wo, ly.w13, ly.w2))]
         return sum(lin.nbytes() for lin in linears)
 
     def resident_bytes(self) -> int:
         """Bytes of all weights held (the head shares the embedding's storage when dense and tied)."""
         shared = self.cfg.tie_word_embeddings and self.quant == "none" and self.embed.table is not None
         return self.weight_bytes() + (0 if shared else self.embed.nbytes())
-
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(layer.w1(x), inplace=True)
-        return layer.w2(gate.mul_(layer.w3(x)))
 
     def _decode_bias(self, g: AttnGroup) -> torch.Tensor:
         """A decode group's mask as an additive bias, ``1 x rows x 1 x ctx``, made once per step for all layers."""
@@ -219,8 +236,7 @@ class LlamaModel:
         n: int,
         layer: LayerWeights,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         batch: StepBatch,
         masks: list[torch.Tensor],
         kv: PagedKVCache,
@@ -228,8 +244,12 @@ class LlamaModel:
         t = x.shape[0]
         qs, d = self._q_size, self.cfg.head_dim
         qkv = layer.qkv(x)
-        apply_rope(qkv[:, : qs + self._kv_size].view(t, self._rope_heads, d), cos, sin)
-        kv.write(n, batch.write_slots, qkv[:, qs:].view(t, self._kv_heads2, d))
+        if rope is None:
+            native.rope_and_store(qkv, batch.positions, self._cos, self._sin, self._rope_heads,
+                                  self.cfg.num_kv_heads, batch.write_slots, kv.kv[n])
+        else:
+            apply_rope(qkv[:, : qs + self._kv_size].view(t, self._rope_heads, d), *rope)
+            kv.write(n, batch.write_slots, qkv[:, qs:].view(t, self._kv_heads2, d))
         q = qkv[:, :qs]
         groups = batch.groups
         if len(groups) == 1 and groups[0].token_index is None:
@@ -252,7 +272,7 @@ class LlamaModel:
         head) and cost 3x that at batch 32; a single row or a prefill chunk uses it."""
         kvh, groups, d = self.cfg.num_kv_heads, self._gqa, self.cfg.head_dim
         b, ql = g.rows, g.q_len
-        if ql == 1 and self._native_attention and g.lengths is not None:
+        if ql == 1 and self._native and g.lengths is not None:
             return native.decode_attention(q, kv.kv[n], g.block_index, g.lengths, groups, self.scale)
         kb, vb = kv.gather(n, g.block_index)
         k, v = kb.view(kvh, b, -1, d), vb.view(kvh, b, -1, d)
