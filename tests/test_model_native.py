@@ -201,3 +201,42 @@ def test_silu_mul_matches_torch_and_saturates_cleanly() -> None:
     got = native.silu_mul(gate_up).float()
     assert not got.isnan().any()
     assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+def _q8_0_rows(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Random GGUF Q8_0 rows (34-byte blocks: float16 d, 32 int8) and the float32 weight they encode."""
+    rng = np.random.default_rng(seed)
+    g = k // 32
+    d = (rng.random((n, g)) * 0.02 + 0.001).astype(np.float16)
+    q = rng.integers(-127, 128, (n, g, 32), dtype=np.int8)
+    rows = np.concatenate([d.view(np.uint8).reshape(n, g, 2), q.view(np.uint8)], axis=-1).reshape(n, -1)
+    return rows, torch.from_numpy((q * d.astype(np.float32)[..., None]).reshape(n, k))
+
+
+def test_q8_head_keeps_the_files_weights_and_multiplies_to_15_bits() -> None:
+    from tickloom.engine.model.quant import Q8Linear, RawBlocks
+
+    rows, w = _q8_0_rows(48, 128, seed=6)
+    lin = Q8Linear.from_weight(RawBlocks("Q8_0", rows, (48, 128)))
+    assert torch.equal(lin.dequantize(), w)  # the Q8_0 blocks as they are: no second rounding
+    x = _bf16(9, 128, seed=7)
+    x[0, :3] = torch.tensor([40.0, -25.0, 0.0])  # outlier channels, as the head's input has
+    y = lin(x)
+    ref = x.float() @ w.t()
+    assert y.dtype == torch.float32
+    # two 8-bit passes per activation: far finer than one (a 1/254 step of a 40.0 outlier would be 0.16)
+    assert float((y - ref).abs().max()) < 2e-3 * float(ref.abs().max())
+    assert torch.equal(lin(x[4:5]), y[4:5])  # a row's logits do not depend on its batch
+    assert torch.equal(lin(torch.zeros(2, 128, dtype=torch.bfloat16)), torch.zeros(2, 48))
+
+
+def test_q8_head_from_float_rounds_each_group_to_its_own_step() -> None:
+    from tickloom.engine.model.quant import Q8Linear
+
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(8))
+    w[0, 0] = 30.0  # one large weight coarsens its own group only
+    deq = Q8Linear.from_weight(w).dequantize()
+    step = w.reshape(32, 2, 32).abs().amax(-1, keepdim=True) / 127
+    # half a step from rounding, plus up to 127 x the step's own float16 rounding (2^-11): under 0.6 steps
+    assert bool(((deq - w).reshape(32, 2, 32).abs() <= step * 0.6).all())
+    assert float((deq - w)[1:].abs().max()) < 0.02

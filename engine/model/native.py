@@ -2,6 +2,7 @@
 called through ctypes (which lets go of the GIL for the call).
 
 - ``matmul``: 4-bit weights times bfloat16 activations (``Int4Linear``'s fast path).
+- ``q8_matmul``: 8-bit weights (GGUF Q8_0's form) times bfloat16 activations, float32 out (the LM head).
 - ``decode_attention``: decode rows' attention, reading K and V in place from the paged cache.
 - ``add_rms_norm``, ``rope_and_store``, ``silu_mul``: a decoder layer's row-wise ops, fused, so that a layer is
   a few calls instead of about twenty torch ops (each costs microseconds before it touches data, which at batch
@@ -45,6 +46,7 @@ import torch
 
 TILE_ROWS = 16
 TILE_BYTES = 320
+Q8_TILE_BYTES = 576
 GROUP = 32
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mf16c",
@@ -58,6 +60,12 @@ class _Kernel:
         self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         self.matmul.restype = ctypes.c_int
+        self.q8_matmul = lib.q8_matmul
+        self.q8_matmul.argtypes = self.matmul.argtypes
+        self.q8_matmul.restype = ctypes.c_int
+        self.q8_scratch_bytes = lib.q8_scratch_bytes
+        self.q8_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        self.q8_scratch_bytes.restype = ctypes.c_int64
         self.scratch_bytes = lib.q4_scratch_bytes
         self.scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
         self.scratch_bytes.restype = ctypes.c_int64
@@ -154,6 +162,21 @@ def pack_tiles(nibbles: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tenso
     return torch.from_numpy(out)
 
 
+def pack_q8_tiles(q: np.ndarray, d: np.ndarray) -> torch.Tensor:
+    """The 8-bit kernel's weight: ``q`` ``N x K`` int8 and ``d`` ``N x K/32`` (``w = d * q`` per group of 32, GGUF
+    Q8_0's form; ``d`` kept as float16). ``N % 16 == 0``. Returns ``N / 16 x K/32 x 576`` bytes."""
+    n, k = q.shape
+    b, g = n // TILE_ROWS, k // GROUP
+    out = np.empty((b, g, Q8_TILE_BYTES), dtype=np.uint8)
+    qg = q.reshape(b, TILE_ROWS, g, 8, 4)
+    out[..., :512] = qg.transpose(0, 2, 3, 1, 4).reshape(b, g, 512).view(np.uint8)
+    out[..., 512:544] = np.ascontiguousarray(d.astype(np.float16).reshape(b, TILE_ROWS, g).transpose(0, 2, 1)).view(
+        np.uint8)
+    sums = q.reshape(n, g, GROUP).sum(axis=-1, dtype=np.int32).astype(np.int16)  # |sum| <= 32 * 128
+    out[..., 544:] = np.ascontiguousarray(sums.reshape(b, TILE_ROWS, g).transpose(0, 2, 1)).view(np.uint8)
+    return torch.from_numpy(out)
+
+
 def unpack_tiles(tiles: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``pack_tiles``' inverse: (nibbles ``N x G x 16``, s, z as float32 ``N x G``)."""
     t = tiles.numpy()
@@ -225,6 +248,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inter, dtype=torch.bfloat16)
     _kernel().silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr())
     return out
+
+
+def q8_matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_q8_tiles`` weight, ``M x N`` float32."""
+    kernel = _kernel()
+    m, k = x.shape
+    y = torch.empty(m, out_features)
+    scratch = torch.empty(kernel.q8_scratch_bytes(m, k), dtype=torch.uint8)
+    rc = kernel.q8_matmul(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, out_features, k, scratch.data_ptr(),
+                          torch.get_num_threads())
+    if rc:
+        raise ValueError(f"q8 kernel: unsupported shape N={out_features}, K={k}")
+    return y
 
 
 def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -318,6 +318,46 @@ class Int4Linear:
         return _nbytes(self.tiles, self.packed, self.scales_zeros, self.bias)
 
 
+class Q8Linear:
+    """GGUF Q8_0's form, ``w[n, k] = d[n, k // 32] * q[n, k]`` with ``q`` int8, on tickloom's 8-bit kernel
+    (``engine.model.native.q8_matmul``); returns float32. The LM head where the kernel runs: a Q8_0 head (the
+    bundled model's tied embedding) is used as the file has it, with no second rounding."""
+
+    __slots__ = ("in_features", "out_features", "tiles")
+
+    def __init__(self, q: np.ndarray, d: np.ndarray) -> None:
+        self.out_features, self.in_features = q.shape
+        self.tiles = native.pack_q8_tiles(q, d)
+
+    @classmethod
+    def from_weight(cls, w: Weight) -> Q8Linear:
+        if isinstance(w, RawBlocks) and w.kind == "Q8_0":
+            d, q = gguf_q8_0(w.data)
+            return cls(q.reshape(q.shape[0], -1), d)
+        f = (w.dequantize() if isinstance(w, RawBlocks) else w).float()
+        n, k = f.shape
+        groups = f.reshape(n, k // 32, 32)
+        d = groups.abs().amax(dim=-1) / 127.0
+        q = torch.round(groups / d.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.reshape(n, k).numpy(), d.numpy())
+
+    def dequantize(self) -> torch.Tensor:
+        t = self.tiles.numpy()
+        b, g, _ = t.shape
+        q = t[..., :512].view(np.int8).reshape(b, g, 8, 16, 4).transpose(0, 3, 1, 2, 4).reshape(b * 16, g, 32)
+        d = np.ascontiguousarray(t[..., 512:544]).view(np.float16).astype(np.float32)
+        d = np.ascontiguousarray(d.transpose(0, 2, 1)).reshape(b * 16, g)
+        return torch.from_numpy((q.astype(np.float32) * d[..., None]).reshape(b * 16, -1))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = tuple(x.shape[:-1])
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        return native.q8_matmul(x2, self.tiles, self.out_features).view(*lead, self.out_features)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.tiles)
+
+
 def gguf_q4_fields(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """(d ``N x G``, m ``N x G`` or None, q ``N x G x 32`` uint8 in 0..15) of Q4_0 (18-byte blocks: fp16 d,
     16 bytes) or Q4_1 (20-byte blocks: fp16 d, fp16 m, 16 bytes) rows. Byte ``j`` of a block holds element
@@ -466,11 +506,13 @@ def drop_file_pages(arr: np.ndarray) -> bool:
 
 
 def head_linear(w: Weight, quant: str, act: torch.dtype) -> Linear:
-    """The LM head under a model setting: dense with ``"none"``; else ``DynInt8Linear`` where fbgemm runs, else
-    weight-only int8. Never int4: an int4 head costs about a tenth of the greedy agreement with float32 on
-    SmolLM2-135M (llama.cpp's Q4 files keep a Q8_0 head too)."""
+    """The LM head under a model setting: dense with ``"none"``; else ``Q8Linear`` where tickloom's kernels
+    run, else ``DynInt8Linear`` where fbgemm runs, else weight-only int8. Never int4: an int4 head costs about a
+    tenth of the greedy agreement with float32 on SmolLM2-135M (llama.cpp's Q4 files keep a Q8_0 head too)."""
     if quant == "none":
         return join_linear([w], None, quant, act)
+    if native.available() and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
+        return Q8Linear.from_weight(w)
     if fbgemm_available():
         return DynInt8Linear(*int8_rows(w))
     return join_linear([w], None, "int8", act)
