@@ -22,13 +22,13 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import trio
 
 from tickloom.actors.mailbox import ChannelOverflow, Outbox
 from tickloom.actors.spill import SpillActor
-from tickloom.engine.model.types import HostKV, SamplingSpecLike, StepResult
+from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import (
     NO_SAMPLE,
     NOT_FED,
@@ -50,7 +50,7 @@ from tickloom.events.oracle import OracleRow, oracle_step
 class Executor(Protocol):
     """What ``engine.model.ModelExecutor`` offers (and ``StubExecutor``)."""
 
-    def bind(self, request_id: str, params: SamplingSpecLike, seed: int, prompt_len: int,
+    def bind(self, request_id: str, params: SamplingSpec, seed: int, prompt_len: int,
              masked_token_ids: list[int], prompt_token_ids: Sequence[int] = ()) -> None: ...
 
     def release(self, request_id: str) -> None: ...
@@ -205,8 +205,7 @@ class ThreadDevice:
                                   result.logprobs, result.top_token_ids, result.top_logprobs, result.prompt_logprobs,
                                   result.prompt_top_token_ids, result.prompt_top_logprobs))
         elif isinstance(command, BindRequest):
-            # SamplingSpec is frozen; the protocol declares plain attributes, which mypy reads as settable.
-            ex.bind(command.request_id, cast(SamplingSpecLike, command.params), command.seed, command.prompt_len,
+            ex.bind(command.request_id, command.params, command.seed, command.prompt_len,
                     list(command.masked_token_ids), command.prompt_token_ids)
         elif isinstance(command, ReleaseRequest):
             self._poisoned.discard(command.request_id)

@@ -15,7 +15,7 @@ What it does, per token, always one token at a time (so nothing depends on how t
 * **Stop strings** (``SamplingSpec.stop``) are matched against the content text in token order. Content that
   could still be the start of a stop string is held back. A match completes at the token whose text holds the
   stop string's last character; from then on nothing more is delivered, and the text ends before the stop
-  string (after it with ``include_stop_str``, the wire name of ``SamplingParams.include_stop_str_in_output``).
+  string (after it with ``include_stop_str_in_output``).
   A match that completes before ``min_tokens`` tokens is ignored, as the core ignores EOS and stop ids there.
 * **The final frame** combines the core's ``Finish`` with the assembler's own match: the stream ends at the
   first terminal condition by token index, with precedence deciding a tie at one index, so the client's text,
@@ -225,7 +225,7 @@ class StreamAssembler:
             if best is not None:
                 end, start = best
                 self._held = ""
-                return buf[: end if self.spec.include_stop_str else start], True
+                return buf[: end if self.spec.include_stop_str_in_output else start], True
         keep = self._stop_prefix_len(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False

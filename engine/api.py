@@ -28,9 +28,12 @@ from tickloom.engine.params import (
     checked,
     encodable,
     unencodable,
+    with_bounds,
 )
 from tickloom.engine.runtime import Runtime, build_runtime
 from tickloom.events import RequestArrived, RequestCancelled
+
+_PROMPT_IDS = with_bounds(list[TokenId])
 
 Prompt = str | list[int] | Sequence[dict[str, Any]]
 """Text, token ids (used as given: no BOS is added) or chat messages (rendered with the model's template)."""
@@ -235,7 +238,7 @@ class Engine:
         elif isinstance(prompt, (list, tuple)):
             if len(prompt) >= limits.max_seq_len:
                 raise RequestRejected(f"the prompt has {len(prompt)} tokens; max_seq_len={limits.max_seq_len}")
-            ids = checked(prompt, list[TokenId], "prompt")
+            ids = checked(prompt, _PROMPT_IDS, "prompt")
             bad = next((i for i, t in enumerate(ids) if t >= limits.vocab_size), None)
             if bad is not None:
                 raise RequestRejected(f"prompt token id {ids[bad]} at position {bad} is outside "

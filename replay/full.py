@@ -151,10 +151,8 @@ class ModelDevice:
         ex = self.executor
         for command in commands:
             if isinstance(command, BindRequest):
-                # SamplingSpec is frozen; SamplingSpecLike declares settable fields, but the executor only reads them
-                params: Any = command.params
-                ex.bind(command.request_id, params, command.seed, command.prompt_len, list(command.masked_token_ids),
-                        list(command.prompt_token_ids))
+                ex.bind(command.request_id, command.params, command.seed, command.prompt_len,
+                        list(command.masked_token_ids), list(command.prompt_token_ids))
             elif isinstance(command, RunStep):
                 results.append(self.run_step(command))
             elif isinstance(command, SpillOut):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,25 +11,10 @@ import torch
 
 from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.types import StepResult
+from tickloom.events import SamplingSpec
 
-
-@dataclass
-class Spec:
-    """A SamplingSpecLike for tests."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    logprobs: bool = False
-    top_logprobs: int = 0
-    logit_bias: list[tuple[int, float]] = field(default_factory=list)
-    allowed_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
+Spec = functools.partial(SamplingSpec, temperature=0.0)
+"""A ``SamplingSpec``, greedy unless told otherwise (the model tests' default)."""
 
 
 @dataclass
@@ -49,7 +35,7 @@ class Driver:
         random.Random(seed).shuffle(self.free)
         self.reqs: dict[str, _Req] = {}
 
-    def add(self, rid: str, prompt: list[int], spec: Spec, seed: int, masked: list[int] | None = None) -> None:
+    def add(self, rid: str, prompt: list[int], spec: SamplingSpec, seed: int, masked: list[int] | None = None) -> None:
         self.ex.bind(rid, spec, seed, len(prompt), masked or [])
         self.reqs[rid] = _Req(list(prompt))
 

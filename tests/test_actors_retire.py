@@ -112,7 +112,7 @@ def final(frames: list[RequestOutput]) -> RequestOutput:
 async def test_e04_stop_strings_span_token_boundary_and_end_the_text() -> None:
     for include in (False, True):
         h = Harness()
-        s = h.open(stop=["dé c"], include_stop_str=include)
+        s = h.open(stop=["dé c"], include_stop_str_in_output=include)
         ids = ids_of("abcdé cab")  # "dé c" spans five tokens, "é" itself split across two
         for tok in ids:
             h.tokens("r", [tok])
@@ -309,7 +309,7 @@ async def test_e04_stop_strings_finish_independent_of_when_match_is_noticed(case
     chunks: list[int] = case["chunks"]  # type: ignore[assignment]
     h = Harness(max_buffered_frames=case["max_frames"])  # type: ignore[arg-type]
     h.now = 0.0
-    s = h.open(stop=case["stops"], include_stop_str=case["include"], min_tokens=case["min_tokens"])
+    s = h.open(stop=case["stops"], include_stop_str_in_output=case["include"], min_tokens=case["min_tokens"])
     # A simulated core: emits a chunk of tokens per tick; learns of a reported match `delay` ticks late.
     emitted, tick = 0, 0
     arrival: list[float] = []

@@ -282,8 +282,16 @@ def test_each_new_field_out_of_bounds_is_rejected_naming_it(field: str, value: A
 def test_the_old_names_are_gone() -> None:
     with pytest.raises(TypeError):
         SamplingParams(include_stop_str=True)  # type: ignore[call-arg]
-    with pytest.raises(TypeError):
-        SamplingParams(top_logprobs=2)  # type: ignore[call-arg]
+
+
+def test_top_logprobs_only_mirrors_logprobs() -> None:
+    """The log's form of ``logprobs=k`` is ``logprobs=True, top_logprobs=k``; the public field mirrors ``logprobs``."""
+    with pytest.raises(RequestRejected, match=r"SamplingParams\.top_logprobs=2 only mirrors logprobs=None"):
+        SamplingParams(top_logprobs=2)
+    with pytest.raises(RequestRejected, match=r"SamplingParams\.top_logprobs=2 only mirrors logprobs=3"):
+        SamplingParams(top_logprobs=2, logprobs=3)
+    assert SamplingParams(logprobs=3).top_logprobs == SamplingParams(logprobs=3, top_logprobs=3).top_logprobs == 3
+    assert SamplingParams(logprobs=0).top_logprobs == SamplingParams().top_logprobs == 0
 
 
 def test_seeds_of_n_choices_must_fit() -> None:
@@ -297,7 +305,7 @@ def test_the_wire_form() -> None:
                           include_stop_str_in_output=True).to_spec()
     assert (spec.logprobs, spec.top_logprobs, spec.prompt_logprobs) == (True, 3, 0)
     assert spec.logit_bias == [(2, -0.5), (9, 1.0)] and type(spec.logit_bias[1][1]) is float
-    assert spec.allowed_token_ids == [3, 5] and spec.include_stop_str
+    assert spec.allowed_token_ids == [3, 5] and spec.include_stop_str_in_output
     plain = SamplingParams().to_spec()
     assert (plain.logprobs, plain.top_logprobs, plain.prompt_logprobs) == (False, 0, None)
     assert plain.logit_bias == [] and plain.allowed_token_ids is None

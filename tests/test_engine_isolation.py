@@ -20,7 +20,7 @@ from model_fixtures import Spec
 from tickloom.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from tickloom.engine.model import write_tiny_model
 from tickloom.engine.model.sampling import Sampler, SampleRow
-from tickloom.events import LogReader, StepDone, StepFailed
+from tickloom.events import LogReader, SamplingSpec, StepDone, StepFailed
 
 TINY = 5e-324
 HUGE = 1.7976931348623157e308
@@ -62,12 +62,9 @@ async def _collect(engine: Engine, prompt: list[int], params: SamplingParams, ri
 
 
 # -- the sampler ---------------------------------------------------------------------------------------------------
-def _spec(kw: dict[str, Any]) -> Spec:
-    """The wire-like spec of public params ``kw``: ``logprobs=k`` is ``logprobs=True, top_logprobs=k``."""
-    fields = {k: v for k, v in kw.items() if k in Spec.__dataclass_fields__}
-    if "logprobs" in kw:
-        fields.update(logprobs=kw["logprobs"] is not None, top_logprobs=kw["logprobs"] or 0)
-    return Spec(**{"temperature": 1.0, **fields})
+def _spec(kw: dict[str, Any]) -> SamplingSpec:
+    """The wire form of the public params ``kw`` (sampled at temperature 1 unless ``kw`` says otherwise)."""
+    return SamplingParams(**{"temperature": 1.0, **kw}).to_spec()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -78,10 +75,10 @@ def test_an_extreme_row_never_changes_or_fails_the_other_rows(name: str, dtype: 
     sampler = Sampler(VOCAB, torch.device("cpu"))
     kw = EXTREMES[name]
     history = dict(prompt_tokens=[1, 2, 3, 40, 41], output_tokens=[5, 5, 9])
-    normal = [SampleRow(Spec(temperature=t, logprobs=True, top_logprobs=3), 11 + i, 2, **history)  # type: ignore[arg-type]
+    normal = [SampleRow(Spec(temperature=t, logprobs=True, top_logprobs=3), 11 + i, 2, **history)
               for i, t in enumerate((0.0, 0.8, 1.0))]
     extreme = SampleRow(_spec(kw), kw.get("seed", 3), 2, masked_token_ids=kw.get("stop_token_ids", []),
-                        **history)  # type: ignore[arg-type]
+                        **history)
     rows = [normal[0], extreme, normal[1], normal[2]]
     together = sampler.sample(logits, rows)
     alone = sampler.sample(logits[[0, 2, 3]], normal)
@@ -98,16 +95,16 @@ def test_an_extreme_row_never_changes_or_fails_the_other_rows(name: str, dtype: 
 def test_a_vanishing_temperature_is_greedy(dtype: torch.dtype) -> None:
     logits = (torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 4).to(dtype)
     sampler = Sampler(VOCAB, torch.device("cpu"))
-    greedy = sampler.sample(logits, [SampleRow(Spec(temperature=0.0), 1, 0)]).token_ids  # type: ignore[arg-type]
+    greedy = sampler.sample(logits, [SampleRow(Spec(temperature=0.0), 1, 0)]).token_ids
     for t in (TINY, 1e-300, 1e-30, 9.9e-6):
-        assert sampler.sample(logits, [SampleRow(Spec(temperature=t), 1, 0)]).token_ids == greedy  # type: ignore[arg-type]
+        assert sampler.sample(logits, [SampleRow(Spec(temperature=t), 1, 0)]).token_ids == greedy
 
 
 def test_nan_and_inf_logits_stay_in_their_row() -> None:
     sampler = Sampler(8, torch.device("cpu"))
     logits = torch.tensor([[float("nan")] * 8, [float("inf"), 0, 0, float("inf"), 0, 0, 0, 0],
                            [float("-inf")] * 8, [0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.float32)
-    rows = [SampleRow(Spec(temperature=t, logprobs=True), 1, 0) for t in (1.0, 1.0, 0.0, 0.0)]  # type: ignore[arg-type]
+    rows = [SampleRow(Spec(temperature=t, logprobs=True), 1, 0) for t in (1.0, 1.0, 0.0, 0.0)]
     out = sampler.sample(logits, rows)
     assert out.token_ids[3] == 7 and out.token_ids[1] in (0, 3)
     assert out.logprobs is not None and not any(math.isnan(x) for x in out.logprobs)
@@ -116,8 +113,8 @@ def test_nan_and_inf_logits_stay_in_their_row() -> None:
 def test_masked_ids_outside_the_vocabulary_mask_nothing() -> None:
     sampler = Sampler(8, torch.device("cpu"))
     logits = torch.arange(16, dtype=torch.float32).reshape(2, 8)
-    rows = [SampleRow(Spec(temperature=0.0, min_tokens=3), 1, 0, masked_token_ids=[7, 99, -1]),  # type: ignore[arg-type]
-            SampleRow(Spec(temperature=0.0), 1, 0)]  # type: ignore[arg-type]
+    rows = [SampleRow(Spec(temperature=0.0, min_tokens=3), 1, 0, masked_token_ids=[7, 99, -1]),
+            SampleRow(Spec(temperature=0.0), 1, 0)]
     assert sampler.sample(logits, rows).token_ids == [6, 7]
 
 

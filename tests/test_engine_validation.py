@@ -73,6 +73,7 @@ near_valid: dict[str, st.SearchStrategy[Any]] = {
     "include_stop_str_in_output": st.booleans(),
     "ignore_eos": st.booleans(),
     "logprobs": st.none() | st.integers(-1, 25) | st.booleans(),
+    "top_logprobs": st.integers(-1, 25),
     "prompt_logprobs": st.none() | st.integers(-1, 25),
     "logit_bias": st.dictionaries(st.integers(-1, 120), st.floats(-150, 150) | st.sampled_from(SPECIAL_FLOATS),
                                   max_size=3),
@@ -103,7 +104,7 @@ def cases(draw: st.DrawFn) -> tuple[str, str, Any]:
     if kind in ("field", "kwarg"):
         name = draw(st.sampled_from(FIELDS if kind == "field" else KWARGS))
         plausible = draw(st.integers(0, 2)) > 0  # two in three near the valid range, so many cases run
-        return kind, name, draw(near_valid[name] if plausible else wild)
+        return kind, name, draw(near_valid.get(name, wild) if plausible else wild)  # a new field: wild values
     if kind == "prompt":
         return kind, "prompt", draw(prompts)
     if kind == "params":

@@ -9,6 +9,7 @@ import torch
 from model_fixtures import Spec
 
 from tickloom.engine.model.sampling import Sampler, SampleRow, apply_penalties, gumbel_noise, row_key, token_hashes
+from tickloom.events import SamplingSpec
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -20,7 +21,7 @@ def logits_from_probs(probs: list[float]) -> torch.Tensor:
     return (p / p.sum()).log().unsqueeze(0)
 
 
-def draw(logits: torch.Tensor, spec: Spec, seeds: range, output_index: int = 0) -> Counter[int]:
+def draw(logits: torch.Tensor, spec: SamplingSpec, seeds: range, output_index: int = 0) -> Counter[int]:
     s = Sampler(V, CPU)
     rows = [SampleRow(spec, seed, output_index) for seed in seeds]
     out = s.sample(logits.expand(len(rows), -1).contiguous(), rows)

@@ -29,22 +29,7 @@ from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.registry import resolve_model
 from tickloom.engine.model.tiny import write_tiny_model
-
-
-class _Greedy:
-    temperature = 0.0
-    top_k = 0
-    top_p = 1.0
-    min_p = 0.0
-    repetition_penalty = 1.0
-    presence_penalty = 0.0
-    frequency_penalty = 0.0
-    min_tokens = 0
-    logprobs = False
-    top_logprobs = 0
-    logit_bias: list[tuple[int, float]] = []  # noqa: RUF012 (read only)
-    allowed_token_ids = None
-    prompt_logprobs = None
+from tickloom.events import SamplingSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +56,7 @@ def _ours(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, block_size
     b, plen = len(prompts), len(prompts[0])
     per_req = -(-(plen + new_tokens) // block_size)
     ex = ModelExecutor(lm.model, num_blocks=b * per_req + 1, block_size=block_size)
-    spec = _Greedy()
+    spec = SamplingSpec(temperature=0.0)
     rids = [f"r{i}" for i in range(b)]
     tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(b)]
     for rid in rids:

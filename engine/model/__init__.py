@@ -15,7 +15,6 @@ _EXPORTS: dict[str, str] = {
     "ModelConfig": "tickloom.engine.model.config",
     "StepResult": "tickloom.engine.model.types",
     "HostKV": "tickloom.engine.model.types",
-    "SamplingSpecLike": "tickloom.engine.model.types",
     "ModelExecutor": "tickloom.engine.model.executor",
     "StubExecutor": "tickloom.engine.model.stub",
     "token_for": "tickloom.engine.model.stub",
@@ -38,7 +37,6 @@ __all__ = [
     "ModelExecutor",
     "ModelLoadError",
     "PagedKVCache",
-    "SamplingSpecLike",
     "StepResult",
     "StubExecutor",
     "TokenizerWrapper",
@@ -61,7 +59,7 @@ if TYPE_CHECKING:
     from tickloom.engine.model.stub import StubExecutor, token_for
     from tickloom.engine.model.tiny import write_tiny_model
     from tickloom.engine.model.tokenizer import TokenizerWrapper
-    from tickloom.engine.model.types import HostKV, SamplingSpecLike, StepResult
+    from tickloom.engine.model.types import HostKV, StepResult
 
 
 def __getattr__(name: str) -> Any:

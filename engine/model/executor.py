@@ -14,7 +14,8 @@ from tickloom.engine.model.kv_cache import HostKV, PagedKVCache
 from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.sampling import Sampler, SampleRow, has_penalties
 from tickloom.engine.model.tables import BoundRequests
-from tickloom.engine.model.types import SamplingSpecLike, StepResult
+from tickloom.engine.model.types import StepResult
+from tickloom.events import SamplingSpec
 
 PromptLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
 """Prompt logprobs from position 1: the prompt tokens' logprobs, the top-k ids and their logprobs."""
@@ -22,7 +23,7 @@ PromptLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
 
 @dataclass(slots=True)
 class _RequestState:
-    spec: SamplingSpecLike
+    spec: SamplingSpec
     seed: int
     prompt_len: int
     masked_token_ids: list[int]
@@ -55,7 +56,7 @@ class ModelExecutor(BoundRequests[_RequestState]):
     def bind(
         self,
         request_id: str,
-        params: SamplingSpecLike,
+        params: SamplingSpec,
         seed: int,
         prompt_len: int,
         masked_token_ids: list[int],

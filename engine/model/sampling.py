@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tickloom.engine.model.types import SamplingSpecLike
+from tickloom.events import SamplingSpec
 
 MASK32 = 0xFFFFFFFF
 _M1 = 0x7FEB352D  # odd multipliers below 2**31, so int64 products never overflow
@@ -67,7 +67,7 @@ def gumbel_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
 class SampleRow:
     """Sampling inputs of one row: its parameters and the token history needed for penalties."""
 
-    spec: SamplingSpecLike
+    spec: SamplingSpec
     seed: int
     output_index: int
     prompt_tokens: list[int] = field(default_factory=list)
@@ -83,7 +83,7 @@ class SampleOutput:
     top_logprobs: list[list[float]] | None
 
 
-def has_penalties(spec: SamplingSpecLike) -> bool:
+def has_penalties(spec: SamplingSpec) -> bool:
     return spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
 
 

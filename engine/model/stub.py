@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 from tickloom.engine.model.tables import BoundRequests
-from tickloom.engine.model.types import HostKV, SamplingSpecLike, StepResult
+from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import SamplingSpec
 from tickloom.events.oracle import OracleRow, oracle_step, oracle_token
 
@@ -22,7 +21,7 @@ def token_for(seed: int, output_index: int, vocab_size: int = 32000) -> int:
 class _StubRequest:
     seed: int
     prompt_len: int
-    spec: SamplingSpecLike | None = None
+    spec: SamplingSpec | None = None
     prompt: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
 
@@ -47,7 +46,7 @@ class StubExecutor(BoundRequests[_StubRequest]):
     def bind(
         self,
         request_id: str,
-        params: SamplingSpecLike,
+        params: SamplingSpec,
         seed: int,
         prompt_len: int,
         masked_token_ids: list[int],
@@ -68,7 +67,7 @@ class StubExecutor(BoundRequests[_StubRequest]):
     ) -> StepResult:
         states = self.start_step(request_ids, positions, num_tokens, token_ids, sample_indices, block_starts,
                                  num_new_blocks, new_block_ids)
-        rows = [OracleRow(st.seed, k, cast(SamplingSpec | None, st.spec), st.prompt)
+        rows = [OracleRow(st.seed, k, st.spec, st.prompt)
                 for st, k in zip(states, sample_indices, strict=True) if k >= 0]
         self.steps_run += 1
         return StepResult(*oracle_step(rows, self.vocab_size, self.avoid))

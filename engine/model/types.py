@@ -1,31 +1,13 @@
-"""Torch-free types shared by the executors (importing this never imports torch)."""
+"""Torch-free types shared by the executors (importing this never imports torch). How a request samples is the
+wire ``events.SamplingSpec`` itself."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-
-
-class SamplingSpecLike(Protocol):
-    """Any object with these attributes can describe how a request samples."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    min_tokens: int
-    logprobs: bool
-    top_logprobs: int
-    logit_bias: list[tuple[int, float]]
-    """(token id, bias) pairs."""
-    allowed_token_ids: list[int] | None
-    prompt_logprobs: int | None
 
 
 @dataclass(slots=True)
