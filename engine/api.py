@@ -203,7 +203,7 @@ class Engine:
         if n > rt.max_slots:
             raise RequestRejected(f"SamplingParams.n={n} is more than the engine holds open at once "
                                   f"({rt.max_slots}: max_waiting)")
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids(prompt, _kept_tokens(params.truncate_prompt_tokens, limits.max_seq_len))
         if len(ids) >= limits.max_seq_len:
             raise RequestRejected(f"the prompt has {len(ids)} tokens; max_seq_len={limits.max_seq_len}")
         rid = args.request_id
@@ -221,8 +221,9 @@ class Engine:
                     for i, core_id in enumerate(choice_ids(rid, n))]
         return rid, arrivals, args.deadline
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids: text is tokenized, chat messages rendered first, token ids checked."""
+    def _prompt_ids(self, prompt: Prompt, keep: int | None = None) -> list[int]:
+        """The prompt's token ids: text is tokenized, chat messages rendered first, token ids checked; only the last
+        ``keep`` of them when given (``SamplingParams.truncate_prompt_tokens``)."""
         rt = self.runtime
         limits = rt.core_config
         ids: list[int]
@@ -236,6 +237,8 @@ class Engine:
             messages = [_chat_message(i, m) for i, m in enumerate(prompt)]
             ids = rt.tokenize(messages)
         elif isinstance(prompt, (list, tuple)):
+            if keep is not None:
+                prompt = prompt[-keep:]
             if len(prompt) >= limits.max_seq_len:
                 raise RequestRejected(f"the prompt has {len(prompt)} tokens; max_seq_len={limits.max_seq_len}")
             ids = checked(prompt, _PROMPT_IDS, "prompt")
@@ -248,7 +251,7 @@ class Engine:
                                   f"{type(prompt).__name__}")
         if not ids:
             raise RequestRejected("the prompt is empty")
-        return ids
+        return ids if keep is None else ids[-keep:]
 
     async def _submit(self, request_id: str, arrivals: list[RequestArrived], deadline: float | None) -> Any:
         rt = self.runtime
@@ -333,6 +336,14 @@ def _chat_message(index: int, message: dict[Any, Any]) -> dict[str, Any]:
     if bad is not None:
         raise RequestRejected(f"{what}{bad} is not encodable as UTF-8 (a lone surrogate)")
     return dict(message)
+
+
+def _kept_tokens(truncate: int | None, max_seq_len: int) -> int | None:
+    """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: all that leave room for one more)."""
+    if truncate == 0:
+        raise RequestRejected("SamplingParams.truncate_prompt_tokens=0 would keep no prompt token: give k >= 1, or -1 "
+                              "for the last max_seq_len - 1")
+    return max_seq_len - 1 if truncate == -1 else truncate
 
 
 def _request_id(request_id: object, what: str) -> str:

@@ -102,6 +102,9 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     """Only these tokens may be sampled (None: any); ascending and unique on the wire."""
     prompt_logprobs: TopLogprobs | None = None
     """None: none; k: each prompt token's logprob (from position 1) and the top-k alternatives, once."""
+    truncate_prompt_tokens: Annotated[int, Bound(msgspec.Meta(ge=-1, le=MAX_TOKENS))] | None = None
+    """Keep only the prompt's last k tokens (left truncation, as in vLLM); -1: the last ``max_seq_len - 1``; None:
+    the whole prompt. The arrival logs the kept tokens."""
 
 
 class SamplingSpec(SamplingFields, Record, frozen=True, kw_only=True):

@@ -115,19 +115,19 @@ WORKLOADS: dict[str, Callable[[], str]] = {
 }
 
 EXPECTED: dict[str, str] = {
-    'blast-2601-d1-spill-cache-24': '1500:89b9bec5d449aa961339db62f082ebe1',
-    'blast-2602-d2-spill-cache-24-shutdown': '1501:77ab4edf419d1e3062725ff0481a2547',
-    'blast-2603-d2-cache-20': '1324:af12ae11125f0fc93990334c70b6aa6f',
-    'blast-2605-d2-spill-nocache-32': '1251:f10d2353fb072971d067b21996989b3c',
-    'blast-2606-d1-nocache-16': '1001:7e2959149c4a8bc56be1c315b7c5b708',
-    'random-2700': '401:fd48455141d9233d32f0a849a890b4fc',
-    'random-2701': '400:1d64f66cc5da0f8f48c1dd438fbd719a',
-    'random-2705': '400:f2b026decdae13aad76ce5bfa2e5bf57',
-    'random-2710': '402:c8822400ec53635c1f0a12d843f51aad',
-    'bench-n16-d1': '400:95daeaa48645a85847903801bcf411a1',
-    'bench-n48-d2': '300:539152b0d62a6cc6abbc084f8eaa41a3',
-    'thinking-d1': '300:147a99948ef6d19f06241f10fc1210f5',
-    'thinking-d2': '300:d9dee9e220d7fbda6521e023f0882b74',
+    'blast-2601-d1-spill-cache-24': '1500:c97b4db7824296c6fd3e136355552b7c',
+    'blast-2602-d2-spill-cache-24-shutdown': '1501:d1f960c504253bdeca26fc0613c5d358',
+    'blast-2603-d2-cache-20': '1324:4c18b664be73155443c1e2efd4b13786',
+    'blast-2605-d2-spill-nocache-32': '1251:db27bcc342654b10e65a170a75db3840',
+    'blast-2606-d1-nocache-16': '1001:d8a8cf4153d372a430b6f7da573ab308',
+    'random-2700': '401:20ca5c17b97fc7ad579f0b75ab0cfc4d',
+    'random-2701': '400:ee39e19915dc0c81218c31505f84820e',
+    'random-2705': '400:73c012351874cfe6b26be5005d406597',
+    'random-2710': '402:db66e20987be929d1fd609ae47821e0e',
+    'bench-n16-d1': '400:abf147bdd6d30c5878d0de90e37c9616',
+    'bench-n48-d2': '300:616af21bbb94064d87bccabd0dbfd2f2',
+    'thinking-d1': '300:cf7d75e371fc21212743f2f8545f8d94',
+    'thinking-d2': '300:27bd8ee60f97cd3d8b2632761c85589e',
 }
 
 
