@@ -56,6 +56,12 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib("--plot")
     if not os.path.isfile(args.log):
         raise CliError(f"{args.log}: no such file", status=2)
+    from tickloom.fleet.router_log import is_router_log
+
+    if is_router_log(args.log):  # a fleet's router log: its own table (tickloom.fleet.router_inspect)
+        from tickloom.fleet.router_inspect import run_inspect
+
+        return run_inspect(args, first, last)
     try:
         with LogReader(args.log) as reader:
             h = reader.header

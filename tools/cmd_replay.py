@@ -20,7 +20,7 @@ HELP = "replay a log on the core: identical, or the first divergent tick with a 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("log", help="the log file")
+    parser.add_argument("log", help="the log file (an engine's or a router's), or a fleet directory")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--full", action="store_true", help="also re-run the model and compare sampled tokens")
@@ -52,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
             check_model(args.model)
     if args.until is not None and args.until < 0:
         raise CliError("--until must be a tick number (0 or more)")
+    if os.path.isdir(args.log) or _is_router_log(args.log):  # a fleet directory or a router log: tickloom.fleet
+        from tickloom.fleet.cli_replay import run_fleet_replay
+
+        return run_fleet_replay(args, _emit)
     if not os.path.isfile(args.log):
         return _emit(args, {"status": "unreadable", "error": f"{args.log}: no such file"},
                      f"unreadable: {args.log}: no such file", 2)
@@ -71,6 +75,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(report.format_text())
     return _full(args, model, report.to_json())
+
+
+def _is_router_log(path: str) -> bool:
+    from tickloom.fleet.router_log import is_router_log
+
+    return is_router_log(path)
 
 
 def _emit(args: argparse.Namespace, obj: dict[str, object], text: str, code: int) -> int:
