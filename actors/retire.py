@@ -19,13 +19,13 @@ from typing import Self
 
 import trio
 
-from tickloom.actors.outputs import RequestOutput
 from tickloom.actors.streams import Detokenizer, PromptLogprobs, StreamAssembler
+from tickloom.engine.outputs import RequestOutput
 from tickloom.events.commands import Command, EmitTokens, Finish
 from tickloom.events.inputs import ClientGone, Input, StopMatched
 from tickloom.events.types import SamplingSpec
 
-__all__ = ["GroupStream", "RequestStream", "RetireActor", "merge_frames"]
+__all__ = ["ClientStream", "GroupStream", "RetireActor", "merge_frames"]
 
 
 def merge_frames(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -144,7 +144,7 @@ class _LeftOnExit:
         await self.aclose()
 
 
-class RequestStream(_LeftOnExit):
+class ClientStream(_LeftOnExit):
     """A client's stream of ``RequestOutput`` frames; an async iterator and an async context manager.
 
     Iteration ends after the frame with ``finished=True``. Leaving early (``aclose``, the ``async with`` exit,
@@ -157,7 +157,7 @@ class RequestStream(_LeftOnExit):
         self._actor = actor
         self._stream = stream
 
-    def __aiter__(self) -> RequestStream:
+    def __aiter__(self) -> ClientStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -248,10 +248,10 @@ class RetireActor:
         return len(self._streams)
 
     def open_stream(self, request_id: str, spec: SamplingSpec, prompt_len: int, submitted_at: float, *,
-                    prompt_token_ids: Sequence[int] = ()) -> RequestStream:
+                    prompt_token_ids: Sequence[int] = ()) -> ClientStream:
         """Start assembling a request's stream; call before its arrival reaches the core. ``prompt_token_ids`` name
         the prompt's tokens in ``prompt_logprobs`` (give them when the spec asks for those)."""
-        return RequestStream(self, self._open(request_id, spec, prompt_len, submitted_at, request_id, 0,
+        return ClientStream(self, self._open(request_id, spec, prompt_len, submitted_at, request_id, 0,
                                               prompt_token_ids, None))
 
     def open_group(self, request_id: str, choice_ids: Sequence[str], spec: SamplingSpec, prompt_len: int,

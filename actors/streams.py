@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from tickloom.actors.outputs import RequestOutput, RequestUsage
+from tickloom.engine.outputs import RequestOutput, RequestUsage
 from tickloom.events.commands import Finish
 from tickloom.events.types import FinishReason, SamplingSpec
 

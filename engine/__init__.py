@@ -14,8 +14,8 @@ _EXPORTS = {
     "EngineConfig": "tickloom.engine.config",
     "FaultPlan": "tickloom.engine.config",
     "SamplingParams": "tickloom.engine.params",
-    "RequestOutput": "tickloom.actors.outputs",
-    "RequestUsage": "tickloom.actors.outputs",
+    "RequestOutput": "tickloom.engine.outputs",
+    "RequestUsage": "tickloom.engine.outputs",
     "EngineError": "tickloom.engine.errors",
     "EngineOverloaded": "tickloom.engine.errors",
     "RequestRejected": "tickloom.engine.errors",
@@ -37,10 +37,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from tickloom.actors.outputs import RequestOutput, RequestUsage
     from tickloom.engine.api import Engine, RequestStream
     from tickloom.engine.config import EngineConfig, FaultPlan
     from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
+    from tickloom.engine.outputs import RequestOutput, RequestUsage
     from tickloom.engine.params import SamplingParams
 
 

@@ -16,9 +16,9 @@ import msgspec
 import trio
 from msgspec import Meta
 
-from tickloom.actors.outputs import RequestOutput, RequestUsage
 from tickloom.engine.config import EngineConfig
 from tickloom.engine.errors import EngineError, EngineOverloaded, RequestRejected
+from tickloom.engine.outputs import RequestOutput, RequestUsage
 from tickloom.engine.params import (
     INT32_MAX,
     INT32_MIN,

@@ -45,13 +45,13 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
-from tickloom.actors.outputs import RequestOutput
 from tickloom.engine import api
 from tickloom.engine.config import EngineConfig
+from tickloom.engine.outputs import RequestOutput
 from tickloom.engine.params import SamplingParams
 from tickloom.engine.runtime import Runtime
 
-__all__ = ["MAX_PENDING_CALLS", "Engine", "GuestRunError", "RequestStream"]
+__all__ = ["MAX_PENDING_CALLS", "AsyncEngine", "AsyncRequestStream", "Engine", "GuestRunError"]
 
 T = TypeVar("T")
 
@@ -222,8 +222,9 @@ async def _hold_open(config: EngineConfig, opened: asyncio.Future[api.Engine], c
         await closing.wait()
 
 
-class Engine:
-    """``engine.Engine`` for asyncio. Use ``async with Engine.open(config) as engine:``."""
+class AsyncEngine:
+    """``engine.Engine`` for asyncio, public as ``tickloom.asyncio.Engine``. Use ``async with Engine.open(config) as
+    engine:``."""
 
     def __init__(self, inner: api.Engine, host: _GuestHost) -> None:
         self._inner = inner
@@ -231,7 +232,7 @@ class Engine:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+    async def open(cls, config: EngineConfig | None = None) -> AsyncIterator[AsyncEngine]:
         """Start the engine in this loop's trio guest run; leaving the block shuts it down.
 
         If an actor crashes, every open stream raises ``EngineError`` naming it, and so does leaving this block.
@@ -270,16 +271,16 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------------------
     def generate(self, prompt: api.Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
-                 request_id: str | None = None, priority: int = 0, cache_salt: str = "") -> RequestStream:
+                 request_id: str | None = None, priority: int = 0, cache_salt: str = "") -> AsyncRequestStream:
         """Stream a completion, as ``engine.Engine.generate``. Leaving the ``async for`` early cancels it."""
         inner = self._inner.generate(prompt, params, deadline=deadline, request_id=request_id, priority=priority,
                                      cache_salt=cache_salt)
-        return RequestStream(inner, self._host)
+        return AsyncRequestStream(inner, self._host)
 
     @asynccontextmanager
     async def stream(self, prompt: api.Prompt, params: SamplingParams | None = None, *,
                      deadline: float | None = None, request_id: str | None = None, priority: int = 0,
-                     cache_salt: str = "") -> AsyncIterator[RequestStream]:
+                     cache_salt: str = "") -> AsyncIterator[AsyncRequestStream]:
         """Like ``generate``, but the request is cancelled (if unfinished) when the block exits."""
         stream = self.generate(prompt, params, deadline=deadline, request_id=request_id, priority=priority,
                                cache_salt=cache_salt)
@@ -314,7 +315,7 @@ class Engine:
         return self._inner.stats()
 
 
-class RequestStream:
+class AsyncRequestStream:
     """An async iterator of ``RequestOutput`` frames for one request (asyncio side)."""
 
     def __init__(self, inner: api.RequestStream, host: _GuestHost) -> None:
@@ -332,7 +333,7 @@ class RequestStream:
         """Submit the request now (iteration does it on the first frame otherwise)."""
         await self._host.call(self._inner.start)
 
-    def __aiter__(self) -> RequestStream:
+    def __aiter__(self) -> AsyncRequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -383,3 +384,8 @@ class RequestStream:
         # A plain `async for` left early drops the stream without closing it: cancel the request in trio.
         if not self.__dict__.get("_closed", True) and not self.__dict__.get("_finished", True):
             self.close_soon()
+
+
+Engine = AsyncEngine
+"""The public name (``tickloom.asyncio.Engine``): the asyncio ``Engine``, spelled like ``tickloom.Engine`` so that an
+app switches by its import alone. The class is named ``AsyncEngine`` so that a traceback or a repr says which."""

@@ -1,4 +1,5 @@
-"""The exceptions of the public API."""
+"""The exceptions of the public API. A leaf, like ``engine.outputs``: it imports only the core's ``ConfigError``, so
+any room may raise or catch these without reaching the API floor."""
 
 from __future__ import annotations
 

@@ -20,14 +20,14 @@ from tickloom.actors.deadlines import DeadlineActor
 from tickloom.actors.device import StubDevice, ThreadDevice
 from tickloom.actors.log import LogActor, LogWriteFailed
 from tickloom.actors.mailbox import Envelope, Outbox, Reporter, Source
-from tickloom.actors.retire import RetireActor
+from tickloom.actors.retire import ClientStream, GroupStream, RetireActor
 from tickloom.actors.spill import SpillActor, SpillStore, SwapInActor
 from tickloom.actors.step import StepActor
 from tickloom.engine.config import EngineConfig
 from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.config import SchedulingKnobs
 from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
-from tickloom.engine.stub import StubTokenizer
+from tickloom.engine.model.stub import StubTokenizer
 from tickloom.events import (
     DIGEST_VERSION,
     FORMAT_VERSION,
@@ -245,12 +245,12 @@ class Runtime:
         """Submit slots not held by an open request (all ``core_config.max_waiting`` of them when idle)."""
         return int(self._slots.value)
 
-    def open_stream(self, arrival: RequestArrived) -> Any:
+    def open_stream(self, arrival: RequestArrived) -> ClientStream:
         self.live.add(arrival.request_id)
         return self.retire.open_stream(arrival.request_id, arrival.params, len(arrival.prompt_token_ids),
                                        trio.current_time(), prompt_token_ids=arrival.prompt_token_ids)
 
-    def open_group(self, request_id: str, arrivals: Sequence[RequestArrived]) -> Any:
+    def open_group(self, request_id: str, arrivals: Sequence[RequestArrived]) -> GroupStream:
         """One stream over the arrivals of the ``n`` choices of ``request_id`` (``RetireActor.open_group``)."""
         self.live.update(a.request_id for a in arrivals)
         first = arrivals[0]

@@ -1,4 +1,6 @@
-"""Record a log by driving a ``SchedulerCore`` with a scripted workload: the engine's stand-in for tests and benches.
+"""Record a log by driving a ``SchedulerCore`` with a scripted workload (a ``Scenario``): the engine's stand-in for
+tests, benches and what-if runs. The workloads themselves live with their users: the tests' fixed ones in
+``tests/scenarios.py``, ``bench replay``'s in ``tools/bench_replay.py``.
 
 ``record_core_run`` is the simulator (``replay/sim.py``) under a fixed policy, playing every actor as the engine
 does: the device (any ``Device``, e.g. ``OracleExecutor``, run in command order like the device thread's FIFO), the
@@ -25,7 +27,6 @@ from tickloom.events import (
     LogHeader,
     LogWriter,
     RequestArrived,
-    RequestCancelled,
     RunStep,
     SamplingSpec,
     TickInputs,
@@ -37,8 +38,8 @@ from tickloom.replay.policy import Policy
 from tickloom.replay.sim import TICK_NS, Device, Simulator
 
 __all__ = [
-    "DEVICE_COMMANDS", "ENGINE_VERSION", "TICK_NS", "Device", "RecordResult", "Scenario", "arrival",
-    "everything_scenario", "header_for", "record_core_run", "steady_scenario",
+    "DEVICE_COMMANDS", "ENGINE_VERSION", "TICK_NS", "Device", "RecordResult", "Scenario", "arrival", "header_for",
+    "record_core_run",
 ]
 
 ENGINE_VERSION = "tickloom-record/0.1"
@@ -157,43 +158,3 @@ class Scenario:
         return record_core_run(path, self.config, self.script, device=device or self.device(),
                                snapshot_every=snapshot_every, spill_fails=self.spill_fails, stop_at=self.stop_at,
                                device_lag=self.device_lag, keep=keep)
-
-
-def everything_scenario() -> Scenario:
-    """A small run with swap, requeue, running ahead, deadlines, cancellations, stop matches, EOS and step failures."""
-    config = CoreConfig(
-        num_blocks=40, block_size=4, max_batch_size=8, max_seq_len=96, max_prefill_tokens=32,
-        max_batch_tokens=64, pipeline_depth=2, spill_enabled=True, preempt_immunity_tokens=4,
-        eos_token_ids=(2,), vocab_size=512,
-    )
-    script: dict[int, list[Input]] = {}
-    for i in range(14):
-        rid = f"r{i:02d}"
-        kw: dict[str, object] = {}
-        if i == 5:
-            kw["deadline_ns"] = 9 * TICK_NS
-        if i == 11:
-            kw["priority"] = -1
-        script.setdefault(i // 2, []).append(arrival(rid, 8 + (i * 5) % 13, 24 + (i * 7) % 17, **kw))
-    script.setdefault(9, []).append(RequestCancelled("r12"))
-    return Scenario(
-        config=config,
-        script=script,
-        spill_fails=("r01",),
-        stop_at={"r07": 3},
-        fail_steps=frozenset({40}),
-        scripted={"r09": {5: 2}},
-        device_lag=1,
-    )
-
-
-def steady_scenario(batch: int, decode_tokens: int, prompt_len: int = 32) -> Scenario:
-    """``batch`` requests arriving at once and decoding ``decode_tokens`` tokens each: a steady decode batch."""
-    per_seq = -(-(prompt_len + decode_tokens + 2) // 16)
-    config = CoreConfig(
-        num_blocks=batch * per_seq + 64, block_size=16, max_batch_size=batch, max_seq_len=16 * per_seq,
-        max_prefill_tokens=max(512, prompt_len * batch), max_batch_tokens=max(4096, prompt_len * batch + batch),
-        vocab_size=32000,
-    )
-    script: dict[int, list[Input]] = {0: [arrival(f"s{i:04d}", prompt_len, decode_tokens) for i in range(batch)]}
-    return Scenario(config=config, script=script)

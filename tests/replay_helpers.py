@@ -6,8 +6,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from scenarios import everything_scenario
+
 from tickloom.events import LogHeader, LogReader, LogWriter, SnapshotRecord, TickRecord
-from tickloom.replay.record import RecordResult, everything_scenario
+from tickloom.replay.record import RecordResult
 
 Records = list[TickRecord | SnapshotRecord]
 

@@ -15,9 +15,9 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 
-from tickloom.actors.outputs import RequestOutput
-from tickloom.actors.retire import RequestStream, RetireActor, merge_frames
+from tickloom.actors.retire import ClientStream, RetireActor, merge_frames
 from tickloom.actors.streams import FINISH_PRECEDENCE, StreamAssembler, StreamProtocolError
+from tickloom.engine.outputs import RequestOutput
 from tickloom.events import ClientGone, Command, EmitTokens, Finish, Input, SamplingSpec, StopMatched, Usage
 from tickloom.events.types import FINISH_REASONS, FinishReason
 
@@ -75,7 +75,7 @@ class Harness:
         self.actor = RetireActor(self.detok, self.reports.append, max_buffered_frames, clock=lambda: self.now)
         self.next_index: dict[str, int] = {}
 
-    def open(self, rid: str = "r", prompt_len: int = 3, **spec: object) -> RequestStream:
+    def open(self, rid: str = "r", prompt_len: int = 3, **spec: object) -> ClientStream:
         self.next_index[rid] = 0
         return self.actor.open_stream(rid, SamplingSpec(**spec), prompt_len, submitted_at=self.now)  # type: ignore[arg-type]
 
@@ -91,7 +91,7 @@ class Harness:
         self.actor.deliver_nowait([Finish(rid, reason, Usage(3, 1, n, reasoning), error)])
 
 
-async def collect(stream: RequestStream) -> list[RequestOutput]:
+async def collect(stream: ClientStream) -> list[RequestOutput]:
     return [frame async for frame in stream]
 
 
@@ -539,7 +539,7 @@ async def test_fail_all_raises_in_every_open_stream() -> None:
     error = RuntimeError("step actor crashed: boom")
     raised: list[str] = []
 
-    async def reader(stream: RequestStream) -> None:
+    async def reader(stream: ClientStream) -> None:
         try:
             async for _ in stream:
                 pass

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tickloom.engine.stub import StubTokenizer
+from tickloom.engine.model.stub import StubTokenizer
 from tickloom.events import Finish, LogReader, RequestArrived
 from tickloom.tools.cli import main
 

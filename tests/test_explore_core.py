@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from scenarios import everything_scenario
 
 from tickloom.replay import bisect, verify
 from tickloom.replay.explore import (
@@ -35,7 +36,6 @@ from tickloom.replay.explore import (
     strategy_policy,
 )
 from tickloom.replay.explore_checks import StrandCheck, check_log
-from tickloom.replay.record import everything_scenario
 from tickloom.replay.shrink import (
     CLIENT_KINDS,
     Token,

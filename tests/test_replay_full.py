@@ -8,12 +8,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from scenarios import everything_scenario
 
 from tests.replay_helpers import record_everything
 from tickloom.events import LogReader, StepFailed
 from tickloom.replay.full import verify_full
 from tickloom.replay.oracle import OracleExecutor
-from tickloom.replay.record import everything_scenario, record_core_run
+from tickloom.replay.record import record_core_run
 from tickloom.tools.cli import main
 
 

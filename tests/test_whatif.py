@@ -12,6 +12,7 @@ import pytest
 import trio
 from engine_helpers import stub_config
 from replay_helpers import Records, rewrite
+from scenarios import everything_scenario
 
 from tickloom.engine import Engine, SamplingParams
 from tickloom.engine.core import CoreConfig
@@ -27,7 +28,7 @@ from tickloom.events import (
     TickRecord,
 )
 from tickloom.replay.oracle import OracleExecutor
-from tickloom.replay.record import Scenario, arrival, everything_scenario
+from tickloom.replay.record import Scenario, arrival
 from tickloom.replay.whatif import read_log, whatif
 from tickloom.replay.whatif_measure import StepSample, fit_step_model
 from tickloom.tools.cli import EX_USAGE, main

@@ -206,7 +206,8 @@ def _waiting_core(waiting: int) -> Any:
     from tickloom.engine.core import CoreConfig, SchedulerCore
     from tickloom.events import RequestArrived, SamplingSpec, TickInputs
 
-    config = CoreConfig(num_blocks=64, block_size=16, max_seq_len=512, max_batch_size=1, max_waiting=waiting + 1)
+    config = CoreConfig(num_blocks=64, block_size=16, max_seq_len=512, max_batch_size=1, pipeline_depth=1,
+                        max_waiting=waiting + 1)
     core = SchedulerCore(config)
     core.tick(TickInputs(0, 0, [RequestArrived("hold", [1] * 16, SamplingSpec(max_tokens=400), seed=1)]))
     rng = random.Random(waiting)

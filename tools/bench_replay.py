@@ -20,6 +20,10 @@ import json
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tickloom.replay.record import Scenario
 
 HELP = "exact replay throughput against the core's own tick rate on the same inputs"
 
@@ -73,7 +77,6 @@ def run(args: argparse.Namespace) -> int:
     from tickloom.engine.core import SchedulerCore
     from tickloom.events import LogReader
     from tickloom.replay import verify
-    from tickloom.replay.record import steady_scenario
     from tickloom.tools.cli import CliError
 
     if min(args.batch, args.tokens, args.repeat) < 1 or args.snapshot_every < 0:
@@ -128,3 +131,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"  ratio (replay rows/s / core rows/s) {r['ratio']:.2f}x (goal >= 0.7x)")
     print(f"  live engine vs replay, tiny-bench at batch {args.live_batch}: {live['note']}")
     return 0
+
+
+def steady_scenario(batch: int, decode_tokens: int, prompt_len: int = 32) -> Scenario:
+    """``batch`` requests arriving at once and decoding ``decode_tokens`` tokens each: a steady decode batch."""
+    from tickloom.engine.core import CoreConfig
+    from tickloom.events import Input
+    from tickloom.replay.record import Scenario, arrival
+
+    per_seq = -(-(prompt_len + decode_tokens + 2) // 16)
+    config = CoreConfig(
+        num_blocks=batch * per_seq + 64, block_size=16, max_batch_size=batch, max_seq_len=16 * per_seq,
+        max_prefill_tokens=max(512, prompt_len * batch), max_batch_tokens=max(4096, prompt_len * batch + batch),
+        vocab_size=32000, pipeline_depth=1, max_waiting=max(4096, batch),
+    )
+    script: dict[int, list[Input]] = {0: [arrival(f"s{i:04d}", prompt_len, decode_tokens) for i in range(batch)]}
+    return Scenario(config=config, script=script)

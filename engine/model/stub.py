@@ -1,9 +1,16 @@
-"""A model-free executor with ModelExecutor's interface; tokens come from a pure oracle."""
+"""The stub model: a model-free executor with ``ModelExecutor``'s interface, whose tokens come from a pure oracle,
+and its tokenizer.
+
+``EngineConfig(model="stub")`` runs it (``tickloom generate --model stub``, the benchmarks, the explorer, and the
+engine tests under ``MockClock``, where ``actors.device.StubDevice`` plays its steps in virtual time). It is a
+model the engine offers, not a test double, so it lives in the model room.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tickloom.engine.model.tables import BoundRequests
 from tickloom.engine.model.types import HostKV, StepResult
@@ -79,3 +86,28 @@ class StubExecutor(BoundRequests[_StubRequest]):
 
     def copy_in(self, request_id: str, block_ids: list[int], host_kv: HostKV) -> None:
         self._requests[request_id].block_table[:] = list(block_ids)
+
+
+class StubTokenizer:
+    """The stub model's tokenizer: printable ASCII, one token per character (ids 0-94 are ``' '``-``'~'``), and the
+    last id of the vocabulary as EOS."""
+
+    def __init__(self, vocab_size: int = 96) -> None:
+        if vocab_size < 96:
+            raise ValueError(f"the stub tokenizer needs vocab_size >= 96, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_token_id = vocab_size - 1
+        self.bos_token_id: int | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        bad = [c for c in text if not " " <= c <= "~"]
+        if bad:
+            raise ValueError(f"the stub tokenizer encodes printable ASCII only, not {bad[0]!r}")
+        return [ord(c) - 32 for c in text]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i + 32) if i < 95 else ("" if skip_special_tokens else "</s>") for i in ids)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        text = " ".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + (" <assistant>" if add_generation_prompt else "")

@@ -1,5 +1,8 @@
-"""What a client's stream yields. Defined below the public API so the retire actor can build it;
-``engine`` re-exports ``RequestOutput`` and ``RequestUsage``."""
+"""What a client's stream yields: ``RequestOutput`` and ``RequestUsage``, public types of the API room.
+
+A leaf: it imports only msgspec, so the retire actor, which builds the frames, uses it without reaching the API
+floor (``engine.api``, ``engine.asyncio``, ``engine.config``, ``engine.params``, ``engine.runtime``;
+``tests/test_rooms.py`` checks it)."""
 
 from __future__ import annotations
 
