@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine_helpers import assert_replays, core_finishes
 from tickloom.engine import Engine, EngineConfig, FaultPlan, SamplingParams
+from tickloom.events import LogReader, RequestArrived
 from tickloom.tools.serve.openai_types import error_param
 from tickloom.tools.serve.server import ServeOptions, default_log_path, serve
 
@@ -197,6 +198,16 @@ async def test_seed_reproducibility_and_n(tmp_path: Path) -> None:
         batch = r["batch"]
         assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
         assert batch.usage.prompt_tokens == 4 and batch.usage.completion_tokens == 16
+    # One path makes the n choices: the engine's n, one request per prompt whose choices are logged <id>/<j>, seeded
+    # seed + j; the server does not fan out requests of its own.
+    with LogReader(tmp_path / "s.tlog") as reader:
+        arrivals = [i for t in reader.ticks() for i in t.inputs.inputs if isinstance(i, RequestArrived)]
+    chat_n = [a for a in arrivals if a.request_id.startswith("chatcmpl-") and "/" in a.request_id]
+    assert sorted((a.request_id.rsplit("-", 1)[1], a.seed) for a in chat_n) == [("0/0", 11), ("0/0", 11), ("0/1", 12),
+                                                                         ("0/1", 12)]
+    batch_ids = sorted(a.request_id.rsplit("-", 1)[1] for a in arrivals if a.request_id.startswith("cmpl-"))
+    assert batch_ids == ["0/0", "0/1", "1/0", "1/1"]
+    assert {a.seed for a in arrivals if a.request_id.startswith("cmpl-")} == {5, 6}
 
 
 async def test_stop_strings(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """The Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
 
 It runs in the engine's own trio run (hypercorn's trio worker), so handlers call the engine directly. One OpenAI
-request of ``p`` prompts and ``n`` choices is ``p * n`` engine requests (ids ``<response id>-<choice index>``),
-seeded ``seed + j`` for choice ``j`` of a prompt when the request has a seed; all are checked before any is
-submitted. A client that disconnects cancels every request it opened (they finish ``cancelled`` in the log).
+request of ``p`` prompts and ``n`` choices is ``p`` engine requests (ids ``<response id>-<prompt index>``), each with
+``SamplingParams.n``: the engine makes the choices (logged as ``<id>/<j>``, seeded ``seed + j`` when the request has
+a seed) and tags their frames with ``index``; choice ``j`` of prompt ``k`` is OpenAI's choice ``k * n + j``. All are
+checked before any is submitted. A client that disconnects cancels every request it opened (they finish
+``cancelled`` in the log).
 """
 
 from __future__ import annotations
@@ -106,14 +108,15 @@ async def run_until_disconnect(receive: Receive, fn: Callable[[], Awaitable[T]])
 
 
 class Group:
-    """The engine requests of one OpenAI request: started together, cancelled together if unfinished."""
+    """The engine requests of one OpenAI request, one per prompt with ``n`` choices each: started together,
+    cancelled together if unfinished."""
 
     def __init__(self, streams: Sequence[RequestStream], n: int, metrics: Metrics) -> None:
         self.streams = list(streams)
         self.n = n
         self.metrics = metrics
         self.started = 0
-        self.choices = [Choice(i) for i in range(len(streams))]
+        self.choices = [Choice(i) for i in range(len(streams) * n)]
         self.errors: list[EngineError] = []
 
     async def start(self) -> None:
@@ -128,23 +131,25 @@ class Group:
 
     async def aclose(self) -> None:
         """Cancel what is unfinished (counted as ``cancelled``: its final frame is never read)."""
-        for s, choice in zip(self.streams[: self.started], self.choices, strict=False):
+        for k, s in enumerate(self.streams[: self.started]):
             await s.aclose()
-            if choice.finish_reason is None:
-                choice.finish_reason = "cancelled"
-                self.metrics.observe_finish("cancelled", None)
+            for choice in self.choices[k * self.n : (k + 1) * self.n]:
+                if choice.finish_reason is None:
+                    choice.finish_reason = "cancelled"
+                    self.metrics.observe_finish("cancelled", None)
 
     async def pump(self, on_frame: Callable[[int, RequestOutput], Awaitable[None]] | None) -> None:
-        """Feed every stream's frames into its ``Choice`` (and to ``on_frame``, one at a time, in arrival order).
+        """Feed every frame into its ``Choice`` (``k * n + index`` for stream ``k``; and to ``on_frame``, one at a time,
+        in arrival order).
 
         An ``EngineError`` from a stream is kept in ``errors`` (each stream raises the same crash)."""
         send, receive = trio.open_memory_channel[tuple[int, RequestOutput]](0)
 
-        async def one(i: int, stream: RequestStream, ch: trio.MemorySendChannel[tuple[int, RequestOutput]]) -> None:
+        async def one(k: int, stream: RequestStream, ch: trio.MemorySendChannel[tuple[int, RequestOutput]]) -> None:
             async with ch:
                 try:
                     async for out in stream:
-                        await ch.send((i, out))
+                        await ch.send((k * self.n + out.index, out))
                 except EngineError as exc:
                     self.errors.append(exc)
 
@@ -207,9 +212,10 @@ def build_app(state: ServerState) -> Starlette:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         deadline = req.timeout if req.timeout is not None else state.request_timeout
         try:
-            streams = [engine.generate(prompt, translate.sampling_params(req, j, default_max), deadline=deadline,
-                                       request_id=f"{rid}-{k * req.n + j}", priority=req.priority)
-                       for k, prompt in enumerate(prompts) for j in range(req.n)]
+            params = translate.sampling_params(req, default_max)
+            streams = [engine.generate(prompt, params, deadline=deadline, request_id=f"{rid}-{k}",
+                                       priority=req.priority)
+                       for k, prompt in enumerate(prompts)]
         except RequestRejected as exc:
             raise translate.rejected(exc, req) from None
         group = Group(streams, req.n, state.metrics)
@@ -226,7 +232,7 @@ def build_app(state: ServerState) -> Starlette:
             return Response(status_code=499)
         if req.stream:
             async def produce(sink: EventSink) -> None:
-                await writer.start(sink, len(streams))
+                await writer.start(sink, len(group.choices))
                 await group.pump(lambda i, out: writer.frame(sink, group.choices[i], out))
                 await writer.end(sink, group.choices, group.n, group.errors)
 

@@ -15,8 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-MAX_N = 128
-"""Choices per request at most (OpenAI's bound)."""
+from tickloom.engine.params import MAX_N
 
 MAX_TIMEOUT_S = 1e9
 

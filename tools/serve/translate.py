@@ -68,8 +68,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def sampling_params(req: OpenAIRequest, choice: int, default_max_tokens: int) -> SamplingParams:
-    """The params of choice ``choice`` (seed + choice when seeded). ``RequestRejected`` names the engine's field."""
+def sampling_params(req: OpenAIRequest, default_max_tokens: int) -> SamplingParams:
+    """The params of one prompt's ``n`` choices (the engine seeds choice ``j`` with ``seed + j``). ``RequestRejected``
+    names the engine's field."""
     kw: dict[str, Any] = {}
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
@@ -81,7 +82,7 @@ def sampling_params(req: OpenAIRequest, choice: int, default_max_tokens: int) ->
         if value is not None:
             kw[name] = value
     if req.seed is not None:
-        kw["seed"] = req.seed + choice
+        kw["seed"] = req.seed
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             kw["logprobs"] = req.logprobs
@@ -89,7 +90,7 @@ def sampling_params(req: OpenAIRequest, choice: int, default_max_tokens: int) ->
         kw["logprobs"] = req.top_logprobs or 0
     if req.logit_bias:
         kw["logit_bias"] = logit_bias(req.logit_bias)
-    return SamplingParams(ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+    return SamplingParams(n=req.n, ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                           skip_special_tokens=req.skip_special_tokens, **kw)
 
 
