@@ -16,6 +16,7 @@ import msgspec
 import trio
 from msgspec import Meta
 
+from tickloom.actors.retire import ClientStream, GroupStream
 from tickloom.engine.config import EngineConfig
 from tickloom.engine.errors import EngineError, EngineOverloaded, RequestRejected
 from tickloom.engine.outputs import RequestOutput, RequestUsage
@@ -273,6 +274,7 @@ class Engine:
             # Measured again once a slot is free: the deadline runs from submit, not from the call.
             deadline_ns = min(rt.now_ns() + int(deadline * 1e9), INT64_MAX)
             arrivals = [msgspec.structs.replace(a, deadline_ns=deadline_ns) for a in arrivals]
+        stream: ClientStream | GroupStream
         if len(arrivals) == 1:
             stream = rt.open_stream(arrivals[0])
         else:

@@ -1,9 +1,11 @@
 """``SamplingParams``: how a request samples and stops, validated when it is made.
 
-This module is also the one validation boundary of the public API: ``checked`` converts a value with msgspec
-(``msgspec.convert`` enforces the ``Annotated[..., Meta(...)]`` bounds that plain construction does not) and
-turns a ``msgspec.ValidationError`` into ``RequestRejected`` (or ``ConfigError``), keeping msgspec's
-``at `$.field` `` path, so every message names the field. ``Engine`` and ``EngineConfig`` use the same helpers.
+The fields are declared once, in ``events.types.SamplingFields``; ``SamplingParams`` inherits them and adds only
+validation and conversion (see its docstring). This module is also the one validation boundary of the public API:
+``checked`` refuses strings UTF-8 cannot encode, then converts a value with msgspec (``msgspec.convert`` enforces
+the ``Annotated[..., Meta(...)]`` bounds that plain construction does not; ``with_bounds`` turns the declaration's
+``Bound`` markers into such ``Meta``) and raises ``RequestRejected`` (or ``ConfigError``) naming the field, through
+the core's ``converted``. ``Engine`` and ``EngineConfig`` use the same helpers.
 
 Bounds follow what the log encodes and the core computes with: every int fits msgpack's int64 (most are far
 tighter), every float is finite, every string encodes as UTF-8 (a lone surrogate would make the log unwritable).
