@@ -78,6 +78,8 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Router ticks between router snapshots in its log."""
     replica_cpus: Annotated[float, Meta(ge=0.0, le=1024.0)] = 1.0
     replica_gpus: Annotated[float, Meta(ge=0.0, le=1024.0)] = 0.0
+    start_timeout: Annotated[float, Meta(gt=0.0, le=86400.0)] = 600.0
+    """Seconds a replica may take to start (load its model) before ``Fleet.open`` fails."""
 
     def __post_init__(self) -> None:
         try:
@@ -112,6 +114,15 @@ def replica_class(max_restarts: int) -> Any:
     import ray
 
     return ray.remote(max_restarts=max_restarts, max_task_retries=0)(ReplicaActor)
+
+
+async def _started(index: int, handle: Any, timeout: float) -> bytes:
+    try:
+        info: bytes = await asyncio.wait_for(handle.start.remote(), timeout)
+    except TimeoutError:
+        raise FleetError(f"replica {index} did not start within {timeout} s: does the Ray cluster have the CPUs "
+                         "(replica_cpus) and GPUs (replica_gpus) for every replica?") from None
+    return info
 
 
 class _Replica:
@@ -156,7 +167,7 @@ class Fleet:
                                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
                    .remote(i, os.fspath(fleet_dir), msgspec.json.encode(engine)) for i in range(config.replicas)]
         try:
-            infos = [decode(await h.start.remote(), ReplicaInfo) for h in handles]
+            infos = [decode(await _started(i, h, config.start_timeout), ReplicaInfo) for i, h in enumerate(handles)]
             fleet.replicas = [_Replica(h, info) for h, info in zip(handles, infos, strict=True)]
             block_size = infos[0].block_size
             router_config = RouterConfig(replicas=config.replicas, policy=config.policy, block_size=block_size,

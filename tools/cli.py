@@ -39,6 +39,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "tickloom.tools.cmd_chat",
     "tickloom.tools.cmd_models",
     "tickloom.tools.cmd_serve",
+    "tickloom.tools.cmd_fleet",
 )
 """Modules that each add one subcommand, in ``--help`` order. Add yours here."""
 
