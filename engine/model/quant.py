@@ -332,14 +332,14 @@ class Q8Linear:
     @classmethod
     def from_weight(cls, w: Weight) -> Q8Linear:
         if isinstance(w, RawBlocks) and w.kind == "Q8_0":
-            d, q = gguf_q8_0(w.data)
-            return cls(q.reshape(q.shape[0], -1), d)
+            d8, q8 = gguf_q8_0(w.data)
+            return cls(q8.reshape(q8.shape[0], -1), d8)
         f = (w.dequantize() if isinstance(w, RawBlocks) else w).float()
         n, k = f.shape
         groups = f.reshape(n, k // 32, 32)
-        d = groups.abs().amax(dim=-1) / 127.0
-        q = torch.round(groups / d.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.reshape(n, k).numpy(), d.numpy())
+        step = groups.abs().amax(dim=-1) / 127.0
+        q = torch.round(groups / step.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.reshape(n, k).numpy(), step.numpy())
 
     def dequantize(self) -> torch.Tensor:
         t = self.tiles.numpy()
