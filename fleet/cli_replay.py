@@ -74,3 +74,42 @@ def _until(args: argparse.Namespace, emit: Emit) -> int:
         for rid, index in snapshot.open:
             print(f"  {rid}: open on replica {index}")
     return 0
+
+
+def run_fleet_whatif(args: argparse.Namespace) -> int:
+    """``tickloom whatif`` on a fleet directory or its router log: ``--set`` changes the router's configuration."""
+    import json
+
+    from tickloom.fleet.whatif import ROUTER_KEYS, fleet_whatif
+    from tickloom.replay.header import ReplayConfigError
+    from tickloom.tools.cli import CliError
+
+    if args.modelled or args.plot:
+        raise CliError("--modelled and --plot are for one engine's log; a fleet what-if is always modelled")
+    fleet_dir = args.log if os.path.isdir(args.log) else os.path.dirname(os.path.abspath(args.log))
+    changes: dict[str, object] = {}
+    for pair in args.sets:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or key not in ROUTER_KEYS:
+            raise CliError(f"--set {pair!r}: a fleet what-if sets KEY=VALUE with KEY one of {', '.join(ROUTER_KEYS)}")
+        try:
+            changes[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            changes[key] = raw.strip()
+    if not is_fleet_dir(fleet_dir):
+        message = f"{fleet_dir}: not a fleet directory (no {ROUTER_LOG})"
+        print(json.dumps({"status": "unreadable", "error": message}) if args.json else f"unreadable: {message}")
+        return 2
+    try:
+        result = fleet_whatif(fleet_dir, changes)
+    except ValueError as exc:  # a bad value for a router field (RouterConfig names it)
+        if isinstance(exc, ReplayConfigError):
+            print(f"unreadable: {exc}")
+            return 2
+        raise CliError(str(exc)) from None
+    except LogError as exc:
+        print(json.dumps({"status": "unreadable", "error": str(exc)}) if args.json else f"unreadable: {exc}")
+        return 2
+    print(json.dumps(result.to_json()) if args.json else result.format_text())
+    return 0

@@ -29,7 +29,8 @@ HELP = "re-simulate a log's requests under another core configuration and compar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("log", help="the log file")
+    parser.add_argument("log", help="the log file, or a fleet directory (or its router.log): then --set changes "
+                                    "the router (policy, replicas, load_slack, affinity_blocks, cache_blocks)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a core configuration field to change (repeatable), e.g. num_blocks=512")
     parser.add_argument("--modelled", action="store_true",
@@ -99,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
     from tickloom.replay.whatif import read_log, whatif
     from tickloom.tools.cli import CliError
 
+    if os.path.isdir(args.log) or _is_router_log(args.log):  # a fleet: re-routed (tickloom.fleet.whatif)
+        from tickloom.fleet.cli_replay import run_fleet_whatif
+
+        return run_fleet_whatif(args)
     try:
         for pair in args.sets:  # an unknown key is a usage error even before the log is read
             split_override(pair)
@@ -126,6 +131,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot: {args.plot}")
     return 1 if result.divergence else 0
+
+
+def _is_router_log(path: str) -> bool:
+    from tickloom.fleet.router_log import is_router_log
+
+    return is_router_log(path)
 
 
 def _unreadable(args: argparse.Namespace, error: str) -> int:
