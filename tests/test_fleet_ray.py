@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -171,3 +172,17 @@ def test_the_front_end_has_the_engines_api(ray_cluster: None, tmp_path: Path) ->
     asyncio.run(main())
     report = verify_fleet(tmp_path / "f")
     assert report.status == "identical", report.format_text()
+
+
+def test_bench_fleet_compares_fleet_sizes_and_times_the_router(ray_cluster: None,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from tickloom.tools.cli import main
+
+    assert main(["bench", "fleet", "--model", "stub", "--requests", "6", "--max-tokens", "4",
+                 "--router-requests", "50", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    fleets = [r for r in rows if r["bench"] == "fleet"]
+    assert [r["replicas"] for r in fleets] == [1, 3] and all(r["replay"] == "identical" for r in fleets)
+    assert all(r["tokens"] == 24 for r in fleets)
+    assert sorted((r["replicas"], r["logged"]) for r in rows if r["bench"] == "router") == [
+        (3, False), (3, True), (16, False), (16, True)]

@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "replay": "tickloom.tools.bench_replay",
     "engine": "tickloom.tools.bench_engine",
     "serve": "tickloom.tools.bench_serve",
+    "fleet": "tickloom.tools.bench_fleet",
 }
 """Benchmark name -> module (imported when the parser is built). ``model`` is in ``ROW_BENCHES``."""
 
