@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tickloom.engine.core import CoreConfig
 from tickloom.events import LogExists, LogIncompatible, LogReader, known_schema_hashes
 from tickloom.events.frames import HEADER_SIZE, pack_frame
 from tickloom.fleet.logged_router import LoggedRouter
@@ -23,7 +24,7 @@ from tickloom.fleet.router_events import (
 )
 from tickloom.fleet.router_log import RouterLogReader, RouterLogWriter, is_router_log
 from tickloom.fleet.router_replay import bisect_router, router_at, verify_fleet, verify_router
-from tickloom.replay.record import steady_scenario
+from tickloom.replay.record import arrival, record_core_run
 from tickloom.tools.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -184,7 +185,8 @@ def test_cli_replay_of_a_fleet_directory_checks_every_log(tmp_path: Path,
     (fleet / "replica-0").mkdir(parents=True)
     write_router_log(fleet / "router.log")
     engine_log = fleet / "replica-0" / "incarnation-0.tlog"
-    steady_scenario(2, 4).record(engine_log)
+    record_core_run(engine_log, CoreConfig(num_blocks=64, vocab_size=512, max_seq_len=256),
+                    {0: [arrival("a", 20, 4)], 1: [arrival("b", 30, 4)]})
     report = verify_fleet(fleet)
     assert report.status == "identical" and [(i, n) for i, n, _ in report.replicas] == [(0, 0)]
     assert main(["replay", str(fleet), "--json"]) == 0
