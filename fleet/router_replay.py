@@ -12,11 +12,12 @@ Each returns ``replay.ReplayReport``, so ``tickloom replay`` prints and exits fo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,6 +29,7 @@ from tickloom.fleet.router_events import RouterTickRecord
 from tickloom.fleet.router_log import RouterLogReader
 from tickloom.replay import ReplayReport, verify
 from tickloom.replay.diff import diff_commands, summarise_inputs, value_diff
+from tickloom.replay.verify import _unreadable  # the engine replay's own rule for an unreadable log
 
 ROUTER_LOG = "router.log"
 _REPLICA_DIR = re.compile(r"^replica-(\d+)$")
@@ -62,63 +64,62 @@ def _header_fields(report: ReplayReport, reader: RouterLogReader) -> None:
     report.format_version, report.digest_version = h.format_version, h.digest_version
 
 
-def _unreadable(report: ReplayReport, exc: LogError) -> ReplayReport:
-    report.status = "unreadable"
-    report.error = str(exc)
-    report.byte_offset = getattr(exc, "offset", None)
-    return report
+@contextlib.contextmanager
+def _reporting(report: ReplayReport) -> Iterator[None]:
+    """Time the replay into ``report``; a log that cannot be read makes it "unreadable" (as ``replay.verify``)."""
+    start = time.perf_counter()
+    try:
+        yield
+    except LogError as exc:
+        _unreadable(report, exc)
+    finally:
+        report.seconds = time.perf_counter() - start
 
 
 def verify_router(path: str | os.PathLike[str]) -> ReplayReport:
     """Replay a router log on a fresh router; "identical", or the first divergent tick with a diff."""
     report = ReplayReport("identical", os.fspath(path))
-    start = time.perf_counter()
-    try:
-        with RouterLogReader(path) as reader:
-            _header_fields(report, reader)
-            router = Router(reader.config)
-            for info, record in reader.router_frames():
-                if isinstance(record, SnapshotRecord):
-                    if record.tick != router.tick_no:
-                        raise LogCorrupt(reader.path, info.offset, info.tick,
-                                         f"a snapshot of tick {record.tick} where the log is at tick {router.tick_no}")
-                    report.snapshots_checked += 1
-                    if encode_router_snapshot(router.snapshot()) != record.state:
-                        report.status = "divergent"
-                        report.first_divergent_tick = record.tick
-                        report.error = f"the replayed router after tick {record.tick} differs from the logged snapshot"
-                        report.state_tick = record.tick
-                        value_diff("router", _logged_snapshot(reader, info.offset, record), router.snapshot(),
-                                   report.state_diff)
-                        break
-                    continue
-                logged = record.outputs
-                try:
-                    out = router.tick(record.inputs)
-                except Exception as exc:  # reported with the tick: replay goes no further
-                    report.status = "divergent"
-                    report.first_divergent_tick = record.inputs.tick
-                    report.error = f"the router raised at tick {record.inputs.tick}: {type(exc).__name__}: {exc}"
-                    report.inputs = summarise_inputs(cast(Any, record.inputs.inputs))
-                    break
-                if out.digest != logged.digest or out.tick != logged.tick:
-                    report.status = "divergent"
-                    report.first_divergent_tick = record.inputs.tick
-                    report.inputs = summarise_inputs(cast(Any, record.inputs.inputs))
-                    report.command_diff = diff_commands(cast(Any, logged.commands), cast(Any, out.commands))
-                    value_diff("gauges", logged.gauges, out.gauges, report.gauges_diff)
-                    break
-                if logged.commands != out.commands or logged.gauges != out.gauges:
+    with _reporting(report), RouterLogReader(path) as reader:
+        _header_fields(report, reader)
+        router = Router(reader.config)
+        for info, record in reader.router_frames():
+            if isinstance(record, SnapshotRecord):
+                if record.tick != router.tick_no:
                     raise LogCorrupt(reader.path, info.offset, info.tick,
-                                     "the logged decisions or gauges do not match the logged digest")
-                report.ticks += 1
-                report.rows += len(out.commands)
-            if report.status == "identical":
-                report.torn_bytes = reader.tail.torn_bytes
-    except LogError as exc:
-        return _unreadable(report, exc)
-    finally:
-        report.seconds = time.perf_counter() - start
+                                     f"a snapshot of tick {record.tick} where the log is at tick {router.tick_no}")
+                report.snapshots_checked += 1
+                if encode_router_snapshot(router.snapshot()) != record.state:
+                    report.status = "divergent"
+                    report.first_divergent_tick = record.tick
+                    report.error = f"the replayed router after tick {record.tick} differs from the logged snapshot"
+                    report.state_tick = record.tick
+                    value_diff("router", _logged_snapshot(reader, info.offset, record), router.snapshot(),
+                               report.state_diff)
+                    break
+                continue
+            logged = record.outputs
+            try:
+                out = router.tick(record.inputs)
+            except Exception as exc:  # reported with the tick: replay goes no further
+                report.status = "divergent"
+                report.first_divergent_tick = record.inputs.tick
+                report.error = f"the router raised at tick {record.inputs.tick}: {type(exc).__name__}: {exc}"
+                report.inputs = summarise_inputs(cast(Any, record.inputs.inputs))
+                break
+            if out.digest != logged.digest or out.tick != logged.tick:
+                report.status = "divergent"
+                report.first_divergent_tick = record.inputs.tick
+                report.inputs = summarise_inputs(cast(Any, record.inputs.inputs))
+                report.command_diff = diff_commands(cast(Any, logged.commands), cast(Any, out.commands))
+                value_diff("gauges", logged.gauges, out.gauges, report.gauges_diff)
+                break
+            if logged.commands != out.commands or logged.gauges != out.gauges:
+                raise LogCorrupt(reader.path, info.offset, info.tick,
+                                 "the logged decisions or gauges do not match the logged digest")
+            report.ticks += 1
+            report.rows += len(out.commands)
+        if report.status == "identical":
+            report.torn_bytes = reader.tail.torn_bytes
     return report
 
 
@@ -134,28 +135,22 @@ def bisect_router(path: str | os.PathLike[str], check: Callable[[Router], None] 
     "violation" naming the first tick that fails."""
     report = ReplayReport("clean", os.fspath(path))
     checker = check or Router.check_invariants
-    start = time.perf_counter()
-    try:
-        with RouterLogReader(path) as reader:
-            _header_fields(report, reader)
-            router = Router(reader.config)
-            for record in reader.router_ticks():
-                try:
-                    out = router.tick(record.inputs)
-                    checker(router)
-                except Exception as exc:  # the violation is the report
-                    report.status = "violation"
-                    report.first_divergent_tick = record.inputs.tick
-                    report.error = f"{type(exc).__name__}: {exc}"
-                    report.inputs = summarise_inputs(cast(Any, record.inputs.inputs))
-                    break
-                report.ticks += 1
-                report.rows += len(out.commands)
-            report.torn_bytes = reader.tail.torn_bytes
-    except LogError as exc:
-        return _unreadable(report, exc)
-    finally:
-        report.seconds = time.perf_counter() - start
+    with _reporting(report), RouterLogReader(path) as reader:
+        _header_fields(report, reader)
+        router = Router(reader.config)
+        for record in reader.router_ticks():
+            try:
+                out = router.tick(record.inputs)
+                checker(router)
+            except Exception as exc:  # the violation is the report
+                report.status = "violation"
+                report.first_divergent_tick = record.inputs.tick
+                report.error = f"{type(exc).__name__}: {exc}"
+                report.inputs = summarise_inputs(cast(Any, record.inputs.inputs))
+                break
+            report.ticks += 1
+            report.rows += len(out.commands)
+        report.torn_bytes = reader.tail.torn_bytes
     return report
 
 
