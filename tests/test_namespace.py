@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from purity import REPO, imports_of
 
-OLD_TOP_LEVEL = {"engine", "events", "actors", "replay", "tools"}
+OLD_TOP_LEVEL = {"engine", "events", "actors", "replay", "tools", "fleet"}
 """The repository's folders, importable only as ``tickloom.<folder>``."""
 
 
