@@ -27,14 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from tickloom.engine.core.status import FINISH_PRECEDENCE
 from tickloom.engine.outputs import RequestOutput, RequestUsage
 from tickloom.events.commands import Finish
 from tickloom.events.types import FinishReason, SamplingSpec
 
 REPLACEMENT_CHAR = "\ufffd"
-
-FINISH_PRECEDENCE: dict[FinishReason, int] = {"timeout": 4, "cancelled": 3, "stop": 2, "length": 1, "error": 0}
-"""Higher wins when several reasons apply at one token (timeout > cancelled > stop > length > error)."""
 
 
 PromptLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
