@@ -32,6 +32,7 @@ import collections
 import contextlib
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -142,7 +143,8 @@ class Fleet:
         self.config = config
         self.replicas: list[_Replica] = []
         self.router: LoggedRouter | None = None
-        self._streams: dict[str, FleetStream] = {}
+        self._streams: weakref.WeakValueDictionary[str, FleetStream] = weakref.WeakValueDictionary()
+        """Open streams; weak, so that a stream its client dropped unfinished is collected and cancels itself."""
         self._next_id = 0
         self._watcher: asyncio.Task[None] | None = None
         self.deaths: list[tuple[int, int, str]] = []
@@ -170,9 +172,10 @@ class Fleet:
             infos = [decode(await _started(i, h, config.start_timeout), ReplicaInfo) for i, h in enumerate(handles)]
             fleet.replicas = [_Replica(h, info) for h, info in zip(handles, infos, strict=True)]
             block_size = infos[0].block_size
-            router_config = RouterConfig(replicas=config.replicas, policy=config.policy, block_size=block_size,
-                                         affinity_blocks=config.affinity_blocks, load_slack=config.load_slack,
-                                         cache_blocks=max(1, infos[0].num_blocks))
+            router_config = RouterConfig.checked({
+                "replicas": config.replicas, "policy": config.policy, "block_size": block_size,
+                "affinity_blocks": config.affinity_blocks, "load_slack": config.load_slack,
+                "cache_blocks": min(max(1, infos[0].num_blocks), 1 << 22)})
             fleet.router = LoggedRouter(router_config, fleet_dir / ROUTER_LOG, time.monotonic_ns,
                                         snapshot_every=config.snapshot_every)
             fleet._watcher = asyncio.get_running_loop().create_task(fleet._watch())
@@ -303,10 +306,12 @@ class Fleet:
         raise AssertionError(f"the router decided nothing for {stream.request_id!r}")
 
     def ended(self, stream: FleetStream, routed: bool) -> None:
+        """``stream`` ended; ``routed``: the router still has it open (not lost), so it is told once."""
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
-            if routed:
-                self._router().finished(stream.request_id)
+        if routed and not stream.end_reported:
+            stream.end_reported = True
+            self._router().finished(stream.request_id)
 
     async def tokenize(self, text: str) -> list[int]:
         import ray
@@ -367,6 +372,7 @@ class FleetStream:
         self._done = False
         self._error: BaseException | None = None
         self._final_frames = 0
+        self.end_reported = False
 
     async def start(self) -> None:
         if self._started:
@@ -457,6 +463,12 @@ class FleetStream:
             if self._final_frames == self.params.n:
                 self._finish(routed=True)
         return out
+
+    def __del__(self) -> None:
+        # A plain `async for` left early drops the stream unfinished: cancel the request, as ``Engine`` does.
+        if self.__dict__.get("_started") and not self.__dict__.get("_done", True):
+            with contextlib.suppress(RuntimeError):  # no running loop: the fleet, and its replicas, are gone
+                asyncio.get_running_loop().create_task(self.aclose())
 
     async def aclose(self) -> None:
         """Cancel the request if it has not finished (idempotent)."""

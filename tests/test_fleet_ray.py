@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,6 +163,15 @@ def test_the_front_end_has_the_engines_api(ray_cluster: None, tmp_path: Path) ->
                                     request_id="early") as stream:
                 first = await stream.__anext__()
                 assert not first.finished
+            dropped = fleet.generate([6] * 20, SamplingParams(max_tokens=500, ignore_eos=True), request_id="dropped")
+            assert not (await dropped.__anext__()).finished
+            del dropped  # left unfinished: the request is cancelled, and the router told it ended
+            gc.collect()
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if "dropped" not in fleet._router().router.open:
+                    break
+            assert "dropped" not in fleet._router().router.open
             with pytest.raises(RequestRejected, match="request_id"):
                 fleet.generate([1], request_id="")
             with pytest.raises(RequestRejected, match="vocab_size"):
