@@ -13,7 +13,7 @@ import os
 from tickloom.engine.core import SchedulerCore
 from tickloom.engine.core.blocks import blocks_for
 from tickloom.engine.core.errors import InvariantViolation
-from tickloom.engine.core.state import Status
+from tickloom.engine.core.status import Status
 from tickloom.events import EmitTokens, Finish, LogReader, RequestArrived, StopMatched, TickInputs, TickOutputs
 
 

@@ -32,10 +32,11 @@ import tickloom.engine.core.planner as planner_module
 import tickloom.engine.core.scheduler as scheduler_module
 from tickloom.engine.core.blocks import blocks_for
 from tickloom.engine.core.context import TickContext
-from tickloom.engine.core.endgame import _resume
-from tickloom.engine.core.lifecycle import cache_full_blocks, mark_finish
-from tickloom.engine.core.state import CoreState, InflightStep, Seq, Status
-from tickloom.events import Preempted, SpillOut, StepDone, StopMatched, SwapIn
+from tickloom.engine.core.endgame import swap_back_in
+from tickloom.engine.core.lifecycle import mark_finish, take_off_device
+from tickloom.engine.core.state import CoreState, InflightStep, Seq
+from tickloom.engine.core.status import Status
+from tickloom.events import StepDone, StopMatched
 
 
 def release_blocks_unfenced(state: CoreState, ctx: TickContext, seq: Seq) -> None:
@@ -45,32 +46,6 @@ def release_blocks_unfenced(state: CoreState, ctx: TickContext, seq: Seq) -> Non
         ctx.unblocked = True
     seq.block_ids = []
     seq.sent_blocks = 0
-
-
-def _preempt_any(state: CoreState, ctx: TickContext, victim: Seq) -> None:
-    """``lifecycle.preempt`` without its assertion that the victim is settled."""
-    state.lane = None
-    ctx.lane_broken = True
-    state.running = [seq for seq in state.running if seq is not victim]
-    decoding = victim.num_computed >= victim.prefill_target and victim.outputs
-    if state.config.spill_enabled and decoding:
-        ctx.commands.append(Preempted(victim.request_id, "swap"))
-        ctx.commands.append(SpillOut(victim.request_id, list(victim.block_ids), victim.kv_settled))
-        victim.spill_tokens = victim.kv_settled
-        victim.swap_ready = False
-        victim.has_spill = True
-        victim.status = Status.SWAPPING
-        state.swapped.append(victim)
-    else:
-        ctx.commands.append(Preempted(victim.request_id, "requeue"))
-        cache_full_blocks(state, victim, victim.kv_settled)
-        victim.status = Status.PREEMPTED
-        state.preempted.append(victim)
-    release_blocks_unfenced(state, ctx, victim)
-    victim.num_computed = 0
-    victim.kv_settled = 0
-    victim.first_planned = False
-    victim.reserve = 0
 
 
 def ensure_blocks_any_victim(state: CoreState, ctx: TickContext, seq: Seq, blocks: int, step_id: int) -> bool:
@@ -94,7 +69,7 @@ def ensure_blocks_any_victim(state: CoreState, ctx: TickContext, seq: Seq, block
                 victim, best = other, key
         if victim is None:
             return False
-        _preempt_any(state, ctx, victim)
+        take_off_device(state, ctx, victim)
         if victim is seq:
             return False
     return True
@@ -123,15 +98,7 @@ def swap_in_without_reclaim(state: CoreState, ctx: TickContext) -> None:
         chosen = next((s for s in candidates if blocks_for(s.spill_tokens, size) <= pool.num_free), None)
         if chosen is None:
             return
-        state.swapped.remove(chosen)
-        chosen.block_ids = pool.allocate(blocks_for(chosen.spill_tokens, size))
-        chosen.sent_blocks = len(chosen.block_ids)
-        chosen.num_computed = chosen.kv_settled = chosen.spill_tokens
-        chosen.reserve = len(chosen.block_ids)
-        chosen.first_planned = True
-        _resume(state, chosen)
-        ctx.commands.append(SwapIn(chosen.request_id, list(chosen.block_ids), chosen.spill_tokens))
-        ctx.unblocked = True
+        swap_back_in(state, ctx, chosen)
         active += 1
 
 

@@ -6,7 +6,8 @@ from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.context import TickContext
 from tickloom.engine.core.lifecycle import full_block_hashes
 from tickloom.engine.core.snapshot import CoreSnapshot
-from tickloom.engine.core.state import CoreState, Seq, Status
+from tickloom.engine.core.state import CoreState, Seq
+from tickloom.engine.core.status import Status
 from tickloom.events import BindRequest, Command, Input, SamplingSpec, TickInputs, TickOutputs
 
 

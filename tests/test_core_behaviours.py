@@ -20,7 +20,7 @@ from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.blocks import BlockPool
 from tickloom.engine.core.lifecycle import choose_victim, preempt
 from tickloom.engine.core.snapshot import CoreSnapshot
-from tickloom.engine.core.state import Status
+from tickloom.engine.core.status import Status
 from tickloom.events import (
     EmitTokens,
     Finish,

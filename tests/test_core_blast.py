@@ -28,7 +28,7 @@ import pytest
 from core_harness import Harness
 
 from tickloom.engine.core import CoreConfig
-from tickloom.engine.core.state import Status
+from tickloom.engine.core.status import Status
 from tickloom.events import (
     FINISH_REASONS,
     NO_SAMPLE,

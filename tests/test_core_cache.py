@@ -10,7 +10,7 @@ from tickloom.engine.core import CoreConfig
 from tickloom.engine.core.blocks import ROOT_HASH, BlockPool, block_hash
 from tickloom.engine.core.lifecycle import full_block_hashes, preempt
 from tickloom.engine.core.planner import plan_step
-from tickloom.engine.core.state import Status
+from tickloom.engine.core.status import Status
 from tickloom.events import (
     DropSpill,
     EmitTokens,

@@ -16,7 +16,7 @@ from core_state import add_seq, make_core
 
 from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.endgame import DEADLINE_SLACK, compact_deadlines
-from tickloom.engine.core.state import Status
+from tickloom.engine.core.status import Status
 from tickloom.events import (
     BindRequest,
     Command,

@@ -19,7 +19,7 @@ from test_core_blast import BlastHarness, blast_config, run_blast
 
 from tickloom.engine.core import SchedulerCore
 from tickloom.engine.core.snapshot import CoreSnapshot, decode_snapshot, encode_snapshot
-from tickloom.engine.core.state import Status
+from tickloom.engine.core.status import Status
 from tickloom.events import (
     Finish,
     RequestArrived,

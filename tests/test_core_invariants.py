@@ -13,7 +13,8 @@ from core_state import add_seq, cache_unrelated
 
 from tickloom.engine.core import CoreConfig, InvariantViolation, SchedulerCore
 from tickloom.engine.core.snapshot import CoreSnapshot
-from tickloom.engine.core.state import CoreState, DecodeLane, Status
+from tickloom.engine.core.state import CoreState, DecodeLane
+from tickloom.engine.core.status import Status
 from tickloom.events import (
     RequestCancelled,
     SamplingSpec,
@@ -199,6 +200,14 @@ def _unretired(state: CoreState) -> str:
     return "endings: finished requests were left unretired at the end of a tick"
 
 
+def _finished_not_retired(state: CoreState) -> str:
+    """A request finished while waiting (its queue entry a tombstone) but still tracked after the tick."""
+    e = state.seqs["e"]
+    e.status = Status.FINISHED
+    state.waiting.discard(e)
+    return "endings: 'e' is FINISHED but was not retired"
+
+
 def _over_batch(state: CoreState) -> str:
     add_seq(state, "third", 10)
     return "bounds: 3 active sequences > max_batch_size=2"
@@ -249,6 +258,7 @@ CORRUPTIONS: dict[str, Callable[[CoreState], str]] = {
     "queued twice": _queued_twice,
     "not queued": _not_queued,
     "left unretired": _unretired,
+    "finished but still tracked": _finished_not_retired,
     "batch too big": _over_batch,
     "past max_seq_len": _over_seq_len,
     "past max_tokens": _over_max_tokens,

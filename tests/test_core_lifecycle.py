@@ -7,7 +7,7 @@ from core_harness import Harness, arrival
 from core_state import add_seq, hold_blocks, make_core
 
 from tickloom.engine.core import CoreConfig
-from tickloom.engine.core.state import Status
+from tickloom.engine.core.status import Status
 from tickloom.events import (
     BindRequest,
     DeadlineReached,

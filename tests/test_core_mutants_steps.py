@@ -16,7 +16,7 @@ from core_state import tick as _tick
 
 from tickloom.engine.core import CoreConfig, InvariantViolation, SchedulerCore
 from tickloom.engine.core.snapshot import CoreSnapshot
-from tickloom.engine.core.state import Status
+from tickloom.engine.core.status import Status
 from tickloom.events import (
     NO_SAMPLE,
     ClientGone,

@@ -10,7 +10,8 @@ from tickloom.engine.core import CoreConfig
 from tickloom.engine.core.apply import apply_inputs
 from tickloom.engine.core.endgame import resume_preempted, retire_finished, swap_in
 from tickloom.engine.core.lifecycle import choose_victim
-from tickloom.engine.core.state import CoreState, Seq, Status
+from tickloom.engine.core.state import CoreState, Seq
+from tickloom.engine.core.status import Status
 from tickloom.events import DropSpill, EmitTokens, Finish, Preempted, RunStep, SpillOut, SwapIn, SwapInFailed
 
 

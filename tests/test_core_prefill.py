@@ -10,7 +10,8 @@ from core_state import add_seq, cache_prefix_of, context, make_core
 
 from tickloom.engine.core.columns import StepColumns
 from tickloom.engine.core.planner import plan_prefill
-from tickloom.engine.core.state import CoreState, Seq, Status
+from tickloom.engine.core.state import CoreState, Seq
+from tickloom.engine.core.status import Status
 
 
 def _empty_step(step_id: int) -> StepColumns:

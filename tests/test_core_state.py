@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from core_state import add_seq, make_core
 
-from tickloom.engine.core.state import CoreState, Seq, Status, WaitingQueue
+from tickloom.engine.core.state import CoreState, Seq, WaitingQueue
+from tickloom.engine.core.status import Status
 
 
 def _queue(n: int) -> tuple[CoreState, WaitingQueue, list[Seq]]:

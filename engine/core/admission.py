@@ -17,7 +17,8 @@ from __future__ import annotations
 from tickloom.engine.core.blocks import blocks_for
 from tickloom.engine.core.context import TickContext
 from tickloom.engine.core.lifecycle import full_block_hashes, is_settled, may_hit_cache, preempt, resume_want
-from tickloom.engine.core.state import CoreState, Seq, Status
+from tickloom.engine.core.state import CoreState, Seq
+from tickloom.engine.core.status import Status, StatusEvent, change_status
 from tickloom.events import BindRequest
 
 
@@ -73,7 +74,7 @@ def admit(state: CoreState, ctx: TickContext) -> None:
                 return
             need = lone
         waiting.pop_head()
-        head.status = Status.RUNNING
+        change_status(head, StatusEvent.ADMIT, Status.RUNNING)
         head.admitted = state.next_admission
         state.next_admission += 1
         head.reserve = need

@@ -15,7 +15,8 @@ from tickloom.engine.core.context import PromptLogprobs, TickContext
 from tickloom.engine.core.errors import InvariantViolation
 from tickloom.engine.core.lane import hand_tokens
 from tickloom.engine.core.lifecycle import mark_finish, release_fences, track_stops
-from tickloom.engine.core.state import CoreState, InflightStep, Seq, Status, WaitingQueue, ends_in_thinking
+from tickloom.engine.core.state import CoreState, InflightStep, Seq, WaitingQueue, ends_in_thinking
+from tickloom.engine.core.status import Status, StatusEvent, change_status
 from tickloom.events import (
     ClientGone,
     DeadlineReached,
@@ -405,11 +406,11 @@ def spill_done(state: CoreState, ctx: TickContext, msg: SpillDone) -> None:
     if seq is None or seq.status is not Status.SWAPPING:
         return
     if msg.ok:
-        seq.status = Status.SWAPPED
+        change_status(seq, StatusEvent.SPILL_DONE, Status.SWAPPED)
         ctx.commands.append(PrefetchSpill(seq.request_id))
         return
     state.swapped.remove(seq)
-    seq.status = Status.PREEMPTED
+    change_status(seq, StatusEvent.SPILL_FAILED, Status.PREEMPTED)
     seq.swap_ready = False
     state.preempted.append(seq)
     ctx.commands.append(DropSpill(seq.request_id))

@@ -22,7 +22,8 @@ from tickloom.engine.core.lifecycle import (
     resume_want,
     untrack_stops,
 )
-from tickloom.engine.core.state import CoreState, Seq, Status, ends_in_thinking
+from tickloom.engine.core.state import CoreState, Seq, ends_in_thinking
+from tickloom.engine.core.status import Status, StatusEvent, change_status
 from tickloom.events import DropSpill, Finish, ReleaseRequest, SwapIn, UnwatchDeadline, Usage
 
 
@@ -139,20 +140,25 @@ def swap_in(state: CoreState, ctx: TickContext) -> None:
         chosen = next((s for s in candidates if blocks_for(s.spill_tokens, size) <= pool.num_free), None)
         if chosen is None:
             return
-        state.swapped.remove(chosen)
-        chosen.block_ids = pool.allocate(blocks_for(chosen.spill_tokens, size))
-        chosen.sent_blocks = len(chosen.block_ids)
-        chosen.num_computed = chosen.kv_settled = chosen.spill_tokens
-        chosen.reserve = len(chosen.block_ids)
-        chosen.first_planned = True
-        _resume(state, chosen)
-        ctx.commands.append(SwapIn(chosen.request_id, list(chosen.block_ids), chosen.spill_tokens))
-        ctx.unblocked = True
+        swap_back_in(state, ctx, chosen)
         active += 1
 
 
-def _resume(state: CoreState, seq: Seq) -> None:
-    seq.status = Status.RUNNING
+def swap_back_in(state: CoreState, ctx: TickContext, seq: Seq) -> None:
+    """Give a swapped sequence fresh blocks for its spilled KV (they must be free), copy it in, and run it again."""
+    state.swapped.remove(seq)
+    seq.block_ids = state.pool.allocate(blocks_for(seq.spill_tokens, state.config.block_size))
+    seq.sent_blocks = len(seq.block_ids)
+    seq.num_computed = seq.kv_settled = seq.spill_tokens
+    seq.reserve = len(seq.block_ids)
+    seq.first_planned = True
+    _resume(state, seq, StatusEvent.SWAP_IN)
+    ctx.commands.append(SwapIn(seq.request_id, list(seq.block_ids), seq.spill_tokens))
+    ctx.unblocked = True
+
+
+def _resume(state: CoreState, seq: Seq, event: StatusEvent) -> None:
+    change_status(seq, event, Status.RUNNING)
     seq.swap_ready = False
     seq.immune_until = len(seq.outputs) + state.config.preempt_immunity_tokens
     state.join_running(seq)
@@ -191,6 +197,6 @@ def resume_preempted(state: CoreState, ctx: TickContext) -> None:
         if seq not in state.reserving:  # it may still be listed from before it was preempted
             state.reserving.append(seq)
         state.preempted.remove(seq)
-        _resume(state, seq)
+        _resume(state, seq, StatusEvent.RESUME)
         ctx.unblocked = True
         active += 1

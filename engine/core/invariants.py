@@ -11,15 +11,14 @@ from __future__ import annotations
 from collections import Counter
 
 from tickloom.engine.core.errors import InvariantViolation
-from tickloom.engine.core.state import CoreState, Seq, Status
+from tickloom.engine.core.state import CoreState, Seq
+from tickloom.engine.core.status import PARKED, QUEUE_OF, TRANSITIONS, Status
 
-_QUEUES = {
-    Status.WAITING: "waiting",
-    Status.RUNNING: "running",
-    Status.PREEMPTED: "preempted",
-    Status.SWAPPING: "swapped",
-    Status.SWAPPED: "swapped",
-}
+_QUEUE_NAMES = tuple(dict.fromkeys(QUEUE_OF.values()))
+"""The queues ``QUEUE_OF`` names, each once: waiting, running, preempted, swapped."""
+
+_LIVE = frozenset(source for source, _ in TRANSITIONS)
+"""The statuses the transition table still moves on: between ticks every tracked request has one."""
 
 
 def check_invariants(state: CoreState) -> None:
@@ -76,7 +75,7 @@ def check_fences(state: CoreState) -> None:
     for step in state.steps:
         for seq in step.seqs:
             live = state.seqs.get(seq.request_id) is seq
-            if live and seq.status in (Status.PREEMPTED, Status.SWAPPING, Status.SWAPPED):
+            if live and seq.status in PARKED:
                 raise InvariantViolation(
                     "fences", f"{seq.request_id!r} was preempted while step {step.step_id} references it"
                 )
@@ -92,14 +91,15 @@ def check_fences(state: CoreState) -> None:
 
 
 def check_queues(state: CoreState) -> None:
-    """Each live request is in exactly the queue its status names."""
+    """Each live request is in exactly the queue its status names (``status.QUEUE_OF``), with a status the
+    transition table still moves on."""
     counts: Counter[str] = Counter()  # by request id: each queued sequence is checked to be the live one
-    for name in ("waiting", "running", "preempted", "swapped"):
+    for name in _QUEUE_NAMES:
         queue: list[Seq] = list(getattr(state, name))
         for seq in queue:
             if name == "running" and seq.status is not Status.RUNNING:
                 continue  # finished, pruned at the next plan
-            if _QUEUES.get(seq.status) != name or state.seqs.get(seq.request_id) is not seq:
+            if QUEUE_OF.get(seq.status) != name or state.seqs.get(seq.request_id) is not seq:
                 raise InvariantViolation("queues", f"{seq.request_id!r} ({seq.status.name}) is in {name}")
             counts[seq.request_id] += 1
         if name == "waiting":
@@ -110,6 +110,8 @@ def check_queues(state: CoreState) -> None:
             if keys != sorted(keys):
                 raise InvariantViolation("queues", "the waiting queue is out of (priority, arrival) order")
     for seq in state.seqs.values():
+        if seq.status not in _LIVE:
+            raise InvariantViolation("endings", f"{seq.request_id!r} is {seq.status.name} but was not retired")
         if counts[seq.request_id] != 1:
             raise InvariantViolation("queues", f"{seq.request_id!r} ({seq.status.name}) is not queued once")
     if state.finishing:

@@ -29,7 +29,8 @@ from operator import floordiv, ge
 
 from tickloom.engine.core.columns import StepColumns
 from tickloom.engine.core.lifecycle import stop_rule
-from tickloom.engine.core.state import CoreState, DecodeLane, Seq, Status, find_in_run_order
+from tickloom.engine.core.state import CoreState, DecodeLane, Seq, find_in_run_order
+from tickloom.engine.core.status import Status
 from tickloom.events import NOT_FED
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from tickloom.engine.core.blocks import ROOT_HASH, blocks_for, chain_hashes, pack_tokens
 from tickloom.engine.core.config import CoreConfig
 from tickloom.engine.core.context import TickContext
-from tickloom.engine.core.state import FINISH_RANK, CoreState, Seq, Status
+from tickloom.engine.core.state import CoreState, Seq
+from tickloom.engine.core.status import FINISH_PRECEDENCE, QUEUE_OF, Status, StatusEvent, change_status
 from tickloom.events import FinishReason, Preempted, SpillOut
-
-_QUEUE_OF = {Status.PREEMPTED: "preempted", Status.SWAPPING: "swapped", Status.SWAPPED: "swapped"}
 
 
 def mark_finish(
@@ -22,12 +21,12 @@ def mark_finish(
     False a parked sequence is left in its queue, for a caller that empties every queue itself (shutdown).
     """
     if seq.finish_reason is not None:
-        current = (seq.finish_index, -FINISH_RANK[seq.finish_reason])
-        if (index, -FINISH_RANK[reason]) >= current:
+        current = (seq.finish_index, -FINISH_PRECEDENCE[seq.finish_reason])
+        if (index, -FINISH_PRECEDENCE[reason]) >= current:
             return False
     else:
         status = seq.status
-        seq.status = Status.FINISHED
+        change_status(seq, StatusEvent.FINISH, Status.FINISHED)
         if status is Status.RUNNING:
             state.stale.append(seq)  # it stays in ``running`` until the next prune
         elif not dequeue:
@@ -35,9 +34,7 @@ def mark_finish(
         elif status is Status.WAITING:
             state.waiting.discard(seq)  # a tombstone: O(1), so a mass cancel is linear
         else:
-            queue = _QUEUE_OF.get(status)
-            if queue is not None:
-                getattr(state, queue).remove(seq)
+            getattr(state, QUEUE_OF[status]).remove(seq)
         state.finishing.append(seq)
     seq.finish_reason = reason
     seq.finish_index = index
@@ -160,14 +157,20 @@ def resume_want(state: CoreState, seq: Seq) -> int:
 
 
 def preempt(state: CoreState, ctx: TickContext, victim: Seq) -> None:
-    """Take a settled running sequence off the device: swap it out if a spill store exists, else requeue it.
+    """Take a settled running sequence off the device (``take_off_device``). A victim is always settled: no
+    unsettled step references its blocks, and it has no row in flight."""
+    assert victim.inflight == 0 and is_settled(state, victim), "victims are settled"
+    take_off_device(state, ctx, victim)
+
+
+def take_off_device(state: CoreState, ctx: TickContext, victim: Seq) -> None:
+    """Swap a running sequence out if a spill store exists, else requeue it (``preempt`` checks it is settled).
 
     Swapping keeps its KV: ``SpillOut`` copies the blocks out before any later command can reuse them, since
     the executor runs commands in order. Requeueing drops the KV (after offering its full blocks to the prefix
     cache) and re-prefills the history on resume. A sequence still prefilling is always requeued: there is
     little KV to save.
     """
-    assert victim.inflight == 0 and is_settled(state, victim), "victims are settled"
     state.lane = None
     ctx.lane_broken = True
     # A new list, not ``remove``: ``plan_step`` may be iterating the old one (it skips the victim by status).
@@ -179,12 +182,12 @@ def preempt(state: CoreState, ctx: TickContext, victim: Seq) -> None:
         victim.spill_tokens = victim.kv_settled
         victim.swap_ready = False
         victim.has_spill = True  # until its first step after swap-in settles, or it ends: then ``DropSpill``
-        victim.status = Status.SWAPPING
+        change_status(victim, StatusEvent.SWAP_OUT, Status.SWAPPING)
         state.swapped.append(victim)
     else:
         ctx.commands.append(Preempted(victim.request_id, "requeue"))
         cache_full_blocks(state, victim, victim.kv_settled)
-        victim.status = Status.PREEMPTED
+        change_status(victim, StatusEvent.REQUEUE, Status.PREEMPTED)
         state.preempted.append(victim)
     release_blocks(state, ctx, victim)
     victim.num_computed = 0

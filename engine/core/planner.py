@@ -27,7 +27,8 @@ from tickloom.engine.core.lifecycle import (
     preempt,
     stop_rule,
 )
-from tickloom.engine.core.state import CoreState, InflightStep, Seq, Status
+from tickloom.engine.core.state import CoreState, InflightStep, Seq
+from tickloom.engine.core.status import Status
 from tickloom.events import NO_SAMPLE, NOT_FED, RunStep
 
 

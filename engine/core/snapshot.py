@@ -14,7 +14,8 @@ from tickloom.engine.core.blocks import BlockPool
 from tickloom.engine.core.config import CoreConfig
 from tickloom.engine.core.endgame import live_deadlines
 from tickloom.engine.core.lifecycle import stop_rule, track_stops
-from tickloom.engine.core.state import CoreState, InflightStep, Seq, Status, WaitingQueue
+from tickloom.engine.core.state import CoreState, InflightStep, Seq, WaitingQueue
+from tickloom.engine.core.status import Status
 
 
 class StepSnapshot(msgspec.Struct, frozen=True, array_like=True):

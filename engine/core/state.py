@@ -5,7 +5,6 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Iterable, Iterator
-from enum import IntEnum
 from itertools import islice
 from operator import attrgetter
 
@@ -14,28 +13,8 @@ import attrs
 from tickloom.engine.core.blocks import BlockPool
 from tickloom.engine.core.config import CoreConfig
 from tickloom.engine.core.errors import InvariantViolation
+from tickloom.engine.core.status import Status
 from tickloom.events import GENESIS_DIGEST, FinishReason, SamplingSpec
-
-
-class Status(IntEnum):
-    """Where a sequence is. Every transition happens in one of the phase functions named in ``scheduler``."""
-
-    WAITING = 0
-    """Arrived, not admitted."""
-    RUNNING = 1
-    """Admitted: prefilling (``num_computed < prefill_target``) or decoding."""
-    PREEMPTED = 2
-    """Requeued for recompute; resumes through ``resume_preempted``."""
-    SWAPPING = 3
-    """Its KV is being spilled (``SpillOut`` sent, ``SpillDone`` not yet in)."""
-    SWAPPED = 4
-    """Its KV is in the spill store; comes back only through ``swap_in``."""
-    FINISHED = 5
-    """Marked finished this tick; retired at the end of the tick."""
-
-
-FINISH_RANK: dict[FinishReason, int] = {"timeout": 4, "cancelled": 3, "stop": 2, "length": 1, "error": 0}
-"""Precedence of reasons that apply at the same token: timeout > cancelled > stop > length > error."""
 
 
 def ends_in_thinking(tokens: list[int], start: int | None, end: int | None) -> bool:
