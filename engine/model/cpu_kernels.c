@@ -32,6 +32,24 @@
 #define TILE_BYTES 320
 #define MT 8 /* activation rows per pass over a row block's weights */
 
+/* ROWS(mt) for each tile of MT activation rows, then once for the 1..7 left, mt a constant in every call so that
+   the compiler unrolls the row loops and keeps the accumulators in registers. ROWS reads m0. */
+#define FOR_ROW_TILES(m_rows, ROWS)                                                                                \
+    do {                                                                                                           \
+        int64_t m0 = 0;                                                                                            \
+        for (; m0 + MT <= (m_rows); m0 += MT) ROWS(MT);                                                            \
+        switch ((m_rows) - m0) {                                                                                   \
+        case 7: ROWS(7); break;                                                                                    \
+        case 6: ROWS(6); break;                                                                                    \
+        case 5: ROWS(5); break;                                                                                    \
+        case 4: ROWS(4); break;                                                                                    \
+        case 3: ROWS(3); break;                                                                                    \
+        case 2: ROWS(2); break;                                                                                    \
+        case 1: ROWS(1); break;                                                                                    \
+        default: break;                                                                                            \
+        }                                                                                                          \
+    } while (0)
+
 /* x: M x K bfloat16 -> per row and group of 32: qx = x / dx rounded to nearest (|qx| <= 127), in x's order;
    dx = max|x| / 127 and dxs = dx * sum(qx). */
 static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, float *dx, float *dxs) {
@@ -113,18 +131,9 @@ int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, 
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t m0 = 0;
-        for (; m0 + MT <= m_rows; m0 += MT) block_rows(w, qx, dx, dxs, y, n, k, b, m0, MT);
-        switch (m_rows - m0) {
-        case 7: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 7); break;
-        case 6: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 6); break;
-        case 5: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 5); break;
-        case 4: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 4); break;
-        case 3: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 3); break;
-        case 2: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 2); break;
-        case 1: block_rows(w, qx, dx, dxs, y, n, k, b, m0, 1); break;
-        default: break;
-        }
+#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, n, k, b, m0, mt)
+        FOR_ROW_TILES(m_rows, Q4_ROWS);
+#undef Q4_ROWS
     }
     return 0;
 }
@@ -220,18 +229,9 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t m0 = 0;
-        for (; m0 + MT <= m_rows; m0 += MT) q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, MT);
-        switch (m_rows - m0) {
-        case 7: q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, 7); break;
-        case 6: q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, 6); break;
-        case 5: q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, 5); break;
-        case 4: q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, 4); break;
-        case 3: q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, 3); break;
-        case 2: q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, 2); break;
-        case 1: q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, 1); break;
-        default: break;
-        }
+#define Q8_ROWS(mt) q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, mt)
+        FOR_ROW_TILES(m_rows, Q8_ROWS);
+#undef Q8_ROWS
     }
     return 0;
 }

@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -253,24 +254,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def q8_matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_q8_tiles`` weight, ``M x N`` float32."""
     kernel = _kernel()
-    m, k = x.shape
-    y = torch.empty(m, out_features)
-    scratch = torch.empty(kernel.q8_scratch_bytes(m, k), dtype=torch.uint8)
-    rc = kernel.q8_matmul(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, out_features, k, scratch.data_ptr(),
-                          torch.get_num_threads())
-    if rc:
-        raise ValueError(f"q8 kernel: unsupported shape N={out_features}, K={k}")
-    return y
+    return _matmul(kernel.q8_matmul, kernel.q8_scratch_bytes, x, tiles, out_features, torch.float32, "q8")
 
 
 def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x`` (``M x K`` bfloat16, contiguous) times the packed weight, ``M x N`` bfloat16."""
+    """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_tiles`` weight, ``M x N`` bfloat16."""
     kernel = _kernel()
+    return _matmul(kernel.matmul, kernel.scratch_bytes, x, tiles, out_features, torch.bfloat16, "q4")
+
+
+def _matmul(fn: Any, scratch_bytes: Any, x: torch.Tensor, tiles: torch.Tensor, out_features: int,
+            out_dtype: torch.dtype, name: str) -> torch.Tensor:
     m, k = x.shape
-    y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    scratch = torch.empty(kernel.scratch_bytes(m, k), dtype=torch.uint8)
-    rc = kernel.matmul(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, out_features, k, scratch.data_ptr(),
-                       torch.get_num_threads())
-    if rc:
-        raise ValueError(f"q4 kernel: unsupported shape N={out_features}, K={k}")
+    y = torch.empty(m, out_features, dtype=out_dtype)
+    scratch = torch.empty(scratch_bytes(m, k), dtype=torch.uint8)
+    if fn(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, out_features, k, scratch.data_ptr(),
+          torch.get_num_threads()):
+        raise ValueError(f"{name} kernel: unsupported shape N={out_features}, K={k}")
     return y
