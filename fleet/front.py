@@ -47,6 +47,9 @@ from tickloom.fleet.router_events import MAX_REPLICAS, LoadReport, Lost, Policy,
 from tickloom.fleet.router_replay import ROUTER_LOG
 from tickloom.fleet.wire import Load, Pulled, ReplicaInfo, Submit, Submitted, decode, encode
 
+CLOSE_TIMEOUT = 60.0
+"""Seconds a replica gets to close its engine (and its log) before its actor is killed."""
+
 
 class FleetError(RuntimeError):
     """A fleet-level failure of one request."""
@@ -192,9 +195,10 @@ class Fleet:
                 await self._watcher
         for stream in list(self._streams.values()):
             await stream.aclose()
-        for h in handles:
-            with contextlib.suppress(ray.exceptions.RayActorError):  # a replica that is down has nothing to close
-                await h.close.remote()
+        for replica in self.replicas:  # empty if they never all started: then there is no engine to close
+            # A replica that is down has nothing to close, and one that hangs is killed below.
+            with contextlib.suppress(ray.exceptions.RayActorError, TimeoutError):
+                await asyncio.wait_for(replica.handle.close.remote(), CLOSE_TIMEOUT)
         if self.router is not None:
             self.router.close()
         for h in handles:

@@ -196,3 +196,16 @@ def test_bench_fleet_compares_fleet_sizes_and_times_the_router(ray_cluster: None
     assert all(r["tokens"] == 24 for r in fleets)
     assert sorted((r["replicas"], r["logged"]) for r in rows if r["bench"] == "router") == [
         (3, False), (3, True), (16, False), (16, True)]
+
+
+def test_a_fleet_whose_replicas_cannot_be_placed_fails_to_open_with_a_clear_error(ray_cluster: None,
+                                                                                   tmp_path: Path) -> None:
+    from tickloom.fleet.front import FleetError
+
+    async def main() -> None:
+        config = FleetConfig(replicas=2, fleet_dir=str(tmp_path / "f"), replica_cpus=64.0, start_timeout=1.0)
+        async with Fleet.open(STUB, config):
+            raise AssertionError("opened")
+
+    with pytest.raises(FleetError, match=r"replica 0 did not start within 1\.0 s"):
+        asyncio.run(main())
