@@ -10,6 +10,7 @@ import attrs
 import msgspec
 
 from tickloom.engine.core.snapshot import CoreSnapshot
+from tickloom.engine.core.status import QUEUE_OF
 from tickloom.events import Command, CoreGauges, Input, RunStep
 
 MAX_ITEMS = 20
@@ -126,7 +127,7 @@ def diff_state(expected: CoreSnapshot, actual: CoreSnapshot) -> list[str]:
         for field in sorted(e.keys() | a.keys()):
             if e.get(field) != a.get(field):
                 value_diff(f"request {rid!r}.{field}", e.get(field), a.get(field), out)
-    for queue in ("waiting", "running", "preempted", "swapped"):
+    for queue in dict.fromkeys(QUEUE_OF.values()):
         e_ids = [getattr(expected.seqs[i], "request_id", i) for i in getattr(expected, queue)]
         a_ids = [getattr(actual.seqs[i], "request_id", i) for i in getattr(actual, queue)]
         if e_ids != a_ids:

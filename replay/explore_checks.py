@@ -109,7 +109,7 @@ class StrandCheck:
         room = state.active < config.max_batch_size
         available = state.pool.num_free + state.pool.num_cached
         parked: dict[str, int] = {}
-        for seq in state.swapped:
+        for seq in state.swapping_or_swapped:
             if (room and seq.status is Status.SWAPPED and seq.swap_ready
                     and blocks_for(seq.spill_tokens, config.block_size) <= available):
                 parked[seq.request_id] = count = self.parked.get(seq.request_id, 0) + 1

@@ -6,9 +6,10 @@ only ``tickloom explore --variant NAME`` (a hidden option) and the tests enable 
 the scheduler (ARCHITECTURE.md):
 
 * ``fence``: ``retire_finished`` frees a finished row's blocks at once, even while the newest step that references
-  them has not reported back (the rule ``lifecycle.release_blocks`` keeps with a fence).
+  them has not reported back (the rule ``fences.release_blocks`` keeps with a fence).
 * ``preempt-unsettled``: ``ensure_blocks`` may take a victim that an unsettled step still references (the real one
-  asks ``lifecycle.choose_victim``, which skips such rows, and ``preempt`` asserts it).
+  asks ``preemption.choose_victim``, which skips such rows, and ``preempt`` asserts it). The victim leaves
+  through the core's own ``take_off_device``, which is ``preempt`` without that assertion.
 * ``swapped-deadline``: ``sweep_deadlines`` skips swapped sequences: a request whose deadline passes while its KV is
   in the spill store is never timed out.
 * ``swap-in-no-reclaim``: ``swap_in`` without its reclaim loop: a swapped sequence strands while the blocks it needs
@@ -27,20 +28,21 @@ from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 
 import tickloom.engine.core.apply as apply_module
-import tickloom.engine.core.endgame as endgame_module
 import tickloom.engine.core.planner as planner_module
 import tickloom.engine.core.scheduler as scheduler_module
+import tickloom.engine.core.tick_end as tick_end_module
 from tickloom.engine.core.blocks import blocks_for
 from tickloom.engine.core.context import TickContext
-from tickloom.engine.core.endgame import swap_back_in
-from tickloom.engine.core.lifecycle import mark_finish, take_off_device
+from tickloom.engine.core.finish import mark_finish
+from tickloom.engine.core.preemption import take_off_device
 from tickloom.engine.core.state import CoreState, InflightStep, Seq
 from tickloom.engine.core.status import Status
+from tickloom.engine.core.tick_end import swap_back_in
 from tickloom.events import StepDone, StopMatched
 
 
 def release_blocks_unfenced(state: CoreState, ctx: TickContext, seq: Seq) -> None:
-    """``lifecycle.release_blocks`` without the fence: the blocks go back to the pool at once."""
+    """``fences.release_blocks`` without the fence: the blocks go back to the pool at once."""
     if seq.block_ids:
         state.pool.release(seq.block_ids)
         ctx.unblocked = True
@@ -76,7 +78,7 @@ def ensure_blocks_any_victim(state: CoreState, ctx: TickContext, seq: Seq, block
 
 
 def sweep_deadlines_skipping_swapped(state: CoreState) -> None:
-    """``endgame.sweep_deadlines`` that passes over swapped sequences (their heap entries are dropped)."""
+    """``deadlines.sweep_deadlines`` that passes over swapped sequences (their heap entries are dropped)."""
     heap = state.deadlines
     now = state.now_ns
     while heap and heap[0][0] <= now:
@@ -87,14 +89,14 @@ def sweep_deadlines_skipping_swapped(state: CoreState) -> None:
 
 
 def swap_in_without_reclaim(state: CoreState, ctx: TickContext) -> None:
-    """``endgame.swap_in`` without the loop that reclaims prefix-cache blocks for the smallest candidate."""
-    if not state.swapped:
+    """``tick_end.swap_in`` without the loop that reclaims prefix-cache blocks for the smallest candidate."""
+    if not state.swapping_or_swapped:
         return
     pool = state.pool
     size = state.config.block_size
     active = state.active
     while active < state.config.max_batch_size:
-        candidates = [seq for seq in state.swapped if seq.status is Status.SWAPPED and seq.swap_ready]
+        candidates = [seq for seq in state.swapping_or_swapped if seq.status is Status.SWAPPED and seq.swap_ready]
         chosen = next((s for s in candidates if blocks_for(s.spill_tokens, size) <= pool.num_free), None)
         if chosen is None:
             return
@@ -142,7 +144,7 @@ def patched(module: ModuleType, name: str, replacement: object) -> Iterator[None
 
 
 VARIANTS: dict[str, Callable[[], AbstractContextManager[None]]] = {
-    "fence": lambda: patched(endgame_module, "release_blocks", release_blocks_unfenced),
+    "fence": lambda: patched(tick_end_module, "release_blocks", release_blocks_unfenced),
     "preempt-unsettled": lambda: patched(planner_module, "ensure_blocks", ensure_blocks_any_victim),
     "swapped-deadline": lambda: patched(scheduler_module, "sweep_deadlines", sweep_deadlines_skipping_swapped),
     "swap-in-no-reclaim": lambda: patched(scheduler_module, "swap_in", swap_in_without_reclaim),

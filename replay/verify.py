@@ -210,7 +210,7 @@ def _logged_snapshot(reader: LogReader, info: FrameInfo, record: SnapshotRecord)
     except (msgspec.MsgspecError, RecursionError) as exc:  # msgspec: RecursionError on deep nesting
         raise LogCorrupt(reader.path, info.offset, info.tick, f"the snapshot state does not decode: {exc}") from exc
     n = len(snapshot.seqs)
-    queues = (snapshot.waiting, snapshot.running, snapshot.preempted, snapshot.swapped)
+    queues = (snapshot.waiting, snapshot.running, snapshot.preempted, snapshot.swapping_or_swapped)
     if not 0 <= snapshot.live <= n or any(not 0 <= i < n for queue in queues for i in queue):
         raise LogCorrupt(reader.path, info.offset, info.tick, "the snapshot state names sequences it does not hold")
     return snapshot

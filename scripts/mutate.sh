@@ -2,7 +2,7 @@
 # Mutation testing of the scheduler core (engine/core) with mutmut; configuration: [tool.mutmut] in pyproject.toml.
 #
 #   scripts/mutate.sh                       every module of engine/core (thousands of mutants: hours on 2 cores)
-#   scripts/mutate.sh admission endgame     only these modules (tickloom.engine.core.<module>.*)
+#   scripts/mutate.sh admission tick_end    only these modules (tickloom.engine.core.<module>.*)
 #   scripts/mutate.sh --score [module ...]  only print the scores of what has been run so far
 #
 # Environment: MUTATE_CHILDREN (default 1) parallel mutant workers.
@@ -112,15 +112,15 @@ engine.core.planner.x_plan_prefill__mutmut_80	stop_rule without the config: the 
 engine.core.planner.x_plan_prefill__mutmut_86	a prefill row listed as ending with a limit of 2: only an extra settle-time candidate for the stop rules, which finish nothing they would not
 engine.core.planner.x_plan_prefill__mutmut_91	inflight = 1 for += 1: a prompt's last chunk is its first sampling row, so inflight was 0
 engine.core.planner.x_emit_step__mutmut_5	sampler ids always rebuilt from the samplers: when every row samples, that is the same list (the shortcut only saves building it)
-engine.core.lifecycle.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
-engine.core.lifecycle.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
-engine.core.lifecycle.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
-engine.core.lifecycle.x_full_block_hashes__mutmut_14	+= becomes =: seq.hashes stays empty, every call rehashes from the root; same hashes, slower
-engine.core.lifecycle.x_preempt__mutmut_1	the victims-are-settled assert weakened: callers only pass settled victims (choose_victim, make_room)
-engine.core.lifecycle.x_preempt__mutmut_8	the assert's message: the assert never fires
-engine.core.lifecycle.x_preempt__mutmut_9	the assert's message: the assert never fires
-engine.core.lifecycle.x_preempt__mutmut_69	reserve left 1: only RUNNING sequences count in demand, and every way back sets reserve itself
-engine.core.lifecycle.x_preempt__mutmut_67	first_planned left True: every way back (resume_preempted, swap_in) sets it True itself
+engine.core.preemption.x_choose_victim__mutmut_15	the immunity flag 0/1 becomes 0/2: only its order matters
+engine.core.preemption.x_choose_victim__mutmut_19	> becomes >=: keys end in the admission number, unique, so no two keys tie
+engine.core.prefix_cache.x_full_block_hashes__mutmut_5	> becomes >=: when equal, chain_hashes over no tokens adds nothing
+engine.core.prefix_cache.x_full_block_hashes__mutmut_14	+= becomes =: seq.hashes stays empty, every call rehashes from the root; same hashes, slower
+engine.core.preemption.x_preempt__mutmut_1	the victims-are-settled assert weakened: callers only pass settled victims (choose_victim, make_room)
+engine.core.preemption.x_preempt__mutmut_8	the assert's message: the assert never fires
+engine.core.preemption.x_preempt__mutmut_9	the assert's message: the assert never fires
+engine.core.preemption.x_preempt__mutmut_69	reserve left 1: only RUNNING sequences count in demand, and every way back sets reserve itself
+engine.core.preemption.x_preempt__mutmut_67	first_planned left True: every way back (resume_preempted, swap_in) sets it True itself
 engine.core.blocks.x_chain_hashes__mutmut_16	range end len-step+2 for len-step+1: offsets are multiples of 4 x block_size and len(packed) a multiple of 4, so no offset is ever len-step+1
 engine.core.blocks.xǁBlockPoolǁreclaim__mutmut_1	< 0 for <= 0: reclaim(0) runs its loop zero times and returns 0 alike
 engine.core.blocks.xǁBlockPoolǁreclaim__mutmut_14	popitem(last=None): falsy like False
@@ -132,9 +132,9 @@ engine.core.config.xǁCoreConfigǁto_json__mutmut_2	order=None for "deterministi
 engine.core.config.xǁCoreConfigǁto_json__mutmut_4	as mutant 2 (the default order)
 engine.core.context.xǁTickContextǁemit__mutmut_13	float("NAN") is float("nan")
 engine.core.context.xǁTickContextǁemit__mutmut_21	as mutant 13
-engine.core.endgame.x_sweep_deadlines__mutmut_25	the timeout at len-2, not len-1: every other reason recorded in the tick names the last output at the sweep (a stop match truncates to its token; a finished sequence takes no more tokens), so timeout, first in precedence, wins at len-1 or len-2 alike; the finish index decides only precedence, not the usage
-engine.core.endgame.x_live_deadlines__mutmut_14	no de-duplication: a second entry comes only from DeadlineReached, due at once, and the same tick's sweep pops it and ends the request, so no request has two live entries when live_deadlines runs (compaction at a tick's end, snapshots between ticks)
-engine.core.endgame.x_retire_finished__mutmut_31	has_spill left True on a retired sequence: it leaves state.seqs in the same iteration and nothing reads it again
+engine.core.deadlines.x_sweep_deadlines__mutmut_25	the timeout at len-2, not len-1: every other reason recorded in the tick names the last output at the sweep (a stop match truncates to its token; a finished sequence takes no more tokens), so timeout, first in precedence, wins at len-1 or len-2 alike; the finish index decides only precedence, not the usage
+engine.core.deadlines.x_live_deadlines__mutmut_14	no de-duplication: a second entry comes only from DeadlineReached, due at once, and the same tick's sweep pops it and ends the request, so no request has two live entries when live_deadlines runs (compaction at a tick's end, snapshots between ticks)
+engine.core.tick_end.x_retire_finished__mutmut_31	has_spill left True on a retired sequence: it leaves state.seqs in the same iteration and nothing reads it again
 engine.core.lane.x__join__mutmut_6	an empty lane's last run order +1 for -1: a joiner with run order 0 or 1 makes the lane stand down; only speed, as the general plan it falls back to plans the same step (the lane's contract, tests/test_core_lane.py)
 engine.core.lane.x__join__mutmut_7	-2 for -1: joiners have run orders >= 0 (join_running numbers them), so the comparison is the same
 engine.core.lane.x__join__mutmut_8	stop_rule without the config: the rule was computed and cached at arrival (track_stops), and again at restore
@@ -146,13 +146,13 @@ engine.core.lane.x_plan_lane_decode__mutmut_4	and for or: a lane exists only rig
 engine.core.lane.x_plan_lane_decode__mutmut_31	fed inverted: with a step in flight the lane stands down instead of leaving the member out (only speed, as mutant _join 6); without one the member has finished, as the comment says, so the branch is never taken
 engine.core.lane.x_plan_lane_decode__mutmut_55	joiners expected with 2 tokens in flight when fed: they have 1, so the lane stands down (only speed, as _join mutant 6)
 engine.core.lane.x_plan_lane_decode__mutmut_59	>= for >: at exactly max_batch_tokens rows the lane stands down (only speed, as _join mutant 6)
-engine.core.lifecycle.x_mark_finish__mutmut_7	> for >=: the same reason at the same index again only overwrites the same values: no two sources give one request different error texts at one index in a tick (a failed step skips finished rows, shutdown and swap-in failure skip finished requests)
-engine.core.lifecycle.x_mark_finish__mutmut_8	True for False when the finish does not stand: the only caller that reads it (stop_matched) then truncates after the match, a no-op, as the match is at or after the standing finish's index, which is the last output
-engine.core.lifecycle.x_stop_rule__mutmut_1	the cache never read: the rule is recomputed, the same, on each call (only slower)
-engine.core.lifecycle.x_cache_full_blocks__mutmut_21	zip(strict=None): falsy like strict=False
-engine.core.lifecycle.x_cache_full_blocks__mutmut_24	zip without strict: the default is strict=False
-engine.core.lifecycle.x_preempt__mutmut_11	lane_broken = None: a preemption while a lane step is planned takes a sequence outside the lane (every member already has a row in that step, so none is a victim); the lane skips a prefilling or joining sequence that is no longer running, so keeping it plans the same steps (the flag only makes the general plan rebuild it); the differential lane tests pass with it, the slow ones too
-engine.core.lifecycle.x_preempt__mutmut_12	as mutant 11
+engine.core.finish.x_mark_finish__mutmut_7	> for >=: the same reason at the same index again only overwrites the same values: no two sources give one request different error texts at one index in a tick (a failed step skips finished rows, shutdown and swap-in failure skip finished requests)
+engine.core.finish.x_mark_finish__mutmut_8	True for False when the finish does not stand: the only caller that reads it (stop_matched) then truncates after the match, a no-op, as the match is at or after the standing finish's index, which is the last output
+engine.core.finish.x_stop_rule__mutmut_1	the cache never read: the rule is recomputed, the same, on each call (only slower)
+engine.core.prefix_cache.x_cache_full_blocks__mutmut_21	zip(strict=None): falsy like strict=False
+engine.core.prefix_cache.x_cache_full_blocks__mutmut_24	zip without strict: the default is strict=False
+engine.core.preemption.x_preempt__mutmut_11	lane_broken = None: a preemption while a lane step is planned takes a sequence outside the lane (every member already has a row in that step, so none is a victim); the lane skips a prefilling or joining sequence that is no longer running, so keeping it plans the same steps (the flag only makes the general plan rebuild it); the differential lane tests pass with it, the slow ones too
+engine.core.preemption.x_preempt__mutmut_12	as mutant 11
 engine.core.snapshot.x__restore_step__mutmut_6	zip(strict=None): a step's samplers and sample indices are restored from one list each, equally long
 engine.core.snapshot.x__restore_step__mutmut_9	as mutant 6
 engine.core.snapshot.x__restore_step__mutmut_10	as mutant 6
@@ -165,7 +165,7 @@ engine.core.state.xǁWaitingQueueǁ__iter____mutmut_5	as mutant 3
 engine.core.state.xǁWaitingQueueǁdiscard__mutmut_2	the assert's message: the assert never fires
 engine.core.state.xǁWaitingQueueǁdiscard__mutmut_3	as mutant 2
 engine.core.state.x_find_in_run_order__mutmut_17	-2 for -1 when absent: the only caller that may miss tests i >= 0
-engine.core.lifecycle.x_release_fences__mutmut_13	unblocked not set when fences are released: they are released while applying a settled or failed step, before this tick's own admission, swap-in and resume run; as apply_inputs mutant 47
+engine.core.fences.x_release_fences__mutmut_13	unblocked not set when fences are released: they are released while applying a settled or failed step, before this tick's own admission, swap-in and resume run; as apply_inputs mutant 47
 engine.core.lane.x_plan_lane_decode__mutmut_83	>= for >: with exactly enough free and cached blocks the lane stands down (only speed, as _join mutant 6)
 engine.core.lane.x_plan_lane_decode__mutmut_94	>= for >: when the rows need exactly the free blocks, reclaim(0) frees nothing
 engine.core.lane.x_plan_lane_decode__mutmut_98	popitem(last=None): falsy like False
@@ -195,8 +195,8 @@ engine.core.state.xǁCoreStateǁjoin_running__mutmut_4	run orders step by 2: the
 engine.core.state.xǁCoreStateǁprune_running__mutmut_2	the threshold between two ways of dropping the finished (binary searches or one rebuild), which leave the same list: only speed
 engine.core.state.xǁCoreStateǁprune_running__mutmut_3	as mutant 2
 engine.core.state.xǁCoreStateǁprune_running__mutmut_4	as mutant 2
-engine.core.endgame.x_swap_in__mutmut_17	<= for <: with exactly enough free blocks the loop calls reclaim(0), which frees nothing and ends it
-engine.core.endgame.x_swap_in__mutmut_41	first_planned left False: a swapped-in sequence has the KV of its whole history (spill_tokens is its prefill target), so it never reaches the prefill pass, the flag's only reader, and a later preemption resets it anyway
+engine.core.tick_end.x_swap_in__mutmut_17	<= for <: with exactly enough free blocks the loop calls reclaim(0), which frees nothing and ends it
+engine.core.tick_end.x_swap_in__mutmut_41	first_planned left False: a swapped-in sequence has the KV of its whole history (spill_tokens is its prefill target), so it never reaches the prefill pass, the flag's only reader, and a later preemption resets it anyway
 EOF
 )
 

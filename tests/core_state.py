@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.context import TickContext
-from tickloom.engine.core.lifecycle import full_block_hashes
+from tickloom.engine.core.prefix_cache import full_block_hashes
 from tickloom.engine.core.snapshot import CoreSnapshot
 from tickloom.engine.core.state import CoreState, Seq
 from tickloom.engine.core.status import Status
@@ -45,7 +45,7 @@ def add_seq(
     elif status is Status.PREEMPTED:
         state.preempted.append(seq)
     elif status in (Status.SWAPPED, Status.SWAPPING):
-        state.swapped.append(seq)
+        state.swapping_or_swapped.append(seq)
     return seq
 
 

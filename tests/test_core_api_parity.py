@@ -135,7 +135,7 @@ def test_a_request_asking_for_prompt_logprobs_gets_no_prefix_cache_hit() -> None
 
 
 def test_after_output_0_a_prompt_logprobs_request_may_hit_the_cache_again() -> None:
-    from tickloom.engine.core.lifecycle import may_hit_cache
+    from tickloom.engine.core.prefix_cache import may_hit_cache
     from tickloom.engine.core.state import Seq
 
     seq = Seq("r", 0, 0, [1, 2, 3], SamplingSpec(prompt_logprobs=0), 0, None, "")

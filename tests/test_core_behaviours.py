@@ -18,7 +18,7 @@ from core_state import tick as _tick
 
 from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.blocks import BlockPool
-from tickloom.engine.core.lifecycle import choose_victim, preempt
+from tickloom.engine.core.preemption import choose_victim, preempt
 from tickloom.engine.core.snapshot import CoreSnapshot
 from tickloom.engine.core.status import Status
 from tickloom.events import (

@@ -168,7 +168,7 @@ def _work_queued(h: BlastHarness) -> bool:
         state.waiting
         or state.preempted
         or any(seq.status is Status.RUNNING for seq in state.running)
-        or any(seq.status is Status.SWAPPED and seq.swap_ready for seq in state.swapped)
+        or any(seq.status is Status.SWAPPED and seq.swap_ready for seq in state.swapping_or_swapped)
     )
 
 
@@ -223,7 +223,7 @@ def check_outcome(h: BlastHarness) -> None:
     seed = h.seed
     pool = state.pool
     assert not state.seqs and not state.steps and not state.fences, f"seed {seed}: requests or fences left"
-    assert not (state.waiting or state.preempted or state.swapped), f"seed {seed}: requests still queued"
+    assert not (state.waiting or state.preempted or state.swapping_or_swapped), f"seed {seed}: requests still queued"
     # ``running`` is pruned lazily (by ``plan_step``, which a shut-down core skips): only finished entries remain.
     assert all(seq.status is Status.FINISHED for seq in state.running), f"seed {seed}: requests still running"
     assert pool.num_free + pool.num_cached == pool.num_blocks, f"seed {seed}: leaked blocks"

@@ -8,8 +8,9 @@ from tests_shared import PROMPT_40
 
 from tickloom.engine.core import CoreConfig
 from tickloom.engine.core.blocks import ROOT_HASH, BlockPool, block_hash
-from tickloom.engine.core.lifecycle import full_block_hashes, preempt
 from tickloom.engine.core.planner import plan_step
+from tickloom.engine.core.preemption import preempt
+from tickloom.engine.core.prefix_cache import full_block_hashes
 from tickloom.engine.core.status import Status
 from tickloom.events import (
     DropSpill,
@@ -196,7 +197,8 @@ def test_c21_no_leaks_after_a_mixed_workload() -> None:
     assert len(h.finishes) == 8
     assert state.pool.num_free + state.pool.num_cached == config.num_blocks
     assert all(r == 0 for r in state.pool.ref)
-    assert not (state.seqs or state.fences or state.steps or state.running or state.swapped or state.preempted)
+    assert not (state.seqs or state.fences or state.steps or state.running or state.swapping_or_swapped
+                or state.preempted)
 
 
 def test_c25_shutdown_ends_everything_with_explicit_errors() -> None:

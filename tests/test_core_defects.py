@@ -15,7 +15,7 @@ from core_harness import Harness, arrival
 from core_state import add_seq, make_core
 
 from tickloom.engine.core import CoreConfig, SchedulerCore
-from tickloom.engine.core.endgame import DEADLINE_SLACK, compact_deadlines
+from tickloom.engine.core.deadlines import DEADLINE_SLACK, compact_deadlines
 from tickloom.engine.core.status import Status
 from tickloom.events import (
     BindRequest,

@@ -186,7 +186,7 @@ def _waiting_order(state: CoreState) -> str:
 
 
 def _queued_twice(state: CoreState) -> str:
-    state.swapped.append(state.seqs["s"])
+    state.swapping_or_swapped.append(state.seqs["s"])
     return "queues: 's' (SWAPPED) is not queued once"
 
 

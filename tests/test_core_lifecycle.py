@@ -255,7 +255,7 @@ def test_c17_exactly_once_delivery_under_cancellation() -> None:
 def test_c14_the_stop_rule_names_eos_only_when_it_may_stop_the_request(ignore_eos: bool) -> None:
     """``stop_rule`` feeds the bulk commit's filter (``state.stop_tokens``): EOS is in it unless ignored, and the
     length limit is ``max_tokens`` or what ``max_seq_len`` leaves after the prompt, whichever is smaller."""
-    from tickloom.engine.core.lifecycle import stop_rule
+    from tickloom.engine.core.finish import stop_rule
     from tickloom.events import SamplingSpec
 
     core = make_core(num_blocks=16, block_size=16, max_seq_len=64, eos_token_ids=[1, 3])

@@ -16,7 +16,7 @@ from core_state import snap_seq as _snap_seq
 from core_state import tick as _tick
 
 from tickloom.engine.core import CoreConfig, InvariantViolation, SchedulerCore
-from tickloom.engine.core.lifecycle import cache_full_blocks
+from tickloom.engine.core.prefix_cache import cache_full_blocks
 from tickloom.engine.core.snapshot import CoreSnapshot
 from tickloom.engine.core.state import Seq
 from tickloom.engine.core.status import Status

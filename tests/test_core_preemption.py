@@ -8,10 +8,10 @@ from test_core_golden import unpressured_output
 
 from tickloom.engine.core import CoreConfig
 from tickloom.engine.core.apply import apply_inputs
-from tickloom.engine.core.endgame import resume_preempted, retire_finished, swap_in
-from tickloom.engine.core.lifecycle import choose_victim
+from tickloom.engine.core.preemption import choose_victim
 from tickloom.engine.core.state import CoreState, Seq
 from tickloom.engine.core.status import Status
+from tickloom.engine.core.tick_end import resume_preempted, retire_finished, swap_in
 from tickloom.events import DropSpill, EmitTokens, Finish, Preempted, RunStep, SpillOut, SwapIn, SwapInFailed
 
 

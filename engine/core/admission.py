@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from tickloom.engine.core.blocks import blocks_for
 from tickloom.engine.core.context import TickContext
-from tickloom.engine.core.lifecycle import full_block_hashes, is_settled, may_hit_cache, preempt, resume_want
+from tickloom.engine.core.fences import is_settled
+from tickloom.engine.core.preemption import preempt, resume_want
+from tickloom.engine.core.prefix_cache import full_block_hashes, may_hit_cache
 from tickloom.engine.core.state import CoreState, Seq
 from tickloom.engine.core.status import Status, StatusEvent, change_status
 from tickloom.events import BindRequest

@@ -13,8 +13,9 @@ from collections.abc import Sequence, Sized
 
 from tickloom.engine.core.context import PromptLogprobs, TickContext
 from tickloom.engine.core.errors import InvariantViolation
+from tickloom.engine.core.fences import release_fences
+from tickloom.engine.core.finish import mark_finish, track_stops
 from tickloom.engine.core.lane import hand_tokens
-from tickloom.engine.core.lifecycle import mark_finish, release_fences, track_stops
 from tickloom.engine.core.state import CoreState, InflightStep, Seq, WaitingQueue, ends_in_thinking
 from tickloom.engine.core.status import Status, StatusEvent, change_status
 from tickloom.events import (
@@ -409,7 +410,7 @@ def spill_done(state: CoreState, ctx: TickContext, msg: SpillDone) -> None:
         change_status(seq, StatusEvent.SPILL_DONE, Status.SWAPPED)
         ctx.commands.append(PrefetchSpill(seq.request_id))
         return
-    state.swapped.remove(seq)
+    state.swapping_or_swapped.remove(seq)
     change_status(seq, StatusEvent.SPILL_FAILED, Status.PREEMPTED)
     seq.swap_ready = False
     state.preempted.append(seq)
@@ -449,6 +450,6 @@ def shut_down(state: CoreState, msg: Shutdown) -> None:
     # Every parked request has just finished: empty the queues at once rather than one removal per request.
     state.waiting = WaitingQueue()
     state.preempted = []
-    state.swapped = []
+    state.swapping_or_swapped = []
     # No step is planned after a shutdown, and ``plan_step`` is where finished rows usually leave ``running``.
     state.prune_running()

@@ -15,7 +15,7 @@ from tickloom.engine.core.state import CoreState, Seq
 from tickloom.engine.core.status import PARKED, QUEUE_OF, TRANSITIONS, Status
 
 _QUEUE_NAMES = tuple(dict.fromkeys(QUEUE_OF.values()))
-"""The queues ``QUEUE_OF`` names, each once: waiting, running, preempted, swapped."""
+"""The queues ``QUEUE_OF`` names, each once: waiting, running, preempted, swapping_or_swapped."""
 
 _LIVE = frozenset(source for source, _ in TRANSITIONS)
 """The statuses the transition table still moves on: between ticks every tracked request has one."""

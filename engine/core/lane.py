@@ -28,7 +28,7 @@ from itertools import compress, repeat
 from operator import floordiv, ge
 
 from tickloom.engine.core.columns import StepColumns
-from tickloom.engine.core.lifecycle import stop_rule
+from tickloom.engine.core.finish import stop_rule
 from tickloom.engine.core.state import CoreState, DecodeLane, Seq, find_in_run_order
 from tickloom.engine.core.status import Status
 from tickloom.events import NOT_FED
@@ -50,8 +50,8 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     for seq in lane.left_out:
         if seq.status is running:
             return None
-    if state.stale:
-        _drop_finished(lane, state.stale)
+    if state.finished_in_running:
+        _drop_finished(lane, state.finished_in_running)
     fed = bool(steps)
     if not fed and lane.tokens_step != lane.step_id:
         return None  # settling the step hands the lane its tokens; without them, the general plan reads them
@@ -169,9 +169,9 @@ def start_lane(
     )
 
 
-def _drop_finished(lane: DecodeLane, stale: list[Seq]) -> None:
-    """Remove the members that finished since the lane's step (``stale`` lists every finished running one)."""
-    for seq in stale:
+def _drop_finished(lane: DecodeLane, finished: list[Seq]) -> None:
+    """Remove the members that finished since the lane's step (``finished`` lists every finished running one)."""
+    for seq in finished:
         if seq.last_step == lane.step_id:
             i = find_in_run_order(lane.seqs, seq)
             if i >= 0:

@@ -7,7 +7,7 @@ need it: not when the in-flight token may be its last (``remaining <= 1``, the c
 the next token will be forced (the thinking budget). If that token ends the request anyway (EOS, a stop), the
 row is an over-run: ``settle_step`` discards it, and the blocks it references stay fenced until it settles.
 
-KV exhaustion: reclaim prefix-cache blocks first, then preempt a victim (``lifecycle.choose_victim``). Rows of
+KV exhaustion: reclaim prefix-cache blocks first, then preempt a victim (``preemption.choose_victim``). Rows of
 unsettled steps are never victims; if only they could give blocks, the row waits for the next step instead.
 
 This module is the general plan, and the specification: ``engine.core.lane`` derives most steady-state steps
@@ -18,15 +18,10 @@ from __future__ import annotations
 
 from tickloom.engine.core.columns import StepColumns
 from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.finish import stop_rule
 from tickloom.engine.core.lane import advance_lane, plan_lane_decode, start_lane
-from tickloom.engine.core.lifecycle import (
-    cache_full_blocks,
-    choose_victim,
-    full_block_hashes,
-    may_hit_cache,
-    preempt,
-    stop_rule,
-)
+from tickloom.engine.core.preemption import choose_victim, preempt
+from tickloom.engine.core.prefix_cache import cache_full_blocks, full_block_hashes, may_hit_cache
 from tickloom.engine.core.state import CoreState, InflightStep, Seq
 from tickloom.engine.core.status import Status
 from tickloom.events import NO_SAMPLE, NOT_FED, RunStep

@@ -12,7 +12,7 @@ in the seed system's order; each is a function named after what it does:
    same requests, at the same token, as the seed's sweep; they are merely never planned;
 3. ``admit``: the KV gate, FCFS by (priority, arrival);
 4. ``plan_step``: decode rows, prefill chunks, KV exhaustion;
-5. ``fence_finished``, ``retire_finished``, ``swap_in``, ``resume_preempted``, then the planned ``RunStep`` is
+5. ``take_finished``, ``retire_finished``, ``swap_in``, ``resume_preempted``, then the planned ``RunStep`` is
    emitted last.
 
 In the steady state most steps are planned by ``lane.plan_lane_decode``, which derives the decode rows from
@@ -25,19 +25,13 @@ from tickloom.engine.core.admission import admit
 from tickloom.engine.core.apply import apply_inputs
 from tickloom.engine.core.config import CoreConfig
 from tickloom.engine.core.context import TickContext
-from tickloom.engine.core.endgame import (
-    compact_deadlines,
-    fence_finished,
-    resume_preempted,
-    retire_finished,
-    swap_in,
-    sweep_deadlines,
-)
+from tickloom.engine.core.deadlines import compact_deadlines, sweep_deadlines
 from tickloom.engine.core.errors import InvariantViolation
 from tickloom.engine.core.invariants import check_invariants
 from tickloom.engine.core.planner import plan_step
 from tickloom.engine.core.snapshot import CoreSnapshot, restore_state, take_snapshot
 from tickloom.engine.core.state import CoreState
+from tickloom.engine.core.tick_end import resume_preempted, retire_finished, swap_in, take_finished
 from tickloom.events import CoreGauges, TickInputs, TickOutputs, chain_digest, encode_commands
 
 
@@ -68,7 +62,7 @@ class SchedulerCore:
         sweep_deadlines(state)
         admit(state, ctx)
         step = plan_step(state, ctx)
-        retire_finished(state, ctx, fence_finished(state))
+        retire_finished(state, ctx, take_finished(state))
         swap_in(state, ctx)
         resume_preempted(state, ctx)
         compact_deadlines(state)
@@ -102,7 +96,7 @@ class SchedulerCore:
             waiting=len(state.waiting),
             running=state.active,
             preempted=len(state.preempted),
-            swapped=len(state.swapped),
+            swapped=len(state.swapping_or_swapped),
             free_blocks=state.pool.num_free,
             cached_blocks=state.pool.num_cached,
         )

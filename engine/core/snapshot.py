@@ -12,8 +12,8 @@ import msgspec
 
 from tickloom.engine.core.blocks import BlockPool
 from tickloom.engine.core.config import CoreConfig
-from tickloom.engine.core.endgame import live_deadlines
-from tickloom.engine.core.lifecycle import stop_rule, track_stops
+from tickloom.engine.core.deadlines import live_deadlines
+from tickloom.engine.core.finish import stop_rule, track_stops
 from tickloom.engine.core.state import CoreState, InflightStep, Seq, WaitingQueue
 from tickloom.engine.core.status import Status
 
@@ -51,7 +51,8 @@ class CoreSnapshot(msgspec.Struct, frozen=True):
     waiting: list[int]
     running: list[int]
     preempted: list[int]
-    swapped: list[int]
+    swapping_or_swapped: list[int] = msgspec.field(name="swapped")
+    """(Encoded as ``swapped``, its name in snapshots logged before the rename.)"""
     steps: list[StepSnapshot]
     fences: list[tuple[int, str, list[int]]]
     deadlines: list[tuple[int, int, str]]
@@ -91,7 +92,7 @@ def take_snapshot(state: CoreState) -> CoreSnapshot:
     waiting = [ref(s) for s in state.waiting]
     running = [ref(s) for s in state.running]
     preempted = [ref(s) for s in state.preempted]
-    swapped = [ref(s) for s in state.swapped]
+    swapping_or_swapped = [ref(s) for s in state.swapping_or_swapped]
     steps = [
         StepSnapshot(step.step_id, [ref(s) for s in step.seqs], [ref(s) for s in step.samplers],
                      list(step.sample_indices), list(step.kv_ends), list(step.registered))
@@ -108,7 +109,7 @@ def take_snapshot(state: CoreState) -> CoreSnapshot:
         waiting=waiting,
         running=running,
         preempted=preempted,
-        swapped=swapped,
+        swapping_or_swapped=swapping_or_swapped,
         steps=steps,
         fences=[(step, rid, list(blocks)) for step, rid, blocks in state.fences],
         deadlines=live_deadlines(state),
@@ -149,10 +150,10 @@ def restore_state(snapshot: CoreSnapshot) -> CoreState:
     state.seqs = {seq.request_id: seq for seq in seqs[: snap.live]}
     state.waiting = WaitingQueue(seqs[i] for i in snap.waiting)
     state.running = [seqs[i] for i in snap.running]
-    state.stale = [seq for seq in state.running if seq.status is not Status.RUNNING]
+    state.finished_in_running = [seq for seq in state.running if seq.status is not Status.RUNNING]
     state.reserving = [s for s in state.running if s.status is Status.RUNNING and s.reserve > len(s.block_ids)]
     state.preempted = [seqs[i] for i in snap.preempted]
-    state.swapped = [seqs[i] for i in snap.swapped]
+    state.swapping_or_swapped = [seqs[i] for i in snap.swapping_or_swapped]
     state.steps = deque(_restore_step(config, s, seqs) for s in snap.steps)
     for seq in state.seqs.values():
         track_stops(state, seq)

@@ -259,16 +259,17 @@ class CoreState:
     """By (priority, arrival); only the head may be admitted (no overtaking)."""
     running: list[Seq] = attrs.Factory(list)
     """Admitted sequences in admission order. Finished ones linger until ``plan_step`` prunes them (the seed's
-    order, which ``_needs_tick`` observes), so the active count is ``len(running) - len(stale)``."""
-    stale: list[Seq] = attrs.Factory(list)
+    order, which ``_needs_tick`` observes), so the active count is ``len(running) - len(finished_in_running)``."""
+    finished_in_running: list[Seq] = attrs.Factory(list)
     """The finished sequences still in ``running`` (added by ``mark_finish``, removed by the prune)."""
     reserving: list[Seq] = attrs.Factory(list)
     """Running sequences that may hold fewer blocks than their reservation (``in_flight_demand`` sums only
     these). A sequence joins at admission or resume, the only points that raise ``reserve`` above what it holds,
     and leaves once it holds its reservation, which it then keeps until it stops running."""
     preempted: list[Seq] = attrs.Factory(list)
-    swapped: list[Seq] = attrs.Factory(list)
-    """Swapping and swapped sequences in swap-out order."""
+    swapping_or_swapped: list[Seq] = attrs.Factory(list)
+    """Swapped-out sequences in swap-out order: those whose KV is still being spilled (``SWAPPING``) and those whose
+    KV is in the spill store (``SWAPPED``). One list, so that swap-in serves them in swap-out order."""
     finishing: list[Seq] = attrs.Factory(list)
     """Marked finished during this tick, retired at its end."""
     fences: deque[tuple[int, str, list[int]]] = attrs.Factory(deque)
@@ -276,7 +277,7 @@ class CoreState:
     steps: deque[InflightStep] = attrs.Factory(deque)
     deadlines: list[tuple[int, int, str]] = attrs.Factory(list)
     """Heap of (deadline_ns, arrival, request id). Entries of finished requests are skipped when popped, and
-    compacted away (``endgame.compact_deadlines``) once they outnumber the live ones, so the heap stays bounded
+    compacted away (``deadlines.compact_deadlines``) once they outnumber the live ones, so the heap stays bounded
     by the live requests."""
     tick: int = -1
     now_ns: int = 0
@@ -288,7 +289,7 @@ class CoreState:
     shut_down: bool = False
     stop_tokens: set[int] = attrs.Factory(set)
     """Every token that may stop some live request: a step whose tokens miss it stops nothing. Kept exact by
-    ``stop_refs`` (``lifecycle.track_stops`` / ``untrack_stops``), so finished requests do not widen it."""
+    ``stop_refs`` (``finish.track_stops`` / ``untrack_stops``), so finished requests do not widen it."""
     stop_refs: dict[int, int] = attrs.Factory(dict)
     """Token -> how many live requests it may stop (the keys are ``stop_tokens``)."""
     lane: DecodeLane | None = None
@@ -315,24 +316,26 @@ class CoreState:
     @property
     def active(self) -> int:
         """Running sequences that are not finished: what ``max_batch_size`` bounds."""
-        return len(self.running) - len(self.stale)
+        return len(self.running) - len(self.finished_in_running)
 
     def prune_running(self) -> None:
         """Drop the finished sequences from ``running`` (a no-op when none is)."""
-        stale = self.stale
-        if stale:
-            if len(stale) * 8 < len(self.running):
+        finished = self.finished_in_running
+        if finished:
+            if len(finished) * 8 < len(self.running):
                 # A few finishes in a big batch (the steady state): each is found by a binary search.
                 running = self.running
-                for seq in stale:
+                for seq in finished:
                     i = find_in_run_order(running, seq)
                     if i < 0:
-                        raise InvariantViolation("finished sequences leave running once",
-                                                 f"{seq.request_id!r} is stale but not running")
+                        raise InvariantViolation(
+                            "finished sequences leave running once",
+                            f"{seq.request_id!r} is listed as finished in running but is not in it",
+                        )
                     del running[i]
             else:
                 self.running = [seq for seq in self.running if seq.status is Status.RUNNING]
-            stale.clear()
+            finished.clear()
 
     @classmethod
     def create(cls, config: CoreConfig) -> CoreState:

@@ -46,19 +46,19 @@ class StatusEvent(Enum):
     ADMIT = "admit"
     """Admission takes it from the head of the waiting queue (``admission.admit``)."""
     SWAP_OUT = "swap out"
-    """Preempted with a spill store: its KV is copied out (``lifecycle.preempt``)."""
+    """Preempted with a spill store: its KV is copied out (``preemption.take_off_device``)."""
     REQUEUE = "requeue"
-    """Preempted without a spill store, or while prefilling: its KV is dropped (``lifecycle.preempt``)."""
+    """Preempted without a spill store, or while prefilling: its KV is dropped (``preemption.take_off_device``)."""
     SPILL_DONE = "spill done"
     """Its ``SpillDone`` reported success (``apply.spill_done``)."""
     SPILL_FAILED = "spill failed"
     """Its ``SpillDone`` reported a failure: it falls back to recompute (``apply.spill_done``)."""
     SWAP_IN = "swap in"
-    """Its KV is copied back into fresh blocks (``endgame.swap_in``)."""
+    """Its KV is copied back into fresh blocks (``tick_end.swap_back_in``)."""
     RESUME = "resume"
-    """A requeued sequence gets blocks again, to re-prefill its history (``endgame.resume_preempted``)."""
+    """A requeued sequence gets blocks again, to re-prefill its history (``tick_end.resume_preempted``)."""
     FINISH = "finish"
-    """A finish reason applies (``lifecycle.mark_finish``); it is retired at the end of the tick."""
+    """A finish reason applies (``finish.mark_finish``); it is retired at the end of the tick."""
 
 
 _S = Status
@@ -84,8 +84,8 @@ QUEUE_OF: Mapping[Status, str] = {
     _S.WAITING: "waiting",
     _S.RUNNING: "running",
     _S.PREEMPTED: "preempted",
-    _S.SWAPPING: "swapped",
-    _S.SWAPPED: "swapped",
+    _S.SWAPPING: "swapping_or_swapped",
+    _S.SWAPPED: "swapping_or_swapped",
 }
 """The ``CoreState`` queue that holds a live sequence of each status. A finished one is in none, except that a
 sequence finished while running stays in ``running`` until the next plan prunes it."""

@@ -1,6 +1,4 @@
-"""The end of a tick, in the seed's order: fences, retirement, swap-in, resume; and the deadline sweep, which
-``SchedulerCore.tick`` runs before admission (so an expired request is never planned), and the compaction of
-the deadline heap after retirement.
+"""The end of a tick, in the seed's order: take the finished sequences, retire them, swap in, resume.
 
 Swap-in and resume run on every tick, including ticks with nothing active, so a parked sequence never waits
 for an unrelated arrival (C11).
@@ -8,75 +6,19 @@ for an unrelated arrival (C11).
 
 from __future__ import annotations
 
-import heapq
-
 from tickloom.engine.core.blocks import blocks_for
 from tickloom.engine.core.context import TickContext
-from tickloom.engine.core.lifecycle import (
-    cache_full_blocks,
-    full_block_hashes,
-    mark_finish,
-    may_hit_cache,
-    release_blocks,
-    resume_blocks,
-    resume_want,
-    untrack_stops,
-)
+from tickloom.engine.core.fences import release_blocks
+from tickloom.engine.core.finish import untrack_stops
+from tickloom.engine.core.preemption import resume_blocks, resume_want
+from tickloom.engine.core.prefix_cache import cache_full_blocks, full_block_hashes, may_hit_cache
 from tickloom.engine.core.state import CoreState, Seq, ends_in_thinking
 from tickloom.engine.core.status import Status, StatusEvent, change_status
 from tickloom.events import DropSpill, Finish, ReleaseRequest, SwapIn, UnwatchDeadline, Usage
 
 
-def sweep_deadlines(state: CoreState) -> None:
-    """Time out every live request whose deadline has passed or whose ``DeadlineReached`` arrived.
-
-    Checks waiting, running, preempted and swapped requests alike, and also requests that another reason
-    finished in this tick (a timeout at the same token takes precedence).
-    """
-    heap = state.deadlines
-    now = state.now_ns
-    while heap and heap[0][0] <= now:
-        _, arrival, request_id = heapq.heappop(heap)
-        seq = state.seqs.get(request_id)
-        if seq is not None and seq.arrival == arrival:
-            mark_finish(state, seq, "timeout", len(seq.outputs) - 1)
-
-
-DEADLINE_SLACK = 64
-"""Dead heap entries tolerated beyond the live requests' count before ``compact_deadlines`` rebuilds the heap."""
-
-
-def live_deadlines(state: CoreState) -> list[tuple[int, int, str]]:
-    """The heap entries of live requests, one per request (its earliest), sorted: itself a valid heap.
-
-    An entry is live while its request is (the same arrival: a request id may be reused after it finishes). A
-    ``DeadlineReached`` adds a second entry for its request, due at once; the later one is dropped.
-    """
-    seqs = state.seqs
-    live = sorted(entry for entry in state.deadlines
-                  if (seq := seqs.get(entry[2])) is not None and seq.arrival == entry[1])
-    seen: set[str] = set()
-    kept = []
-    for entry in live:
-        if entry[2] not in seen:
-            seen.add(entry[2])
-            kept.append(entry)
-    return kept
-
-
-def compact_deadlines(state: CoreState) -> None:
-    """Drop the entries of finished requests once they could outnumber the live ones (after retirement).
-
-    Popping still skips dead entries; this only bounds the heap's size by the live requests. The rebuild costs
-    O(heap) and leaves at most one entry per live request, so it runs only after as many entries died or were
-    added, which keeps it amortised O(1) per request. Pop order is unchanged: entries are distinct tuples.
-    """
-    if len(state.deadlines) > 2 * len(state.seqs) + DEADLINE_SLACK:
-        state.deadlines = live_deadlines(state)
-
-
-def fence_finished(state: CoreState) -> list[Seq]:
-    """Take this tick's finished sequences; their blocks stay fenced while an unsettled step references them."""
+def take_finished(state: CoreState) -> list[Seq]:
+    """This tick's finished sequences, taken out of ``state.finishing`` (left empty) for ``retire_finished``."""
     finished = state.finishing
     state.finishing = []
     return finished
@@ -125,13 +67,13 @@ def swap_in(state: CoreState, ctx: TickContext) -> None:
     has room: if the smallest does not fit in the free blocks, reclaim prefix-cache blocks pass by pass until
     it fits or a pass frees nothing; then resume the first candidate, in swap-out order, that fits.
     """
-    if not state.swapped:
+    if not state.swapping_or_swapped:
         return
     pool = state.pool
     size = state.config.block_size
     active = state.active
     while active < state.config.max_batch_size:
-        candidates = [seq for seq in state.swapped if seq.status is Status.SWAPPED and seq.swap_ready]
+        candidates = [seq for seq in state.swapping_or_swapped if seq.status is Status.SWAPPED and seq.swap_ready]
         if not candidates:
             return
         smallest = min(blocks_for(seq.spill_tokens, size) for seq in candidates)
@@ -146,7 +88,7 @@ def swap_in(state: CoreState, ctx: TickContext) -> None:
 
 def swap_back_in(state: CoreState, ctx: TickContext, seq: Seq) -> None:
     """Give a swapped sequence fresh blocks for its spilled KV (they must be free), copy it in, and run it again."""
-    state.swapped.remove(seq)
+    state.swapping_or_swapped.remove(seq)
     seq.block_ids = state.pool.allocate(blocks_for(seq.spill_tokens, state.config.block_size))
     seq.sent_blocks = len(seq.block_ids)
     seq.num_computed = seq.kv_settled = seq.spill_tokens
