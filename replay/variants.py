@@ -111,16 +111,16 @@ def commit_streaming_overruns(state: CoreState, ctx: TickContext, step: Inflight
         seq.inflight -= 1
         if seq.status is running:
             seq.outputs.append(token)
-    ctx.emit_ids += msg.request_ids
-    ctx.emit_tokens += msg.token_ids
-    ctx.emit_indices += step.sample_indices
+    ctx.emit_request_ids += msg.request_ids
+    ctx.emit_token_ids += msg.token_ids
+    ctx.emit_token_indices += step.sampler_indices
     ctx.emit_reasoning += [False] * len(step.samplers)
     stop_tokens = state.stop_tokens
     candidates = sorted({*step.ending, *(i for i, t in enumerate(msg.token_ids) if t in stop_tokens)})
     for i in candidates:
         seq = step.samplers[i]
         if seq.status is running:
-            apply_module._apply_stop_rules(state, seq, msg.token_ids[i], step.sample_indices[i])
+            apply_module._apply_stop_rules(state, seq, msg.token_ids[i], step.sampler_indices[i])
 
 
 def stop_matched_unless_finishing(state: CoreState, msg: StopMatched) -> None:

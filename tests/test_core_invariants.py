@@ -302,7 +302,7 @@ def _lane_member(state: CoreState, request_id: str) -> str:
     assert state.lane is not None
     seq = state.seqs[request_id]
     i = state.lane.seqs.index(seq)
-    found = (state.lane.positions[i], state.lane.indices[i], state.lane.sent[i])
+    found = (state.lane.positions[i], state.lane.sample_indices[i], state.lane.sent_blocks[i])
     expected = (seq.num_computed, len(seq.outputs) + seq.inflight, seq.sent_blocks)
     return (f"decode lane: {request_id!r}: lane (position, index, sent) {found} but the sequence has {expected}, "
             f"last step {seq.last_step} (lane step {state.lane.step_id}), {len(seq.block_ids)} blocks")
@@ -311,27 +311,27 @@ def _lane_member(state: CoreState, request_id: str) -> str:
 def _with_tokens(state: CoreState) -> DecodeLane:
     lane = state.lane
     assert lane is not None
-    lane.tokens_step = lane.step_id
-    lane.tokens = [seq.outputs[-1] for seq in lane.seqs]
+    lane.token_ids_step = lane.step_id
+    lane.token_ids = [seq.outputs[-1] for seq in lane.seqs]
     return lane
 
 
 def _lane_column(state: CoreState) -> str:
     assert state.lane is not None
-    state.lane.indices.append(0)
+    state.lane.sample_indices.append(0)
     return "decode lane: columns of lengths [2, 3, 2] for 2 members"
 
 
 def _lane_order(state: CoreState) -> str:
     lane = state.lane
     assert lane is not None
-    for column in (lane.seqs, lane.positions, lane.indices, lane.sent):
+    for column in (lane.seqs, lane.positions, lane.sample_indices, lane.sent_blocks):
         column.reverse()
     return "decode lane: members out of running order"
 
 
 def _lane_token_count(state: CoreState) -> str:
-    _with_tokens(state).tokens.pop()
+    _with_tokens(state).token_ids.pop()
     return "decode lane: 1 tokens for 2 members"
 
 
@@ -364,20 +364,20 @@ def _lane_partial_table(state: CoreState) -> str:
     lane = state.lane
     assert lane is not None
     state.seqs["b"].sent_blocks -= 1
-    lane.sent[1] -= 1
+    lane.sent_blocks[1] -= 1
     return _lane_member(state, "b")
 
 
 def _lane_token(state: CoreState) -> str:
     lane = _with_tokens(state)
-    lane.tokens[1] += 1
-    return f"decode lane: 'b': pending token {state.seqs['b'].outputs[-1]}, lane holds {lane.tokens[1]}"
+    lane.token_ids[1] += 1
+    return f"decode lane: 'b': pending token {state.seqs['b'].outputs[-1]}, lane holds {lane.token_ids[1]}"
 
 
 def _lane_forgets(state: CoreState) -> str:
     lane = state.lane
     assert lane is not None
-    for column in (lane.seqs, lane.positions, lane.indices, lane.sent):
+    for column in (lane.seqs, lane.positions, lane.sample_indices, lane.sent_blocks):
         column.pop()
     return "decode lane: running 'b' is neither a member, prefilling, joining nor left out"
 
@@ -387,8 +387,8 @@ LANE_CORRUPTIONS: dict[str, Callable[[CoreState], str]] = {
     "running order": _lane_order,
     "token count": _lane_token_count,
     "position": _lane_field("positions"),
-    "index": _lane_field("indices"),
-    "sent blocks": _lane_field("sent"),
+    "index": _lane_field("sample_indices"),
+    "sent blocks": _lane_field("sent_blocks"),
     "position after a finished member": _lane_field_after_a_finished_member,
     "last step": _lane_last_step,
     "partly sent table": _lane_partial_table,

@@ -43,7 +43,7 @@ def test_c03_a_chunk_that_cannot_get_a_block_waits_and_the_pass_goes_on() -> Non
     planned = _empty_step(2)
     remaining, completed = plan_prefill(state, context(), planned, [stuck, fits, holder], 1000)
     assert stuck.status is Status.RUNNING and len(stuck.block_ids) == 1 and stuck.num_computed == 16
-    assert planned.rows == [fits, holder], "the pass went on past the stuck sequence"
+    assert planned.seqs == [fits, holder], "the pass went on past the stuck sequence"
     assert remaining == [stuck] and completed == [fits, holder]
 
 
@@ -54,7 +54,7 @@ def test_c02_only_a_sequence_whose_whole_prompt_is_planned_is_completed() -> Non
     long = _prefilling(state, "long", 100, 0, 0, last_step=-1)
     planned = _empty_step(0)
     remaining, completed = plan_prefill(state, context(), planned, [short, long], 1000)
-    assert [(seq.request_id, count) for seq, count in zip(planned.rows, planned.counts, strict=True)] == [
+    assert [(seq.request_id, count) for seq, count in zip(planned.seqs, planned.num_tokens, strict=True)] == [
         ("short", 20), ("long", 12)], "the 32-token prefill budget is shared in running order"
     assert completed == [short] and remaining == [long]
 
@@ -73,7 +73,7 @@ def test_c18_a_fresh_sequence_preempted_by_its_own_chunk_keeps_its_cached_prompt
     remaining, completed = plan_prefill(state, context(), planned, [seq, other], 1000)
     assert seq.status is Status.PREEMPTED and seq.block_ids == [] and not seq.first_planned
     assert seq.cached_prompt_tokens == 32
-    assert planned.rows == [other] and remaining == [] and completed == [other]
+    assert planned.seqs == [other] and remaining == [] and completed == [other]
 
 
 def test_c03_after_its_first_chunk_a_sequence_is_no_longer_fresh() -> None:

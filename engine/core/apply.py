@@ -204,7 +204,7 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
         for i, seq in enumerate(step.samplers):
             seq.inflight -= 1
             if seq.status is running:
-                index = step.sample_indices[i]
+                index = step.sampler_indices[i]
                 _check_index(msg.step_id, seq, index)
                 commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i],
                              _top_of(msg, i), _prompt_of(msg, i) if index == 0 and _asks_prompt(seq) else None)
@@ -283,11 +283,11 @@ def _commit_in_bulk(state: CoreState, ctx: TickContext, step: InflightStep, msg:
             seq.outputs.append(token)
         else:
             discarded = True
-    indices = step.sample_indices
+    indices = step.sampler_indices
     if not discarded:
-        ctx.emit_ids += msg.request_ids
-        ctx.emit_tokens += tokens
-        ctx.emit_indices += indices
+        ctx.emit_request_ids += msg.request_ids
+        ctx.emit_token_ids += tokens
+        ctx.emit_token_indices += indices
         ctx.emit_reasoning += [False] * len(samplers)
     else:
         for i, seq in enumerate(samplers):

@@ -12,17 +12,19 @@ class StepColumns:
     """A step being planned: the ``RunStep`` columns plus what ``InflightStep`` keeps, decode rows first."""
 
     step_id: int
-    rows: list[Seq]
+    seqs: list[Seq]
+    """Every row's sequence, in row order (``RunStep.request_ids`` names them)."""
     positions: list[int]
-    counts: list[int]
+    num_tokens: list[int]
     token_ids: list[int]
     fed_from: list[int]
     sample_indices: list[int]
     block_starts: list[int]
-    num_new: list[int]
-    new_ids: list[int]
+    num_new_blocks: list[int]
+    new_block_ids: list[int]
     samplers: list[Seq]
-    sampled: list[int]
+    sampler_indices: list[int]
+    """The output index each of ``samplers`` samples: ``sample_indices`` without the rows that sample nothing."""
     kv_ends: list[int]
     registered: list[int] = attrs.Factory(list)
     ending: list[int] = attrs.Factory(list)

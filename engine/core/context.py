@@ -31,22 +31,22 @@ def _no_prompt() -> PromptLogprobs:
 class TickContext:
     """Per-tick scratch state, created by ``SchedulerCore.tick`` and thrown away after it.
 
-    The token columns of the ``EmitTokens`` being built stay aligned with ``emit_ids``. The optional ones
-    (logprobs, top-k, prompt logprobs) are None until an entry has a value; then they are created padded for the
-    entries before it (NaN for a logprob, ``[]`` for a list), and every later entry appends to them, with its value
-    or that blank.
+    The columns of the ``EmitTokens`` being built are named ``emit_`` and its field's name, and stay aligned with
+    ``emit_request_ids``. The optional ones (logprobs, top-k, prompt logprobs) are None until an entry has a value;
+    then they are created padded for the entries before it (NaN for a logprob, ``[]`` for a list), and every later
+    entry appends to them, with its value or that blank.
     """
 
     commands: list[Command] = attrs.Factory(list)
     releases: list[Command] = attrs.Factory(list)
     """``ReleaseRequest``s, emitted after the tick's ``RunStep``: a request that ends in the end-of-tick phases
     may still have a row in the step planned earlier in the same tick, and the executor runs commands in order."""
-    emit_ids: list[str] = attrs.Factory(list)
-    emit_tokens: list[int] = attrs.Factory(list)
-    emit_indices: list[int] = attrs.Factory(list)
+    emit_request_ids: list[str] = attrs.Factory(list)
+    emit_token_ids: list[int] = attrs.Factory(list)
+    emit_token_indices: list[int] = attrs.Factory(list)
     emit_reasoning: list[bool] = attrs.Factory(list)
     emit_logprobs: list[float] | None = None
-    emit_top_ids: list[list[int]] | None = None
+    emit_top_token_ids: list[list[int]] | None = None
     emit_top_logprobs: list[list[float]] | None = None
     emit_prompt: list[PromptLogprobs] | None = None
     """Per entry, its prompt logprobs or ``([], [], [])``; split into three columns when flushed."""
@@ -59,7 +59,7 @@ class TickContext:
     @property
     def plain(self) -> bool:
         """No optional column has been started: entries may be appended to the four plain columns in bulk."""
-        return self.emit_logprobs is None and self.emit_top_ids is None and self.emit_prompt is None
+        return self.emit_logprobs is None and self.emit_top_token_ids is None and self.emit_prompt is None
 
     def emit(
         self,
@@ -72,35 +72,40 @@ class TickContext:
         prompt: PromptLogprobs | None = None,
     ) -> None:
         """Stream one token; ``top`` is its (ids, logprobs) alternatives, ``prompt`` its request's prompt logprobs."""
-        before = len(self.emit_ids)
-        self.emit_ids.append(request_id)
-        self.emit_tokens.append(token)
-        self.emit_indices.append(index)
+        before = len(self.emit_request_ids)
+        self.emit_request_ids.append(request_id)
+        self.emit_token_ids.append(token)
+        self.emit_token_indices.append(index)
         self.emit_reasoning.append(reasoning)
         if logprob is not None or self.emit_logprobs is not None:
             if self.emit_logprobs is None:
                 self.emit_logprobs = [_NAN] * before
             self.emit_logprobs.append(_NAN if logprob is None else logprob)
-        if top is not None or self.emit_top_ids is not None:
+        if top is not None or self.emit_top_token_ids is not None:
             ids, lps = ([], []) if top is None else top
-            self.emit_top_ids = _column(self.emit_top_ids, before, list, ids)
+            self.emit_top_token_ids = _column(self.emit_top_token_ids, before, list, ids)
             self.emit_top_logprobs = _column(self.emit_top_logprobs, before, list, lps)
         if prompt is not None or self.emit_prompt is not None:
             self.emit_prompt = _column(self.emit_prompt, before, _no_prompt, _no_prompt() if prompt is None else prompt)
 
     def flush_emits(self) -> None:
         """Append one columnar ``EmitTokens`` for everything committed so far, if anything was."""
-        if self.emit_ids:
+        if self.emit_request_ids:
             prompt = self.emit_prompt
             self.commands.append(
                 EmitTokens(
-                    self.emit_ids, self.emit_tokens, self.emit_indices, self.emit_reasoning, self.emit_logprobs,
-                    self.emit_top_ids, self.emit_top_logprobs,
-                    None if prompt is None else [p[0] for p in prompt],
-                    None if prompt is None else [p[1] for p in prompt],
-                    None if prompt is None else [p[2] for p in prompt],
+                    request_ids=self.emit_request_ids,
+                    token_ids=self.emit_token_ids,
+                    token_indices=self.emit_token_indices,
+                    reasoning=self.emit_reasoning,
+                    logprobs=self.emit_logprobs,
+                    top_token_ids=self.emit_top_token_ids,
+                    top_logprobs=self.emit_top_logprobs,
+                    prompt_logprobs=None if prompt is None else [p[0] for p in prompt],
+                    prompt_top_token_ids=None if prompt is None else [p[1] for p in prompt],
+                    prompt_top_logprobs=None if prompt is None else [p[2] for p in prompt],
                 )
             )
-            self.emit_ids, self.emit_tokens, self.emit_indices, self.emit_reasoning = [], [], [], []
-            self.emit_logprobs = self.emit_top_ids = self.emit_top_logprobs = None
+            self.emit_request_ids, self.emit_token_ids, self.emit_token_indices, self.emit_reasoning = [], [], [], []
+            self.emit_logprobs = self.emit_top_token_ids = self.emit_top_logprobs = None
             self.emit_prompt = None

@@ -138,30 +138,30 @@ def check_lane(state: CoreState) -> None:
     lane = state.lane
     if lane is None:
         return
-    columns = (lane.positions, lane.indices, lane.sent)
+    columns = (lane.positions, lane.sample_indices, lane.sent_blocks)
     if any(len(column) != len(lane.seqs) for column in columns):
         raise InvariantViolation("decode lane", f"columns of lengths {[len(c) for c in columns]} "
                                  f"for {len(lane.seqs)} members")
     orders = [seq._run_order for seq in lane.seqs]
     if orders != sorted(orders):
         raise InvariantViolation("decode lane", "members out of running order")
-    with_tokens = lane.tokens_step == lane.step_id
-    if with_tokens and len(lane.tokens) != len(lane.seqs):
-        raise InvariantViolation("decode lane", f"{len(lane.tokens)} tokens for {len(lane.seqs)} members")
+    with_tokens = lane.token_ids_step == lane.step_id
+    if with_tokens and len(lane.token_ids) != len(lane.seqs):
+        raise InvariantViolation("decode lane", f"{len(lane.token_ids)} tokens for {len(lane.seqs)} members")
     for i, seq in enumerate(lane.seqs):
         if seq.status is not Status.RUNNING:
             continue  # finished since the lane's step; dropped at the next plan
         expected = (seq.num_computed, len(seq.outputs) + seq.inflight, seq.sent_blocks)
-        found = (lane.positions[i], lane.indices[i], lane.sent[i])
+        found = (lane.positions[i], lane.sample_indices[i], lane.sent_blocks[i])
         if found != expected or seq.last_step != lane.step_id or seq.sent_blocks != len(seq.block_ids):
             raise InvariantViolation(
                 "decode lane",
                 f"{seq.request_id!r}: lane (position, index, sent) {found} but the sequence has {expected}, "
                 f"last step {seq.last_step} (lane step {lane.step_id}), {len(seq.block_ids)} blocks",
             )
-        if with_tokens and lane.tokens[i] != seq.outputs[-1]:
+        if with_tokens and lane.token_ids[i] != seq.outputs[-1]:
             raise InvariantViolation("decode lane", f"{seq.request_id!r}: pending token {seq.outputs[-1]}, "
-                                     f"lane holds {lane.tokens[i]}")
+                                     f"lane holds {lane.token_ids[i]}")
     known = {seq.request_id for group in (lane.seqs, lane.prefilling, lane.joining, lane.left_out) for seq in group}
     for seq in state.running:
         if seq.status is Status.RUNNING and seq.request_id not in known:

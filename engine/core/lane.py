@@ -53,7 +53,7 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
     if state.finished_in_running:
         _drop_finished(lane, state.finished_in_running)
     fed = bool(steps)
-    if not fed and lane.tokens_step != lane.step_id:
+    if not fed and lane.token_ids_step != lane.step_id:
         return None  # settling the step hands the lane its tokens; without them, the general plan reads them
     left_out: list[Seq] = []
     # Members whose last token by length is the one in flight get no row (``planner.can_run_ahead``). Without
@@ -72,20 +72,20 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
         return None
     positions = lane.positions
     pool = state.pool
-    # The rows whose position is past their table, which holds ``sent`` blocks (``map`` and ``compress`` keep
+    # The rows whose position is past their table, which holds ``sent_blocks`` blocks (``map`` and ``compress`` keep
     # the scan at C speed).
     block_size = config.block_size
-    need = list(compress(range(rows), map(ge, map(floordiv, positions, repeat(block_size)), lane.sent)))
+    need = list(compress(range(rows), map(ge, map(floordiv, positions, repeat(block_size)), lane.sent_blocks)))
     if len(need) > len(pool.free) + len(pool.cached):
         return None  # a victim would be needed
 
     # Committed from here on: the step is the lane's.
     state.prune_running()
-    indices = lane.indices
-    sent = lane.sent
-    block_starts = list(sent)
-    num_new = [0] * rows
-    new_ids: list[int] = []
+    sample_indices = lane.sample_indices
+    sent_blocks = lane.sent_blocks
+    block_starts = list(sent_blocks)
+    num_new_blocks = [0] * rows
+    new_block_ids: list[int] = []
     free = pool.free
     if len(need) > len(free):
         # The general plan reclaims one block whenever none is free. Reclaiming the shortfall at once evicts
@@ -99,9 +99,9 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
         pool.ref[block] = 1
         seq = seqs[i]
         seq.block_ids.append(block)
-        num_new[i] = 1
-        new_ids.append(block)
-        seq.sent_blocks = sent[i] = sent[i] + 1
+        num_new_blocks[i] = 1
+        new_block_ids.append(block)
+        seq.sent_blocks = sent_blocks[i] = sent_blocks[i] + 1
     next_positions = [position + 1 for position in positions]
     inflight = 2 if fed else 1
     for seq, position in zip(seqs, next_positions, strict=True):
@@ -112,26 +112,26 @@ def plan_lane_decode(state: CoreState, lane: DecodeLane) -> StepColumns | None:
         token_ids = [0] * rows
         fed_from = [lane.step_id] * rows
     else:
-        token_ids = lane.tokens
-        lane.tokens = []
+        token_ids = lane.token_ids
+        lane.token_ids = []
         fed_from = [NOT_FED] * rows
     ending = sorted(find_in_run_order(seqs, seq) for seq in lane.last_rows.get(step_id, ()) if seq.status is running)
     lane.step_id = step_id
     lane.positions = next_positions
-    lane.indices = [index + 1 for index in indices]
+    lane.sample_indices = [index + 1 for index in sample_indices]
     lane.left_out = left_out
     return StepColumns(
-        step_id, list(seqs), positions, [1] * rows, token_ids, fed_from, list(indices), block_starts, num_new,
-        new_ids, list(seqs), list(indices), list(next_positions), ending=ending,
+        step_id, list(seqs), positions, [1] * rows, token_ids, fed_from, list(sample_indices), block_starts,
+        num_new_blocks, new_block_ids, list(seqs), list(sample_indices), list(next_positions), ending=ending,
     )
 
 
-def hand_tokens(lane: DecodeLane, step_id: int, tokens: list[int]) -> None:
+def hand_tokens(lane: DecodeLane, step_id: int, token_ids: list[int]) -> None:
     """``settle_step``: the step's sampled tokens, in sampler order. The lane's step samples for its members
     first, in their order, so the first ones are the members' pending tokens."""
     if lane.step_id == step_id:
-        lane.tokens = tokens[: len(lane.seqs)]
-        lane.tokens_step = step_id
+        lane.token_ids = token_ids[: len(lane.seqs)]
+        lane.token_ids_step = step_id
 
 
 def advance_lane(state: CoreState, lane: DecodeLane, prefilling: list[Seq], completed: list[Seq]) -> None:
@@ -146,7 +146,7 @@ def start_lane(
     left_out: list[Seq],
 ) -> None:
     """Build the lane from a step the general plan made (its first ``decode_rows`` rows decode)."""
-    seqs = planned.rows[:decode_rows]
+    seqs = planned.seqs[:decode_rows]
     config = state.config
     indices = [index + 1 for index in planned.sample_indices[:decode_rows]]
     limits = [stop_rule(config, seq)[1] for seq in seqs]
@@ -158,10 +158,10 @@ def start_lane(
         step_id=planned.step_id,
         seqs=seqs,
         positions=planned.kv_ends[:decode_rows],
-        indices=indices,
-        sent=[seq.sent_blocks for seq in seqs],
-        tokens=[],
-        tokens_step=-1,
+        sample_indices=indices,
+        sent_blocks=[seq.sent_blocks for seq in seqs],
+        token_ids=[],
+        token_ids_step=-1,
         last_rows=last_rows,
         prefilling=prefilling,
         joining=completed,
@@ -179,9 +179,9 @@ def _drop_finished(lane: DecodeLane, finished: list[Seq]) -> None:
 
 
 def _remove(lane: DecodeLane, i: int) -> None:
-    del lane.seqs[i], lane.positions[i], lane.indices[i], lane.sent[i]
-    if lane.tokens_step == lane.step_id:
-        del lane.tokens[i]
+    del lane.seqs[i], lane.positions[i], lane.sample_indices[i], lane.sent_blocks[i]
+    if lane.token_ids_step == lane.step_id:
+        del lane.token_ids[i]
 
 
 def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_out: list[Seq]) -> bool:
@@ -209,10 +209,10 @@ def _join(state: CoreState, lane: DecodeLane, step_id: int, inflight: int, left_
             continue
         lane.seqs.append(seq)
         lane.positions.append(seq.num_computed)
-        lane.indices.append(index)
-        lane.sent.append(seq.sent_blocks)
-        if lane.tokens_step == lane.step_id:
-            lane.tokens.append(seq.outputs[-1])
+        lane.sample_indices.append(index)
+        lane.sent_blocks.append(seq.sent_blocks)
+        if lane.token_ids_step == lane.step_id:
+            lane.token_ids.append(seq.outputs[-1])
         lane.last_rows.setdefault(step_id + limit - 1 - index, []).append(seq)
     lane.joining = []
     return True

@@ -71,9 +71,9 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
     if lane is not None:
         planned = plan_lane_decode(state, lane)
         if planned is not None:
-            budget = config.max_batch_tokens - len(planned.rows)
+            budget = config.max_batch_tokens - len(planned.seqs)
             remaining, completed = plan_prefill(state, ctx, planned, lane.prefilling, budget)
-            if not planned.rows:
+            if not planned.seqs:
                 return None
             if not ctx.lane_broken:
                 advance_lane(state, lane, remaining, completed)
@@ -84,9 +84,9 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
     planned, prefilling, left_out = _plan_decode(state, ctx)
     if planned is None:
         return None
-    decode_rows = len(planned.rows)
+    decode_rows = len(planned.seqs)
     remaining, completed = plan_prefill(state, ctx, planned, prefilling, config.max_batch_tokens - decode_rows)
-    if not planned.rows:
+    if not planned.seqs:
         return None
     if prefilling is not None and not ctx.lane_broken and config.think_start_token is None:
         start_lane(state, planned, decode_rows, remaining, completed, left_out)
@@ -106,7 +106,7 @@ def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None
     block_size = config.block_size
     token_budget = config.max_batch_tokens
     is_running = Status.RUNNING
-    rows: list[Seq] = []
+    seqs: list[Seq] = []
     positions: list[int] = []
     token_ids: list[int] = []
     fed: list[tuple[int, int]] = []
@@ -114,7 +114,7 @@ def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None
     prefilling: list[Seq] = []
     looked_at_all = True
     left_out: list[Seq] = []
-    rows_append = rows.append
+    seqs_append = seqs.append
     positions_append = positions.append
     token_ids_append = token_ids.append
     sample_indices_append = sample_indices.append
@@ -148,36 +148,36 @@ def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None
             left_out.append(seq)
             continue
         if inflight:
-            fed.append((len(rows), seq.last_step))
+            fed.append((len(seqs), seq.last_step))
             token_ids_append(0)
         else:
             token_ids_append(outputs[-1])
-        rows_append(seq)
+        seqs_append(seq)
         positions_append(position)
         sample_indices_append(num_outputs + inflight)
         seq.num_computed = position + 1
         seq.inflight = inflight + 1
         seq.last_step = step_id
         token_budget -= 1
-    if not looked_at_all and not rows:
+    if not looked_at_all and not seqs:
         return None, None, left_out
-    fed_from = [NOT_FED] * len(rows)
+    fed_from = [NOT_FED] * len(seqs)
     for row, source in fed:
         fed_from[row] = source
-    block_starts = [seq.sent_blocks for seq in rows]
-    num_new = [len(seq.block_ids) - sent for seq, sent in zip(rows, block_starts, strict=True)]
-    new_ids: list[int] = []
-    if any(num_new):
-        for seq, sent, grown in zip(rows, block_starts, num_new, strict=True):
+    block_starts = [seq.sent_blocks for seq in seqs]
+    num_new_blocks = [len(seq.block_ids) - sent for seq, sent in zip(seqs, block_starts, strict=True)]
+    new_block_ids: list[int] = []
+    if any(num_new_blocks):
+        for seq, sent, grown in zip(seqs, block_starts, num_new_blocks, strict=True):
             if grown:
-                new_ids += seq.block_ids[sent:]
+                new_block_ids += seq.block_ids[sent:]
                 seq.sent_blocks = sent + grown
     planned = StepColumns(
-        step_id, rows, positions, [1] * len(rows), token_ids, fed_from, sample_indices, block_starts, num_new,
-        new_ids, list(rows), list(sample_indices), [position + 1 for position in positions],
+        step_id, seqs, positions, [1] * len(seqs), token_ids, fed_from, sample_indices, block_starts, num_new_blocks,
+        new_block_ids, list(seqs), list(sample_indices), [position + 1 for position in positions],
     )
     planned.ending = [
-        i for i, (seq, index) in enumerate(zip(rows, sample_indices, strict=True))
+        i for i, (seq, index) in enumerate(zip(seqs, sample_indices, strict=True))
         if index + 1 >= stop_rule(config, seq)[1]
     ]
     return planned, prefilling if looked_at_all else None, left_out
@@ -220,9 +220,9 @@ def plan_prefill(
                 remaining.append(seq)
             continue
         end = start + count
-        planned.rows.append(seq)
+        planned.seqs.append(seq)
         planned.positions.append(start)
-        planned.counts.append(count)
+        planned.num_tokens.append(count)
         planned.token_ids.extend(seq.tokens(start, end))
         planned.fed_from.append(NOT_FED)
         if end == len(seq.prompt) and not seq.outputs:
@@ -230,7 +230,7 @@ def plan_prefill(
             if stop_rule(config, seq)[1] <= 1:
                 planned.ending.append(len(planned.samplers))
             planned.samplers.append(seq)
-            planned.sampled.append(0)
+            planned.sampler_indices.append(0)
             seq.inflight += 1
         else:
             planned.sample_indices.append(NO_SAMPLE)
@@ -247,14 +247,14 @@ def plan_prefill(
 
 def emit_step(state: CoreState, ctx: TickContext, planned: StepColumns) -> RunStep:
     """Record the planned step as in flight and build its ``RunStep``."""
-    rows = planned.rows
-    request_ids = [seq.request_id for seq in rows]
+    seqs = planned.seqs
+    request_ids = [seq.request_id for seq in seqs]
     samplers = planned.samplers
     # Equal lengths mean every row samples (decode rows always do), so the two id lists are the same.
-    sampler_ids = request_ids if len(samplers) == len(rows) else [seq.request_id for seq in samplers]
+    sampler_ids = request_ids if len(samplers) == len(seqs) else [seq.request_id for seq in samplers]
     state.next_step_id += 1
     state.steps.append(
-        InflightStep(planned.step_id, rows, samplers, planned.sampled, planned.kv_ends, planned.registered,
+        InflightStep(planned.step_id, seqs, samplers, planned.sampler_indices, planned.kv_ends, planned.registered,
                      sampler_ids, planned.ending)
     )
     ctx.planned_step = True
@@ -262,13 +262,13 @@ def emit_step(state: CoreState, ctx: TickContext, planned: StepColumns) -> RunSt
         planned.step_id,
         request_ids,
         planned.positions,
-        planned.counts,
+        planned.num_tokens,
         planned.token_ids,
         planned.fed_from,
         planned.sample_indices,
         planned.block_starts,
-        planned.num_new,
-        planned.new_ids,
+        planned.num_new_blocks,
+        planned.new_block_ids,
     )
 
 
@@ -277,9 +277,9 @@ def _add_delta(seq: Seq, planned: StepColumns) -> None:
     table = seq.block_ids
     sent = seq.sent_blocks
     planned.block_starts.append(sent)
-    planned.num_new.append(len(table) - sent)
+    planned.num_new_blocks.append(len(table) - sent)
     if len(table) > sent:
-        planned.new_ids.extend(table[sent:])
+        planned.new_block_ids.extend(table[sent:])
         seq.sent_blocks = len(table)
 
 

@@ -22,9 +22,9 @@ class StepSnapshot(msgspec.Struct, frozen=True, array_like=True):
     """An unsettled step; rows name sequences by their index in ``CoreSnapshot.seqs``."""
 
     step_id: int
-    rows: list[int]
+    seqs: list[int]
     samplers: list[int]
-    sample_indices: list[int]
+    sampler_indices: list[int]
     kv_ends: list[int]
     registered: list[int]
 
@@ -95,7 +95,7 @@ def take_snapshot(state: CoreState) -> CoreSnapshot:
     swapping_or_swapped = [ref(s) for s in state.swapping_or_swapped]
     steps = [
         StepSnapshot(step.step_id, [ref(s) for s in step.seqs], [ref(s) for s in step.samplers],
-                     list(step.sample_indices), list(step.kv_ends), list(step.registered))
+                     list(step.sampler_indices), list(step.kv_ends), list(step.registered))
         for step in state.steps
     ]
     pool = state.pool
@@ -126,10 +126,10 @@ def take_snapshot(state: CoreState) -> CoreSnapshot:
 def _restore_step(config: CoreConfig, step: StepSnapshot, seqs: list[Seq]) -> InflightStep:
     samplers = [seqs[i] for i in step.samplers]
     ending = [
-        i for i, (seq, index) in enumerate(zip(samplers, step.sample_indices, strict=True))
+        i for i, (seq, index) in enumerate(zip(samplers, step.sampler_indices, strict=True))
         if index + 1 >= stop_rule(config, seq)[1]
     ]
-    return InflightStep(step.step_id, [seqs[i] for i in step.rows], samplers, list(step.sample_indices),
+    return InflightStep(step.step_id, [seqs[i] for i in step.seqs], samplers, list(step.sampler_indices),
                         list(step.kv_ends), list(step.registered), [seq.request_id for seq in samplers], ending)
 
 

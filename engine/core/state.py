@@ -203,7 +203,8 @@ class InflightStep:
     """Every row's sequence, in row order."""
     samplers: list[Seq]
     """The sequences of sampling rows, in row order: ``StepDone`` lists exactly these."""
-    sample_indices: list[int]
+    sampler_indices: list[int]
+    """The output index each of ``samplers`` samples (``RunStep.sample_indices`` without ``NO_SAMPLE`` rows)."""
     kv_ends: list[int]
     """Per row, the KV position its last token writes, plus one."""
     registered: list[int]
@@ -228,14 +229,14 @@ class DecodeLane:
     """In running order (``find_in_run_order`` finds a member's row)."""
     positions: list[int]
     """Each member's next position (its ``num_computed``)."""
-    indices: list[int]
+    sample_indices: list[int]
     """The output index each member sampled in ``step_id``."""
-    sent: list[int]
+    sent_blocks: list[int]
     """Each member's ``sent_blocks``, which is also the length of its block table: the table has been sent whole."""
-    tokens: list[int]
-    """Each member's pending token, once ``step_id`` has settled (then ``tokens_step == step_id``): settling
+    token_ids: list[int]
+    """Each member's pending token, once ``step_id`` has settled (then ``token_ids_step == step_id``): settling
     hands over the step's sampled tokens, so the plan need not read every member's last output."""
-    tokens_step: int
+    token_ids_step: int
     last_rows: dict[int, list[Seq]]
     """A timer wheel: step id -> the members whose row in that step samples their last token by length. A
     member's index grows by one every step it stays in the lane, so the step is known when it joins."""
