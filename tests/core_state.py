@@ -10,6 +10,9 @@ from tickloom.engine.core.state import CoreState, Seq
 from tickloom.engine.core.status import Status
 from tickloom.events import BindRequest, Command, Input, SamplingSpec, TickInputs, TickOutputs
 
+THINK_START, THINK_END = 5, 6
+"""The think markers of the core scenarios that configure thinking (the oracles avoid them unless scripted)."""
+
 
 def make_core(**config: object) -> SchedulerCore:
     core = SchedulerCore(CoreConfig(**config))  # type: ignore[arg-type]
@@ -46,6 +49,25 @@ def add_seq(
         state.preempted.append(seq)
     elif status in (Status.SWAPPED, Status.SWAPPING):
         state.swapping_or_swapped.append(seq)
+    return seq
+
+
+def add_prefilling(state: CoreState, request_id: str, prompt: int, computed: int, blocks: int, last_step: int) -> Seq:
+    """A running sequence part-way through its prompt, with ``blocks`` blocks and its last chunk in ``last_step``."""
+    seq = add_seq(state, request_id, prompt)
+    seq.block_ids = state.pool.allocate(blocks)
+    seq.sent_blocks = blocks
+    seq.num_computed = computed
+    seq.kv_settled = computed if last_step <= state.settled_step else 0
+    seq.first_planned = True
+    seq.last_step = last_step
+    return seq
+
+
+def add_swapped(state: CoreState, request_id: str, prompt: int) -> Seq:
+    """A swapped sequence with 5 outputs, its spilled KV (all but the pending token) ready in the host tier."""
+    seq = add_seq(state, request_id, prompt, outputs=5, status=Status.SWAPPED)
+    seq.spill_tokens, seq.swap_ready, seq.has_spill = seq.num_tokens - 1, True, True
     return seq
 
 
@@ -98,3 +120,8 @@ def bound(out: TickOutputs) -> list[str]:
 
 def snap_seq(snap: CoreSnapshot, request_id: str) -> Seq:
     return next(seq for seq in snap.seqs[: snap.live] if seq.request_id == request_id)
+
+
+def waiting_ids(snap: CoreSnapshot) -> list[str]:
+    """The waiting queue of a snapshot, as request ids in queue order."""
+    return [snap.seqs[i].request_id for i in snap.waiting]

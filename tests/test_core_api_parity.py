@@ -9,9 +9,7 @@ import math
 
 import pytest
 from core_harness import Harness, arrival
-from core_state import commands_of as _of
-from core_state import make_core
-from core_state import tick as _tick
+from core_state import commands_of, make_core, tick
 
 from tickloom.engine.core import CoreConfig, InvariantViolation
 from tickloom.engine.core.context import TickContext
@@ -63,20 +61,20 @@ def test_top_k_alone_starts_its_columns_without_a_logprob_column_change() -> Non
 
 def test_a_request_without_logprobs_emits_before_one_with_them_and_the_columns_line_up() -> None:
     core = make_core(num_blocks=32, max_seq_len=128, pipeline_depth=2)
-    [step0] = _of(_tick(core, arrival("a", 10, 8)), RunStep)
+    [step0] = commands_of(tick(core, arrival("a", 10, 8)), RunStep)
     params = SamplingSpec(max_tokens=8, logprobs=True, top_logprobs=2, prompt_logprobs=1)
-    [step1] = _of(_tick(core, arrival("b", [5, 6, 7, 8], params=params)), RunStep)
+    [step1] = commands_of(tick(core, arrival("b", [5, 6, 7, 8], params=params)), RunStep)
     assert step0.request_ids == ["a"] and step1.request_ids == ["a", "b"]
     assert step1.fed_from == [0, NOT_FED], "a's decode row runs ahead of step 0; b prefills"
     prompt = [[-1.0, -2.0, -3.0]]
-    out = _tick(
+    out = tick(
         core,
         StepDone(0, ["a"], [7]),
         StepDone(1, ["a", "b"], [8, 9], logprobs=[-0.25, -0.5], top_token_ids=[[], [9, 4]],
                  top_logprobs=[[], [-0.5, -1.5]], prompt_logprobs=[[], prompt[0]],
                  prompt_top_token_ids=[[], [[6], [7], [9]]], prompt_top_logprobs=[[], [[-1.0], [-2.0], [-0.5]]]),
     )
-    [emit] = _of(out, EmitTokens)
+    [emit] = commands_of(out, EmitTokens)
     assert emit.request_ids == ["a", "a", "b"] and emit.token_ids == [7, 8, 9] and emit.token_indices == [0, 1, 0]
     assert _same(emit.logprobs, [math.nan, -0.25, -0.5]), "a's first token came from a step without logprobs"
     assert emit.top_token_ids == [[], [], [9, 4]] and emit.top_logprobs == [[], [], [-0.5, -1.5]]
@@ -88,28 +86,28 @@ def test_a_request_without_logprobs_emits_before_one_with_them_and_the_columns_l
 def test_prompt_logprobs_ride_only_on_output_0_of_a_request_that_asked() -> None:
     core = make_core(num_blocks=32, max_seq_len=128)
     asks = SamplingSpec(max_tokens=4, prompt_logprobs=0)
-    _tick(core, arrival("p", [1, 2, 3], params=asks), arrival("q", [4, 5, 6]))
+    tick(core, arrival("p", [1, 2, 3], params=asks), arrival("q", [4, 5, 6]))
     both = dict(prompt_logprobs=[[-1.0, -2.0], [-3.0, -4.0]], prompt_top_token_ids=[[[], []], [[], []]],
                 prompt_top_logprobs=[[[], []], [[], []]])
-    [emit] = _of(_tick(core, StepDone(0, ["p", "q"], [10, 11], **both)), EmitTokens)  # type: ignore[arg-type]
+    [emit] = commands_of(tick(core, StepDone(0, ["p", "q"], [10, 11], **both)), EmitTokens)  # type: ignore[arg-type]
     assert emit.prompt_logprobs == [[-1.0, -2.0], []], "q did not ask: its entry is dropped"
-    [emit] = _of(_tick(core, StepDone(1, ["p", "q"], [12, 13], **both)), EmitTokens)  # type: ignore[arg-type]
+    [emit] = commands_of(tick(core, StepDone(1, ["p", "q"], [12, 13], **both)), EmitTokens)  # type: ignore[arg-type]
     assert emit.prompt_logprobs is None, "output 1 carries none, whatever the device reports"
 
 
 def test_a_step_result_whose_logprob_columns_do_not_line_up_is_refused() -> None:
     core = make_core(num_blocks=16, max_seq_len=128)
-    _tick(core, arrival("r", 10, 4))
+    tick(core, arrival("r", 10, 4))
     with pytest.raises(InvariantViolation, match="top-k ids and logprobs do not line up"):
-        _tick(core, StepDone(0, ["r"], [7], top_token_ids=[[7, 8]], top_logprobs=[[-0.5]]))
+        tick(core, StepDone(0, ["r"], [7], top_token_ids=[[7, 8]], top_logprobs=[[-0.5]]))
     core = make_core(num_blocks=16, max_seq_len=128)
-    _tick(core, arrival("r", 10, 4))
+    tick(core, arrival("r", 10, 4))
     with pytest.raises(InvariantViolation, match="length differs"):
-        _tick(core, StepDone(0, ["r"], [7], prompt_logprobs=[[], []]))
+        tick(core, StepDone(0, ["r"], [7], prompt_logprobs=[[], []]))
     core = make_core(num_blocks=16, max_seq_len=128)
-    _tick(core, arrival("r", 10, 4))
+    tick(core, arrival("r", 10, 4))
     with pytest.raises(InvariantViolation, match="top-k ids and logprobs do not line up"):
-        _tick(core, StepDone(0, ["r"], [7], top_token_ids=[[7]]))
+        tick(core, StepDone(0, ["r"], [7], top_token_ids=[[7]]))
 
 
 # -- the prefix cache ---------------------------------------------------------------------------------------------
@@ -152,20 +150,20 @@ def test_a_zero_thinking_budget_keeps_the_sampling_prefill_when_prompt_logprobs_
     think_start, think_end = 5, 6
     core = make_core(num_blocks=16, max_seq_len=128, think_start_token=think_start, think_end_token=think_end)
     plain = SamplingSpec(max_tokens=4, thinking_budget=0)
-    out = _tick(core, arrival("plain", [20, 21, think_start], params=plain))
-    [emit] = _of(out, EmitTokens)
+    out = tick(core, arrival("plain", [20, 21, think_start], params=plain))
+    [emit] = commands_of(out, EmitTokens)
     assert emit.token_ids == [think_end], "forced at arrival: the prefill samples nothing"
-    [step] = _of(out, RunStep)
+    [step] = commands_of(out, RunStep)
     assert step.sample_indices == [-1]
     asks = SamplingSpec(max_tokens=4, thinking_budget=0, prompt_logprobs=0)
     core = make_core(num_blocks=16, max_seq_len=128, think_start_token=think_start, think_end_token=think_end)
-    out = _tick(core, arrival("asks", [20, 21, think_start], params=asks))
-    assert _of(out, EmitTokens) == []
-    [step] = _of(out, RunStep)
+    out = tick(core, arrival("asks", [20, 21, think_start], params=asks))
+    assert commands_of(out, EmitTokens) == []
+    [step] = commands_of(out, RunStep)
     assert step.sample_indices == [0], "the prefill samples output 0, which reports the prompt logprobs"
-    out = _tick(core, StepDone(0, ["asks"], [30], prompt_logprobs=[[-1.0, -2.0]],
+    out = tick(core, StepDone(0, ["asks"], [30], prompt_logprobs=[[-1.0, -2.0]],
                                prompt_top_token_ids=[[[], []]], prompt_top_logprobs=[[[], []]]))
-    [emit] = _of(out, EmitTokens)
+    [emit] = commands_of(out, EmitTokens)
     assert emit.token_ids == [think_end], "the budget forces think-end over the sampled token"
     assert emit.prompt_logprobs == [[-1.0, -2.0]] and emit.logprobs is None
 
@@ -183,14 +181,14 @@ def test_a_zero_thinking_budget_keeps_the_sampling_prefill_when_prompt_logprobs_
 ])
 def test_arrivals_with_bad_bias_or_allowed_tokens_are_rejected(params: SamplingSpec, problem: str) -> None:
     core = make_core(num_blocks=16, max_seq_len=128, vocab_size=1000)
-    out = _tick(core, arrival("r", 4, params=params))
-    [finish] = _of(out, Finish)
+    out = tick(core, arrival("r", 4, params=params))
+    [finish] = commands_of(out, Finish)
     assert finish.reason == "error" and finish.error == f"request rejected: {problem}"
-    assert _of(out, RunStep) == [] and not core.state.seqs
+    assert commands_of(out, RunStep) == [] and not core.state.seqs
 
 
 def test_arrivals_with_good_bias_and_allowed_tokens_are_admitted() -> None:
     core = make_core(num_blocks=16, max_seq_len=128, vocab_size=1000)
     params = SamplingSpec(logit_bias=[(0, -100.0), (999, 100.0)], allowed_token_ids=[0, 999])
-    out = _tick(core, arrival("r", 4, params=params))
-    assert _of(out, Finish) == [] and "r" in core.state.seqs
+    out = tick(core, arrival("r", 4, params=params))
+    assert commands_of(out, Finish) == [] and "r" in core.state.seqs

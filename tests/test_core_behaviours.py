@@ -10,11 +10,19 @@ from __future__ import annotations
 import msgspec
 import pytest
 from core_harness import Harness, arrival
-from core_state import add_seq, cache_unrelated, context, hold_blocks, make_core
-from core_state import bound as _bound
-from core_state import commands_of as _of
-from core_state import snap_seq as _snap_seq
-from core_state import tick as _tick
+from core_state import (
+    THINK_END,
+    THINK_START,
+    add_seq,
+    bound,
+    cache_unrelated,
+    commands_of,
+    context,
+    hold_blocks,
+    make_core,
+    snap_seq,
+    tick,
+)
 
 from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.blocks import BlockPool
@@ -36,7 +44,6 @@ from tickloom.events import (
 from tickloom.replay.oracle import OracleExecutor
 
 EOS = 2
-THINK_START, THINK_END = 5, 6
 
 
 def _running_ids(snap: CoreSnapshot) -> list[str]:
@@ -60,23 +67,23 @@ def test_c03_preempted_sequences_count_in_admission_demand(parked: bool) -> None
     if parked:
         # A 32-token history: resume_blocks = 3, and it resumes only with need + 1 = 4 blocks, all promised.
         add_seq(core.state, "parked", 20, outputs=13, status=Status.PREEMPTED)
-    out = _tick(core, arrival("head", 100, 8))  # blocks(100) = 7 blocks
+    out = tick(core, arrival("head", 100, 8))  # blocks(100) = 7 blocks
     if not parked:
-        assert _bound(out) == ["head"], "7 of 10 free blocks: it fits"
+        assert bound(out) == ["head"], "7 of 10 free blocks: it fits"
         return
-    assert _bound(out) == [], "10 free - 4 promised to the parked sequence < 7: the head waits"
+    assert bound(out) == [], "10 free - 4 promised to the parked sequence < 7: the head waits"
     snap = core.snapshot()
     assert [snap.seqs[i].request_id for i in snap.waiting] == ["head"]
-    assert _snap_seq(snap, "parked").status is Status.RUNNING, "the parked one resumed at the end of the tick"
+    assert snap_seq(snap, "parked").status is Status.RUNNING, "the parked one resumed at the end of the tick"
 
 
 def test_c03_swapped_sequences_do_not_count_in_admission_demand() -> None:
     core = _gate(free=10, spill_enabled=True)
     swapped = add_seq(core.state, "swapped", 60, outputs=13, status=Status.SWAPPED)
     swapped.spill_tokens, swapped.has_spill = 72, True  # not ready: it comes back only through swap-in
-    out = _tick(core, arrival("head", 100, 8))
-    assert _bound(out) == ["head"]
-    assert not _of(out, SwapIn)
+    out = tick(core, arrival("head", 100, 8))
+    assert bound(out) == ["head"]
+    assert not commands_of(out, SwapIn)
 
 
 @pytest.mark.parametrize(
@@ -89,18 +96,18 @@ def test_c03_swapped_sequences_do_not_count_in_admission_demand() -> None:
 )
 def test_c03_watermark_at_a_block_boundary(prompt: int, max_tokens: int, admitted: bool) -> None:
     core = _gate(free=3, admit_watermark=16)
-    out = _tick(core, arrival("head", prompt, max_tokens))
-    assert (_bound(out) == ["head"]) is admitted
+    out = tick(core, arrival("head", prompt, max_tokens))
+    assert (bound(out) == ["head"]) is admitted
     if admitted:
-        assert _snap_seq(core.snapshot(), "head").reserve == 3
+        assert snap_seq(core.snapshot(), "head").reserve == 3
 
 
 def test_c03_watermark_zero_reserves_the_prompt_only_at_the_boundary() -> None:
     # A 47-token prompt with watermark 0 reserves blocks(47) = 3; a 48-token one blocks(48) = 4.
     for prompt, admitted in ((47, True), (48, False)):
         core = _gate(free=3, admit_watermark=0)
-        out = _tick(core, arrival("head", prompt, 100))
-        assert (_bound(out) == ["head"]) is admitted, prompt
+        out = tick(core, arrival("head", prompt, 100))
+        assert (bound(out) == ["head"]) is admitted, prompt
 
 
 def _swap_gate(small_immune: bool) -> SchedulerCore:
@@ -119,29 +126,31 @@ def _swap_gate(small_immune: bool) -> SchedulerCore:
 
 def test_c03_c06_admission_swaps_out_only_non_immune_sequences() -> None:
     core = _swap_gate(small_immune=False)
-    out = _tick(core, arrival("head", 100, 4))  # 7 blocks, 6 free: short by 1
-    assert [c.request_id for c in _of(out, SpillOut)] == ["small"], "the immune one holds more blocks, yet stays"
+    out = tick(core, arrival("head", 100, 4))  # 7 blocks, 6 free: short by 1
+    swapped_out = [c.request_id for c in commands_of(out, SpillOut)]
+    assert swapped_out == ["small"], "the immune one holds more blocks, yet stays"
     assert Preempted("small", "swap") in out.commands
-    assert _bound(out) == ["head"]
+    assert bound(out) == ["head"]
     snap = core.snapshot()
-    assert _snap_seq(snap, "big").status is Status.RUNNING
-    assert _snap_seq(snap, "small").status is Status.SWAPPING
+    assert snap_seq(snap, "big").status is Status.RUNNING
+    assert snap_seq(snap, "small").status is Status.SWAPPING
 
 
 def test_c03_c06_admission_never_swaps_out_an_immune_sequence() -> None:
     core = _swap_gate(small_immune=True)
-    out = _tick(core, arrival("head", 100, 4))
-    assert not _of(out, SpillOut) and not _of(out, Preempted), "unlike a victim choice, no fallback to immune ones"
-    assert _bound(out) == []
+    out = tick(core, arrival("head", 100, 4))
+    assert not commands_of(out, SpillOut) and not commands_of(out, Preempted), (
+        "unlike a victim choice, no fallback to immune ones")
+    assert bound(out) == []
     assert _running_ids(core.snapshot()) == ["big", "small"]
 
 
 def test_c03_admission_swaps_out_the_one_holding_the_most_blocks() -> None:
     core = _swap_gate(small_immune=False)
     core.state.seqs["big"].immune_until = -1
-    out = _tick(core, arrival("head", 100, 4))
-    assert [c.request_id for c in _of(out, SpillOut)] == ["big"]
-    assert _bound(out) == ["head"]
+    out = tick(core, arrival("head", 100, 4))
+    assert [c.request_id for c in commands_of(out, SpillOut)] == ["big"]
+    assert bound(out) == ["head"]
 
 
 def test_c03_admission_swaps_out_only_settled_decoding_sequences() -> None:
@@ -150,8 +159,8 @@ def test_c03_admission_swaps_out_only_settled_decoding_sequences() -> None:
     state.seqs["big"].immune_until = -1
     state.seqs["big"].last_step = 0  # an unsettled step references it
     state.next_step_id = 1
-    out = _tick(core, arrival("head", 100, 4))
-    assert [c.request_id for c in _of(out, SpillOut)] == ["small"]
+    out = tick(core, arrival("head", 100, 4))
+    assert [c.request_id for c in commands_of(out, SpillOut)] == ["small"]
 
 
 # -- C06: immunity after swap-in -------------------------------------------------------------------------------
@@ -166,15 +175,15 @@ def test_c06_immunity_re_armed_after_swap_in() -> None:
     back = add_seq(state, "back", 20, outputs=5, status=Status.SWAPPED)
     back.spill_tokens, back.swap_ready, back.has_spill = 24, True, True
     back.immune_until = -1  # whatever it was when it was swapped out
-    out = _tick(core)
-    assert [(c.request_id, c.block_ids) for c in _of(out, SwapIn)] == [("back", [3, 4])]
-    resumed = _snap_seq(core.snapshot(), "back")
+    out = tick(core)
+    assert [(c.request_id, c.block_ids) for c in commands_of(out, SwapIn)] == [("back", [3, 4])]
+    resumed = snap_seq(core.snapshot(), "back")
     assert resumed.immune_until == 5 + 64 and resumed.status is Status.RUNNING
     assert not resumed.swap_ready, "its readiness was used up: a later swap-out waits for a new SwapInReady"
-    [step] = _of(out, RunStep)
+    [step] = commands_of(out, RunStep)
     assert step.request_ids == ["other"]
     # Next tick: other needs a fourth block and none is free. ``back`` has the fewest tokens, but it is immune.
-    out = _tick(core, StepDone(step.step_id, ["other"], [700]))
+    out = tick(core, StepDone(step.step_id, ["other"], [700]))
     assert [c for c in out.commands if isinstance(c, Preempted)] == [Preempted("other", "swap")]
     assert _running_ids(core.snapshot()) == ["back"]
 
@@ -191,17 +200,17 @@ def test_c08_parked_sequences_resume_fewest_blocks_first() -> None:
     add_seq(state, "b", 10, outputs=7, status=Status.PREEMPTED)  # history 16: 2 blocks, wants 3
     add_seq(state, "c", 30, outputs=3, status=Status.PREEMPTED)  # history 32: 3 blocks, wants 4
     add_seq(state, "d", 12, outputs=5, status=Status.PREEMPTED)  # history 16: 2 blocks, wants 3
-    out = _tick(core)
+    out = tick(core)
     assert not any(isinstance(c, Preempted | Finish) for c in out.commands)
     snap = core.snapshot()
     # b (2) then d (2, arrived later) take 4 of 8; c wants 4 of the 4 left and takes 3; a wants 5 of 1: parked.
     assert _running_ids(snap) == ["holder", "b", "d", "c"]
     assert [snap.seqs[i].request_id for i in snap.preempted] == ["a"]
-    assert [len(_snap_seq(snap, r).block_ids) for r in "bdc"] == [2, 2, 3]
+    assert [len(snap_seq(snap, r).block_ids) for r in "bdc"] == [2, 2, 3]
     assert len(snap.pool.free) == 1
     # The next step prefills them in that order.
-    [holder_step] = _of(out, RunStep)
-    [step] = _of(_tick(core, StepDone(holder_step.step_id, ["holder"], [700])), RunStep)
+    [holder_step] = commands_of(out, RunStep)
+    [step] = commands_of(tick(core, StepDone(holder_step.step_id, ["holder"], [700])), RunStep)
     assert [r for r in step.request_ids if r != "holder"] == ["b", "d", "c"]
 
 
@@ -226,7 +235,7 @@ def test_c10_swap_in_waits_for_swap_in_ready() -> None:
     assert not h.commands(SwapIn), "no SwapIn before SwapInReady"
     assert state.seqs["r1"].status is Status.SWAPPED
     out = h.step(SwapInReady("r1"))
-    assert [c.request_id for c in _of(out, SwapIn)] == ["r1"], "swapped in at the tick SwapInReady arrives"
+    assert [c.request_id for c in commands_of(out, SwapIn)] == ["r1"], "swapped in at the tick SwapInReady arrives"
     h.run()
     assert h.reason("r1") == "length" and len(h.output("r1")) == 8
 
@@ -235,9 +244,9 @@ def test_c10_swap_in_ready_before_spill_done_waits_for_the_spill() -> None:
     core = make_core(num_blocks=16, block_size=16, max_seq_len=128, spill_enabled=True)
     swapping = add_seq(core.state, "s", 20, outputs=5, status=Status.SWAPPING)
     swapping.spill_tokens, swapping.has_spill = 24, True
-    out = _tick(core, SwapInReady("s"))
-    assert not _of(out, SwapIn), "the spill has not completed"
-    assert _snap_seq(core.snapshot(), "s").status is Status.SWAPPING
+    out = tick(core, SwapInReady("s"))
+    assert not commands_of(out, SwapIn), "the spill has not completed"
+    assert snap_seq(core.snapshot(), "s").status is Status.SWAPPING
 
 
 # -- C14: a stop at exactly min_tokens -------------------------------------------------------------------------
@@ -315,9 +324,9 @@ def test_c18_exhaustion_reuses_cached_blocks_in_lru_order() -> None:
     cache_unrelated(state, 4)  # cached in the order they were freed
     lru = list(state.pool.cached)
     assert state.pool.num_free == 0 and len(lru) == 4
-    out = _tick(core, arrival("new", 20, 4))  # blocks(20) = 2
-    assert _bound(out) == ["new"]
-    [step] = _of(out, RunStep)
+    out = tick(core, arrival("new", 20, 4))  # blocks(20) = 2
+    assert bound(out) == ["new"]
+    [step] = commands_of(out, RunStep)
     i = step.request_ids.index("new")
     start = sum(step.num_new_blocks[:i])
     assert step.new_block_ids[start : start + step.num_new_blocks[i]] == lru[:2], "the two least recently used"
@@ -447,8 +456,8 @@ def test_c03_c06_admission_swap_out_immunity_boundary(since_resume: int, swapped
     hold_blocks(state, resumed, 5)
     resumed.immune_until = 3 + 64
     hold_blocks(state, add_seq(state, "other", 30, outputs=3), 3)
-    out = _tick(core, arrival("head", 100, 4))  # 7 blocks, 6 free
-    assert [c.request_id for c in _of(out, SpillOut)] == [swapped], "immune for exactly 64 tokens"
+    out = tick(core, arrival("head", 100, 4))  # 7 blocks, 6 free
+    assert [c.request_id for c in commands_of(out, SpillOut)] == [swapped], "immune for exactly 64 tokens"
 
 
 # -- C09: which victims are swapped, which requeued ------------------------------------------------------------
@@ -464,7 +473,7 @@ def test_c09_a_victim_still_re_prefilling_its_history_is_requeued_not_swapped() 
     preempt(state, ctx, victim)
     assert ctx.commands == [Preempted("v", "requeue")], "little KV to save: no SpillOut"
     snap = core.snapshot()
-    parked = _snap_seq(snap, "v")
+    parked = snap_seq(snap, "v")
     assert parked.status is Status.PREEMPTED and [snap.seqs[i].request_id for i in snap.preempted] == ["v"]
     assert (parked.num_computed, parked.kv_settled, parked.block_ids) == (0, 0, []), "its KV is dropped"
     assert len(snap.pool.free) == 16 - 1 and len(snap.pool.cached) == 1, "its one settled full block is cached"
@@ -479,7 +488,7 @@ def test_c09_a_decoding_victim_is_swapped_with_its_settled_kv() -> None:
     ctx = context()
     preempt(state, ctx, victim)
     assert ctx.commands == [Preempted("v", "swap"), SpillOut("v", blocks, 34)]
-    parked = _snap_seq(core.snapshot(), "v")
+    parked = snap_seq(core.snapshot(), "v")
     assert parked.status is Status.SWAPPING and parked.spill_tokens == 34 and not parked.swap_ready
     assert (parked.num_computed, parked.kv_settled, parked.block_ids) == (0, 0, [])
 

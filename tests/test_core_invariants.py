@@ -12,20 +12,12 @@ from core_harness import Harness, arrival
 from core_state import add_seq, cache_unrelated
 
 from tickloom.engine.core import CoreConfig, InvariantViolation, SchedulerCore
-from tickloom.engine.core.snapshot import CoreSnapshot
 from tickloom.engine.core.state import CoreState, DecodeLane
 from tickloom.engine.core.status import Status
 from tickloom.events import (
     RequestCancelled,
     SamplingSpec,
 )
-
-
-def _waiting_ids(snap: CoreSnapshot) -> list[str]:
-    return [snap.seqs[i].request_id for i in snap.waiting]
-
-THINK_START, THINK_END = 5, 6
-
 
 # -- The invariant checker (ARCHITECTURE.md, Invariants): each corruption is caught and named --------------------
 

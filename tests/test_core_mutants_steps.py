@@ -9,13 +9,9 @@ import math
 
 import pytest
 from core_harness import Harness, arrival
-from core_state import add_seq, hold_blocks, make_core
-from core_state import commands_of as _of
-from core_state import snap_seq as _snap_seq
-from core_state import tick as _tick
+from core_state import THINK_END, THINK_START, add_seq, commands_of, hold_blocks, make_core, snap_seq, tick
 
 from tickloom.engine.core import CoreConfig, InvariantViolation, SchedulerCore
-from tickloom.engine.core.snapshot import CoreSnapshot
 from tickloom.engine.core.status import Status
 from tickloom.events import (
     NO_SAMPLE,
@@ -42,13 +38,6 @@ from tickloom.events import (
 )
 from tickloom.replay.oracle import OracleExecutor
 
-
-def _waiting_ids(snap: CoreSnapshot) -> list[str]:
-    return [snap.seqs[i].request_id for i in snap.waiting]
-
-THINK_START, THINK_END = 5, 6
-
-
 # -- C09: a failed spill falls back to requeue ------------------------------------------------------------------
 
 
@@ -63,7 +52,7 @@ def test_c09_a_failed_spill_falls_back_to_requeue_and_drops_its_spill_once() -> 
     out = h.step(SwapInReady("r1"))  # the harness lists SpillDone(r1, failed) first; the readiness is stale
     assert DropSpill("r1") in out.commands
     snap = h.core.snapshot()
-    parked = _snap_seq(snap, "r1")
+    parked = snap_seq(snap, "r1")
     assert parked.status is Status.PREEMPTED and [snap.seqs[i].request_id for i in snap.preempted] == ["r1"]
     assert not parked.has_spill and not parked.swap_ready, "nothing is left in the spill store for it"
     h.run()
@@ -78,12 +67,12 @@ def test_c09_a_failed_spill_falls_back_to_requeue_and_drops_its_spill_once() -> 
 def test_a_failed_step_fails_its_rows_and_those_sharing_the_blocks_it_registered() -> None:
     core = make_core(num_blocks=16, block_size=16, max_seq_len=128, pipeline_depth=2)
     prompt = list(range(100, 140))  # 40 tokens: step 0 registers its 2 full blocks
-    _tick(core, arrival("r", prompt, 10), arrival("c", 10, 10))
-    [step1] = _of(_tick(core, arrival("q", prompt, 10), arrival("z", 10, 10), RequestCancelled("c")), RunStep)
+    tick(core, arrival("r", prompt, 10), arrival("c", 10, 10))
+    [step1] = commands_of(tick(core, arrival("q", prompt, 10), arrival("z", 10, 10), RequestCancelled("c")), RunStep)
     assert step1.request_ids == ["r", "q", "z"] and step1.fed_from == [0, -1, -1], "q hits r's 2 blocks"
     assert [(step, rid) for step, rid, _ in core.snapshot().fences] == [(0, "c")]
-    out = _tick(core, StepFailed(0, "boom"))
-    finishes = {c.request_id: c for c in _of(out, Finish)}
+    out = tick(core, StepFailed(0, "boom"))
+    finishes = {c.request_id: c for c in commands_of(out, Finish)}
     assert list(finishes) == ["r", "q"], "r's row failed, and q shares the blocks it registered; z does not"
     assert {f.reason for f in finishes.values()} == {"error"}
     assert {f.error for f in finishes.values()} == {"step 0 failed: boom"}
@@ -92,20 +81,21 @@ def test_a_failed_step_fails_its_rows_and_those_sharing_the_blocks_it_registered
     assert [(step, rid) for step, rid, _ in snap.fences] == [(1, "r"), (1, "q")], "c's fence went with step 0"
     [z] = [seq for seq in snap.seqs[: snap.live]]
     assert z.request_id == "z" and z.status is Status.RUNNING
-    out = _tick(core, StepDone(1, ["r", "q", "z"], [7, 8, 9]))
-    assert [(c.request_ids, c.token_ids) for c in _of(out, EmitTokens)] == [(["z"], [9])], "r and q are discarded"
+    out = tick(core, StepDone(1, ["r", "q", "z"], [7, 8, 9]))
+    emitted = [(c.request_ids, c.token_ids) for c in commands_of(out, EmitTokens)]
+    assert emitted == [(["z"], [9])], "r and q are discarded"
     assert core.snapshot().fences == []
 
 
 def test_a_failed_step_fails_the_rows_fed_from_it() -> None:
     core = make_core(num_blocks=16, block_size=16, max_seq_len=128, pipeline_depth=2, prefix_caching=False)
-    _tick(core, arrival("r", 20, 10))
-    [step1] = _of(_tick(core), RunStep)
+    tick(core, arrival("r", 20, 10))
+    [step1] = commands_of(tick(core), RunStep)
     assert step1.request_ids == ["r"] and step1.fed_from == [0], "running ahead: step 1 is fed from step 0"
-    out = _tick(core, StepFailed(0, "device lost"))
-    assert _of(out, Finish) == [Finish("r", "error", Usage(20, 0, 0), "step 0 failed: device lost")]
-    out = _tick(core, StepFailed(1, "device lost"))
-    assert not _of(out, Finish), "r ended once"
+    out = tick(core, StepFailed(0, "device lost"))
+    assert commands_of(out, Finish) == [Finish("r", "error", Usage(20, 0, 0), "step 0 failed: device lost")]
+    out = tick(core, StepFailed(1, "device lost"))
+    assert not commands_of(out, Finish), "r ended once"
     snap = core.snapshot()
     assert snap.live == 0 and snap.fences == [] and len(snap.pool.free) == 16
 
@@ -113,10 +103,10 @@ def test_a_failed_step_fails_the_rows_fed_from_it() -> None:
 def test_c14_a_deadline_due_when_a_step_fails_ends_its_rows_as_timeout() -> None:
     core = make_core(num_blocks=16, block_size=16, max_seq_len=128, pipeline_depth=2)
     prompt = list(range(100, 140))
-    _tick(core, arrival("r", prompt, 10, deadline_ns=5))
-    _tick(core, arrival("q", prompt, 10, deadline_ns=5))  # q shares the 2 blocks step 0 registers
+    tick(core, arrival("r", prompt, 10, deadline_ns=5))
+    tick(core, arrival("q", prompt, 10, deadline_ns=5))  # q shares the 2 blocks step 0 registers
     out = core.tick(TickInputs(3, 5, [StepFailed(0, "boom")]))
-    reasons = {c.request_id: c.reason for c in _of(out, Finish)}
+    reasons = {c.request_id: c.reason for c in commands_of(out, Finish)}
     assert reasons == {"r": "timeout", "q": "timeout"}, "timeout > error at the same token"
 
 
@@ -131,8 +121,8 @@ def _decoding(outputs: int) -> SchedulerCore:
 
 def test_c14_a_stop_match_at_the_first_token_truncates_to_it() -> None:
     core = _decoding(3)
-    out = _tick(core, StopMatched("r", 0))
-    [finish] = _of(out, Finish)
+    out = tick(core, StopMatched("r", 0))
+    [finish] = commands_of(out, Finish)
     assert (finish.reason, finish.usage.completion_tokens) == ("stop", 1)
 
 
@@ -140,7 +130,7 @@ def test_c14_a_stop_match_at_the_first_token_truncates_to_it() -> None:
 def test_c14_a_stop_match_past_the_delivered_tokens_is_refused(index: int) -> None:
     core = _decoding(3)
     with pytest.raises(InvariantViolation) as raised:
-        _tick(core, StopMatched("r", index))
+        tick(core, StopMatched("r", index))
     assert str(raised.value) == (
         f"stop matches name delivered tokens: 'r' has 3 outputs; a stop string matched at {index}"
     )
@@ -148,8 +138,8 @@ def test_c14_a_stop_match_past_the_delivered_tokens_is_refused(index: int) -> No
 
 def test_c14_a_stop_match_for_an_unknown_request_is_ignored() -> None:
     core = _decoding(3)
-    out = _tick(core, StopMatched("gone", 5))
-    assert not _of(out, Finish)
+    out = tick(core, StopMatched("gone", 5))
+    assert not commands_of(out, Finish)
 
 
 def test_c14_a_stop_match_then_a_deadline_in_the_same_tick_meet_at_the_truncated_token() -> None:
@@ -159,23 +149,23 @@ def test_c14_a_stop_match_then_a_deadline_in_the_same_tick_meet_at_the_truncated
     seq = core.state.seqs["r"]
     seq.deadline_ns = 0
     core.state.deadlines.append((0, seq.arrival, "r"))
-    out = _tick(core, StopMatched("r", 1))
-    [finish] = _of(out, Finish)
+    out = tick(core, StopMatched("r", 1))
+    [finish] = commands_of(out, Finish)
     assert (finish.reason, finish.usage.completion_tokens) == ("timeout", 2)
 
 
 # -- Inputs that contradict what the core knows are refused, naming the rule ------------------------------------
 
 
-def _refused(core: SchedulerCore, tick: TickInputs) -> str:
+def _refused(core: SchedulerCore, tick_inputs: TickInputs) -> str:
     with pytest.raises(InvariantViolation) as raised:
-        core.tick(tick)
+        core.tick(tick_inputs)
     return str(raised.value)
 
 
 def _one_step() -> tuple[SchedulerCore, RunStep]:
     core = make_core(num_blocks=16, max_seq_len=128)
-    [step] = _of(_tick(core, arrival("r", 10, 4)), RunStep)
+    [step] = commands_of(tick(core, arrival("r", 10, 4)), RunStep)
     return core, step
 
 
@@ -228,9 +218,9 @@ def test_c20_a_zero_budget_forces_think_end_as_the_first_output() -> None:
     config = CoreConfig(num_blocks=16, max_seq_len=128, think_start_token=THINK_START, think_end_token=THINK_END)
     h = Harness(config, oracle=OracleExecutor(config.vocab_size, avoid=(THINK_START, THINK_END)))
     out = h.step(arrival("r", [*range(100, 110), THINK_START], params=SamplingSpec(max_tokens=4, thinking_budget=0)))
-    [emit] = _of(out, EmitTokens)
+    [emit] = commands_of(out, EmitTokens)
     assert (emit.request_ids, emit.token_ids, emit.token_indices, emit.reasoning) == (["r"], [THINK_END], [0], [True])
-    [prefill] = _of(out, RunStep)
+    [prefill] = commands_of(out, RunStep)
     assert prefill.sample_indices == [NO_SAMPLE], "the prefill samples nothing: output 0 is known"
     h.run()
     assert h.output("r")[0] == THINK_END and THINK_END not in h.output("r")[1:]
@@ -239,9 +229,10 @@ def test_c20_a_zero_budget_forces_think_end_as_the_first_output() -> None:
 
 def test_c12_a_deadline_notice_for_another_deadline_is_ignored() -> None:
     core = make_core(num_blocks=16, max_seq_len=128)
-    _tick(core, arrival("r", 10, 4, deadline_ns=10**12))
-    assert not _of(_tick(core, DeadlineReached("r", 10**12 - 1)), Finish), "a notice for a deadline r does not have"
-    [finish] = _of(_tick(core, DeadlineReached("r", 10**12)), Finish)
+    tick(core, arrival("r", 10, 4, deadline_ns=10**12))
+    out = tick(core, DeadlineReached("r", 10**12 - 1))
+    assert not commands_of(out, Finish), "a notice for a deadline r does not have"
+    [finish] = commands_of(tick(core, DeadlineReached("r", 10**12)), Finish)
     assert finish.reason == "timeout"
 
 
@@ -249,10 +240,10 @@ def test_c10_swap_in_failed_ends_a_swapped_request_and_is_ignored_after() -> Non
     core = make_core(num_blocks=16, max_seq_len=128, spill_enabled=True)
     swapped = add_seq(core.state, "s", 20, outputs=5, status=Status.SWAPPED)
     swapped.spill_tokens, swapped.has_spill = 24, True
-    out = _tick(core, SwapInFailed("s", "checksum mismatch"))
-    assert _of(out, Finish) == [Finish("s", "error", Usage(20, 0, 5), "swap-in failed: checksum mismatch")]
+    out = tick(core, SwapInFailed("s", "checksum mismatch"))
+    assert commands_of(out, Finish) == [Finish("s", "error", Usage(20, 0, 5), "swap-in failed: checksum mismatch")]
     assert DropSpill("s") in out.commands
-    assert not _tick(core, SwapInFailed("s", "again")).commands, "a late report for an ended request is ignored"
+    assert not tick(core, SwapInFailed("s", "again")).commands, "a late report for an ended request is ignored"
 
 
 # -- C08: resuming needs need + 1 blocks, but never more than the sequence can still use ----------------------------
@@ -324,8 +315,8 @@ def test_c15_no_row_is_fed_from_a_step_whose_token_may_be_forced() -> None:
 
 def test_c14_a_cancel_and_a_stop_match_at_the_same_token_end_as_cancelled() -> None:
     core = _decoding(3)
-    out = _tick(core, RequestCancelled("r"), StopMatched("r", 2))
-    [finish] = _of(out, Finish)
+    out = tick(core, RequestCancelled("r"), StopMatched("r", 2))
+    [finish] = commands_of(out, Finish)
     assert (finish.reason, finish.usage.completion_tokens) == ("cancelled", 3), "cancelled > stop at one token"
 
 
@@ -343,24 +334,24 @@ def test_c17_rows_streamed_beside_a_discarded_row_are_not_reasoning() -> None:
 def test_inputs_naming_unknown_requests_are_ignored() -> None:
     # The request ended already (its notice raced its finish) or never reached the core: nothing happens.
     core = make_core(num_blocks=16, max_seq_len=128, spill_enabled=True)
-    out = _tick(core, RequestCancelled("x"), ClientGone("x"), SpillDone("x", False, "e"), SwapInReady("x"),
+    out = tick(core, RequestCancelled("x"), ClientGone("x"), SpillDone("x", False, "e"), SwapInReady("x"),
                 SwapInFailed("x", "e"), StopMatched("x", 0), DeadlineReached("x", 5))
     assert out.commands == [] and not out.needs_tick
 
 
 def test_c12_an_arrival_with_a_deadline_asks_for_a_wake_up() -> None:
     core = make_core(num_blocks=16, max_seq_len=128)
-    out = _tick(core, arrival("r", 10, 4, deadline_ns=5_000), arrival("s", 10, 4))
-    assert _of(out, WatchDeadline) == [WatchDeadline("r", 5_000)], "only a request with a deadline is watched"
+    out = tick(core, arrival("r", 10, 4, deadline_ns=5_000), arrival("s", 10, 4))
+    assert commands_of(out, WatchDeadline) == [WatchDeadline("r", 5_000)], "only a request with a deadline is watched"
 
 
 def test_logprobs_stay_aligned_when_two_steps_settle_in_one_tick_and_only_the_first_has_them() -> None:
     core = make_core(num_blocks=16, max_seq_len=128, pipeline_depth=2)
-    _tick(core, arrival("r", 10, 8))
-    [step1] = _of(_tick(core), RunStep)
+    tick(core, arrival("r", 10, 8))
+    [step1] = commands_of(tick(core), RunStep)
     assert step1.fed_from == [0]
-    out = _tick(core, StepDone(0, ["r"], [7], logprobs=[-0.5]), StepDone(1, ["r"], [8]))
-    [emit] = _of(out, EmitTokens)
+    out = tick(core, StepDone(0, ["r"], [7], logprobs=[-0.5]), StepDone(1, ["r"], [8]))
+    [emit] = commands_of(out, EmitTokens)
     assert emit.request_ids == ["r", "r"] and emit.token_ids == [7, 8]
     assert emit.logprobs is not None and len(emit.logprobs) == 2
     assert emit.logprobs[0] == -0.5 and math.isnan(emit.logprobs[1]), "no logprob for the second: NaN in its place"
@@ -371,7 +362,7 @@ def test_c14_a_deadline_due_when_a_swap_in_fails_ends_it_as_timeout() -> None:
     swapped = add_seq(core.state, "s", 20, outputs=5, status=Status.SWAPPED)
     swapped.spill_tokens, swapped.has_spill, swapped.deadline_ns = 24, True, 0
     core.state.deadlines.append((0, swapped.arrival, "s"))
-    [finish] = _of(_tick(core, SwapInFailed("s", "checksum mismatch")), Finish)
+    [finish] = commands_of(tick(core, SwapInFailed("s", "checksum mismatch")), Finish)
     assert (finish.reason, finish.usage.completion_tokens) == ("timeout", 5), "timeout > error at the same token"
 
 
@@ -412,9 +403,9 @@ def test_c05_a_sequence_with_a_row_in_the_step_being_planned_is_no_victim() -> N
     hold_blocks(state, add_seq(state, "a", 10, outputs=2), 1)
     hold_blocks(state, add_seq(state, "c", 10, outputs=2), 1)
     hold_blocks(state, add_seq(state, "b", 30, outputs=3), 2)  # pending token at position 32: block 3
-    out = _tick(core)
-    assert _of(out, Preempted) == [Preempted("b", "requeue")]
-    [step] = _of(out, RunStep)
+    out = tick(core)
+    assert commands_of(out, Preempted) == [Preempted("b", "requeue")]
+    [step] = commands_of(out, RunStep)
     assert step.request_ids == ["a", "c"]
 
 
@@ -438,16 +429,16 @@ def test_c05_rows_after_a_victim_in_running_order_still_run() -> None:
     hold_blocks(state, add_seq(state, "a", 30, outputs=3), 2)  # pending token at position 32: block 3
     hold_blocks(state, add_seq(state, "b", 10, outputs=1), 1)
     hold_blocks(state, add_seq(state, "c", 10, outputs=2), 1)
-    out = _tick(core)
-    assert _of(out, Preempted) == [Preempted("b", "requeue")]
-    [step] = _of(out, RunStep)
+    out = tick(core)
+    assert commands_of(out, Preempted) == [Preempted("b", "requeue")]
+    [step] = commands_of(out, RunStep)
     assert step.request_ids == ["a", "c"]
 
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_c15_a_planned_step_asks_for_a_tick_only_while_the_pipeline_has_room(depth: int) -> None:
     core = make_core(num_blocks=16, max_seq_len=128, pipeline_depth=depth)
-    out = _tick(core, arrival("r", 10, 8))
-    assert _of(out, RunStep) and out.needs_tick is (depth == 2), "at depth 2 the next step is fed from this one"
-    out = _tick(core)
+    out = tick(core, arrival("r", 10, 8))
+    assert commands_of(out, RunStep) and out.needs_tick is (depth == 2), "at depth 2 the next step is fed from this one"
+    out = tick(core)
     assert out.needs_tick is False, "the pipeline is full (or, at depth 1, waits for the step)"

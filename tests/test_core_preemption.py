@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from core_harness import Harness, arrival
-from core_state import add_seq, cache_prefix_of, cache_unrelated, context, hold_blocks, make_core
+from core_state import add_seq, add_swapped, cache_prefix_of, cache_unrelated, context, hold_blocks, make_core
 from test_core_golden import unpressured_output
 
 from tickloom.engine.core import CoreConfig
 from tickloom.engine.core.apply import apply_inputs
 from tickloom.engine.core.preemption import choose_victim
-from tickloom.engine.core.state import CoreState, Seq
 from tickloom.engine.core.status import Status
 from tickloom.engine.core.tick_end import resume_preempted, retire_finished, swap_in
 from tickloom.events import DropSpill, EmitTokens, Finish, Preempted, RunStep, SpillOut, SwapIn, SwapInFailed
@@ -254,18 +253,12 @@ def test_c07_a_requeued_sequence_sends_its_new_block_table_whole() -> None:
         sent += new
 
 
-def _swapped(state: CoreState, request_id: str, prompt: int) -> Seq:
-    seq = add_seq(state, request_id, prompt, outputs=5, status=Status.SWAPPED)
-    seq.spill_tokens, seq.swap_ready, seq.has_spill = seq.num_tokens - 1, True, True
-    return seq
-
-
 def test_c10_swap_in_reclaims_only_the_shortfall() -> None:
     """The smallest candidate needs 2 blocks and 1 is free: exactly one cached block is evicted, the LRU one."""
     core = make_core(num_blocks=12, block_size=16, max_seq_len=128, max_batch_size=8)
     state = core.state
     hold_blocks(state, add_seq(state, "holder", 100, outputs=1), 7)
-    small = _swapped(state, "small", 20)  # 24 KV tokens: 2 blocks
+    small = add_swapped(state, "small", 20)  # 24 KV tokens: 2 blocks
     cache_unrelated(state, 4)
     lru_first = list(state.pool.cached)
     assert state.pool.num_free == 1
@@ -278,7 +271,7 @@ def test_c10_swap_in_with_exactly_enough_free_blocks_evicts_nothing() -> None:
     core = make_core(num_blocks=12, block_size=16, max_seq_len=128, max_batch_size=8)
     state = core.state
     hold_blocks(state, add_seq(state, "holder", 100, outputs=1), 6)
-    small = _swapped(state, "small", 20)
+    small = add_swapped(state, "small", 20)
     cache_unrelated(state, 4)
     assert state.pool.num_free == 2
     swap_in(state, context())
@@ -290,7 +283,7 @@ def test_c10_swap_in_fills_the_batch_exactly() -> None:
     core = make_core(num_blocks=20, block_size=16, max_seq_len=128, max_batch_size=3)
     state = core.state
     hold_blocks(state, add_seq(state, "holder", 20, outputs=1), 2)
-    first, second, third = (_swapped(state, name, 20) for name in ("s1", "s2", "s3"))
+    first, second, third = (add_swapped(state, name, 20) for name in ("s1", "s2", "s3"))
     ctx = context()
     swap_in(state, ctx)
     assert [c.request_id for c in ctx.commands if isinstance(c, SwapIn)] == ["s1", "s2"]

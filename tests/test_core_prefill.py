@@ -6,28 +6,15 @@ pass goes on to the next sequence, and only sequences whose whole prefill is pla
 
 from __future__ import annotations
 
-from core_state import add_seq, cache_prefix_of, context, make_core
+from core_state import add_prefilling, add_seq, cache_prefix_of, context, make_core
 
 from tickloom.engine.core.columns import StepColumns
 from tickloom.engine.core.planner import plan_prefill
-from tickloom.engine.core.state import CoreState, Seq
 from tickloom.engine.core.status import Status
 
 
 def _empty_step(step_id: int) -> StepColumns:
     return StepColumns(step_id, [], [], [], [], [], [], [], [], [], [], [], [])
-
-
-def _prefilling(state: CoreState, request_id: str, prompt: int, computed: int, blocks: int, last_step: int) -> Seq:
-    """A running sequence part-way through its prompt, with ``blocks`` blocks and its last chunk in ``last_step``."""
-    seq = add_seq(state, request_id, prompt)
-    seq.block_ids = state.pool.allocate(blocks)
-    seq.sent_blocks = blocks
-    seq.num_computed = computed
-    seq.kv_settled = computed if last_step <= state.settled_step else 0
-    seq.first_planned = True
-    seq.last_step = last_step
-    return seq
 
 
 def test_c03_a_chunk_that_cannot_get_a_block_waits_and_the_pass_goes_on() -> None:
@@ -36,9 +23,9 @@ def test_c03_a_chunk_that_cannot_get_a_block_waits_and_the_pass_goes_on() -> Non
     core = make_core(num_blocks=5, block_size=16, max_seq_len=64, max_prefill_tokens=64)
     state = core.state
     state.settled_step = 0
-    stuck = _prefilling(state, "stuck", 48, 16, 1, last_step=1)  # its chunk in step 1 is in flight
-    fits = _prefilling(state, "fits", 30, 16, 2, last_step=1)  # its table already covers its prompt
-    holder = _prefilling(state, "holder", 20, 16, 2, last_step=1)
+    stuck = add_prefilling(state, "stuck", 48, 16, 1, last_step=1)  # its chunk in step 1 is in flight
+    fits = add_prefilling(state, "fits", 30, 16, 2, last_step=1)  # its table already covers its prompt
+    holder = add_prefilling(state, "holder", 20, 16, 2, last_step=1)
     assert state.pool.num_free == 0
     planned = _empty_step(2)
     remaining, completed = plan_prefill(state, context(), planned, [stuck, fits, holder], 1000)
@@ -50,8 +37,8 @@ def test_c03_a_chunk_that_cannot_get_a_block_waits_and_the_pass_goes_on() -> Non
 def test_c02_only_a_sequence_whose_whole_prompt_is_planned_is_completed() -> None:
     core = make_core(num_blocks=16, block_size=16, max_seq_len=240, max_prefill_tokens=32)
     state = core.state
-    short = _prefilling(state, "short", 20, 0, 0, last_step=-1)
-    long = _prefilling(state, "long", 100, 0, 0, last_step=-1)
+    short = add_prefilling(state, "short", 20, 0, 0, last_step=-1)
+    long = add_prefilling(state, "long", 100, 0, 0, last_step=-1)
     planned = _empty_step(0)
     remaining, completed = plan_prefill(state, context(), planned, [short, long], 1000)
     assert [(seq.request_id, count) for seq, count in zip(planned.seqs, planned.num_tokens, strict=True)] == [
@@ -67,7 +54,7 @@ def test_c18_a_fresh_sequence_preempted_by_its_own_chunk_keeps_its_cached_prompt
     state = core.state
     seq = add_seq(state, "fresh", 40)
     assert len(cache_prefix_of(state, seq, 32)) == 2  # its first two blocks are cached
-    other = _prefilling(state, "other", 40, 16, 3, last_step=0)
+    other = add_prefilling(state, "other", 40, 16, 3, last_step=0)
     state.settled_step = -1  # other's chunk is in flight: not a victim
     planned = _empty_step(1)
     remaining, completed = plan_prefill(state, context(), planned, [seq, other], 1000)
@@ -82,10 +69,10 @@ def test_c03_after_its_first_chunk_a_sequence_is_no_longer_fresh() -> None:
     core = make_core(num_blocks=5, block_size=16, max_seq_len=64, max_prefill_tokens=16)
     state = core.state
     seq = add_seq(state, "long", 48)
-    _prefilling(state, "holder", 40, 16, 3, last_step=0)
+    add_prefilling(state, "holder", 40, 16, 3, last_step=0)
     plan_prefill(state, context(), _empty_step(0), [seq], 1000)
     assert seq.first_planned and len(seq.block_ids) == 1 and seq.num_computed == 16
-    _prefilling(state, "holder2", 10, 0, 1, last_step=0)  # the last free block; nothing has settled
+    add_prefilling(state, "holder2", 10, 0, 1, last_step=0)  # the last free block; nothing has settled
     assert state.pool.num_free == 0 and state.settled_step == -1
     remaining, _ = plan_prefill(state, context(), _empty_step(1), [seq], 1000)
     assert remaining == [seq] and len(seq.block_ids) == 1 and seq.num_computed == 16
