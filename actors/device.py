@@ -274,7 +274,7 @@ class StubDevice:
                                                                    strict=True) if index != NO_SAMPLE]
                 out = oracle_step(rows, self.vocab_size, self.avoid)
                 await self._outbox.send(StepDone(command.step_id, ids, out.token_ids, int(seconds * 1e9),
-                                                 *out[1:]))
+                                                 *out.columns))
             elif isinstance(command, BindRequest):
                 self.seeds[command.request_id] = command.seed
                 self.specs[command.request_id] = (command.params, command.prompt_token_ids)

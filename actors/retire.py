@@ -19,9 +19,9 @@ from typing import Self
 
 import trio
 
-from tickloom.actors.streams import Detokenizer, PromptLogprobs, StreamAssembler
+from tickloom.actors.streams import Detokenizer, StreamAssembler
 from tickloom.engine.outputs import RequestOutput
-from tickloom.events.commands import Command, EmitTokens, Finish
+from tickloom.events.commands import Command, EmitTokens, Finish, PromptLogprobs
 from tickloom.events.inputs import ClientGone, Input, StopMatched
 from tickloom.events.types import SamplingSpec
 

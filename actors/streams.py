@@ -29,14 +29,11 @@ from typing import Protocol
 
 from tickloom.engine.core.status import FINISH_PRECEDENCE
 from tickloom.engine.outputs import RequestOutput, RequestUsage
-from tickloom.events.commands import Finish
+from tickloom.events.commands import Finish, PromptLogprobs
 from tickloom.events.types import FinishReason, SamplingSpec
 
 REPLACEMENT_CHAR = "\ufffd"
 
-
-PromptLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
-"""A request's prompt logprobs as ``EmitTokens`` carries them: logprobs, top ids, top logprobs (from position 1)."""
 
 
 def _top_dict(token: int, logprob: float, ids: list[int] | None, lps: list[float] | None) -> dict[int, float]:

@@ -7,7 +7,7 @@ appear only in snapshots. Row data is columnar: parallel lists, never a Struct p
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from tickloom.events.types import FinishReason, Record, SamplingSpec, Usage
 
@@ -93,8 +93,35 @@ class DropSpill(Record, frozen=True, tag="dropspill"):
     request_id: str
 
 
+PromptLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
+"""One request's prompt logprobs from position 1: each prompt token's logprob, the top-k ids and their logprobs (the
+entry of ``LogprobColumns``' three prompt columns for one row, as executors and the retire actor pass it around)."""
+
+
+class LogprobColumns(NamedTuple):
+    """The optional per-token columns that travel with sampled tokens, one entry per token, in the order and with the
+    types that ``EmitTokens`` and ``StepDone`` carry them last. The one declaration of that layout for code that
+    produces or moves these columns (the oracle, the executors); the wire Structs must spell their fields out, and
+    ``tests/test_events_columns.py`` checks that they spell exactly these."""
+
+    logprobs: list[float] | None = None
+    """Per entry, the sampled token's logprob; NaN where there is none."""
+    top_token_ids: list[list[int]] | None = None
+    """Per entry, the top-k alternatives' ids, best first; ``[]`` where there are none."""
+    top_logprobs: list[list[float]] | None = None
+    """Their logprobs, aligned with ``top_token_ids``."""
+    prompt_logprobs: list[list[float]] | None = None
+    """Per entry: with a request's output 0, its prompt logprobs from position 1 (``len(prompt) - 1`` entries);
+    ``[]`` elsewhere."""
+    prompt_top_token_ids: list[list[list[int]]] | None = None
+    """Per entry, per prompt position from 1 on: the top-k alternatives' ids (``[]`` as above)."""
+    prompt_top_logprobs: list[list[list[float]]] | None = None
+    """Their logprobs, aligned with ``prompt_top_token_ids``."""
+
+
 class EmitTokens(Record, frozen=True, tag="emit"):
-    """Tokens to stream: entry i is output token ``token_indices[i]`` of ``request_ids[i]`` (columnar)."""
+    """Tokens to stream: entry i is output token ``token_indices[i]`` of ``request_ids[i]`` (columnar). The last six
+    fields are ``LogprobColumns``, as ``StepDone`` reported them."""
 
     request_ids: list[str]
     token_ids: list[int]

@@ -23,6 +23,7 @@ import math
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
+from tickloom.events.commands import LogprobColumns, PromptLogprobs
 from tickloom.events.types import SamplingSpec
 
 SPAN = 8.0
@@ -115,8 +116,7 @@ def _pick(scored: list[tuple[float, int]], start: int, vocab_size: int, total: f
     return OracleSample(token, value - log_total, [t for _, t in top], [v - log_total for v, _ in top])
 
 
-def oracle_prompt_logprobs(prompt: Sequence[int], vocab_size: int, top_k: int) -> tuple[
-        list[float], list[list[int]], list[list[float]]]:
+def oracle_prompt_logprobs(prompt: Sequence[int], vocab_size: int, top_k: int) -> PromptLogprobs:
     """The stub's prompt logprobs: for each position from 1 on, the raw oracle logprob of the prompt's token and the
     top-k tokens, under a start hashed from (the previous token, the position)."""
     log_total = math.log(_total(vocab_size))
@@ -145,15 +145,10 @@ class OracleRow(NamedTuple):
 
 
 class OracleStep(NamedTuple):
-    """A step's sampled tokens and optional columns, shaped like ``StepDone``'s."""
+    """A step's sampled tokens, one per sampling row, and their optional columns (``StepDone``'s last six fields)."""
 
     token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_token_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
-    prompt_logprobs: list[list[float]] | None = None
-    prompt_top_token_ids: list[list[list[int]]] | None = None
-    prompt_top_logprobs: list[list[list[float]]] | None = None
+    columns: LogprobColumns = LogprobColumns()
 
 
 def _shapes(spec: SamplingSpec | None) -> bool:
@@ -183,13 +178,14 @@ def oracle_step(rows: Sequence[OracleRow], vocab_size: int, avoid: Collection[in
         lps.append(sample.logprob)
         top_ids.append(sample.top_ids)
         top_lps.append(sample.top_logprobs)
-    step = OracleStep(tokens, lps, top_ids, top_lps) if wants else OracleStep(tokens)
-    prompts = [
+    columns = LogprobColumns(lps, top_ids, top_lps) if wants else LogprobColumns()
+    prompts: list[PromptLogprobs] = [
         oracle_prompt_logprobs(r.prompt, vocab_size, r.spec.prompt_logprobs)
         if r.output_index == 0 and r.spec is not None and r.spec.prompt_logprobs is not None else ([], [], [])
         for r in rows
     ]
     if any(p[0] for p in prompts):
-        step = step._replace(prompt_logprobs=[p[0] for p in prompts], prompt_top_token_ids=[p[1] for p in prompts],
-                             prompt_top_logprobs=[p[2] for p in prompts])
-    return step
+        columns = columns._replace(prompt_logprobs=[p[0] for p in prompts],
+                                   prompt_top_token_ids=[p[1] for p in prompts],
+                                   prompt_top_logprobs=[p[2] for p in prompts])
+    return OracleStep(tokens, columns)

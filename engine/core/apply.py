@@ -11,7 +11,7 @@ import heapq
 import math
 from collections.abc import Sequence, Sized
 
-from tickloom.engine.core.context import PromptLogprobs, TickContext
+from tickloom.engine.core.context import TickContext
 from tickloom.engine.core.errors import InvariantViolation
 from tickloom.engine.core.fences import release_fences
 from tickloom.engine.core.finish import mark_finish, track_stops
@@ -37,6 +37,7 @@ from tickloom.events import (
     Usage,
     WatchDeadline,
 )
+from tickloom.events.commands import PromptLogprobs
 
 _ORDER: dict[type, int] = {
     RequestArrived: 0,

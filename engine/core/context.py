@@ -8,9 +8,7 @@ from typing import Any
 import attrs
 
 from tickloom.events import Command, EmitTokens
-
-PromptLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
-"""A request's prompt logprobs as ``StepDone`` reports them: logprobs, top ids, top logprobs (from position 1)."""
+from tickloom.events.commands import PromptLogprobs
 
 _NAN = float("nan")
 

@@ -16,9 +16,7 @@ from tickloom.engine.model.sampling import Sampler, SampleRow, has_penalties
 from tickloom.engine.model.tables import BoundRequests
 from tickloom.engine.model.types import StepResult
 from tickloom.events import SamplingSpec
-
-PromptLogprobs = tuple[list[float], list[list[int]], list[list[float]]]
-"""Prompt logprobs from position 1: the prompt tokens' logprobs, the top-k ids and their logprobs."""
+from tickloom.events.commands import PromptLogprobs
 
 
 @dataclass(slots=True)

@@ -77,7 +77,8 @@ class StubExecutor(BoundRequests[_StubRequest]):
         rows = [OracleRow(st.seed, k, st.spec, st.prompt)
                 for st, k in zip(states, sample_indices, strict=True) if k >= 0]
         self.steps_run += 1
-        return StepResult(*oracle_step(rows, self.vocab_size, self.avoid))
+        out = oracle_step(rows, self.vocab_size, self.avoid)
+        return StepResult(out.token_ids, *out.columns)
 
     def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV:
         if request_id not in self._requests:
