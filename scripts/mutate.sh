@@ -34,15 +34,15 @@ EQUIVALENT=$(cat <<'EOF'
 engine.core.admission.x_in_flight_demand__mutmut_5	> becomes >=: a sequence holding exactly its reservation stays listed, adding 0 to the demand
 engine.core.admission.x_admit__mutmut_4	>= becomes >: at a full batch the loop admits nothing either; only in_flight_demand runs, pruning the reserving list alike
 engine.core.admission.x_admit__mutmut_46	make_room gets no ctx on the lone path: nothing is active, so there is no swap-out, its only use of ctx
-engine.core.admission.x_admit__mutmut_61	admission numbers step by 2: they are only compared with each other (victim and swap-out order)
+engine.core.admission.x_admit__mutmut_66	admission numbers step by 2: they are only compared with each other (victim and swap-out order)
 engine.core.admission.x_make_room__mutmut_5	> becomes >=: reclaim(0) frees nothing and the shortfall is recomputed the same
 engine.core.apply.x_commit_token__mutmut_61	the forced call passes None for think-end: its first test replaces any token but think-end by think-end, the budget being spent
 engine.core.apply.x_shut_down__mutmut_20	dequeue=None for dequeue=False: both falsy
 engine.core.apply.x_shut_down__mutmut_26	dequeue left True: each parked request also leaves its queue one by one, which shutdown then empties anyway (only slower)
 engine.core.apply.x_shut_down__mutmut_31	dequeue=True: as mutant 26
 engine.core.apply.x_shut_down__mutmut_29	the shutdown error at index len+1, not len-1: the only reason that can follow it in the tick is the sweep's timeout at len-1, which wins either way; earlier reasons stand either way
-engine.core.apply.x_spill_done__mutmut_18	unblocked not set after a failed spill: it only matters with no step in flight, and then the requeued sequence resumes in this tick's resume phase, which sets it
-engine.core.apply.x_spill_done__mutmut_19	as mutant 18 (False for None)
+engine.core.apply.x_spill_done__mutmut_28	unblocked not set after a failed spill: it only matters with no step in flight, and then the requeued sequence resumes in this tick's resume phase, which sets it
+engine.core.apply.x_spill_done__mutmut_29	as mutant 28 (False for None)
 engine.core.apply.x_fail_step__mutmut_8	a failed step's samplers are all among its rows, which it ends: retired this tick, their in-flight count is never read again
 engine.core.apply.x_fail_step__mutmut_9	as mutant 8
 engine.core.apply.x_fail_step__mutmut_10	as mutant 8
@@ -119,8 +119,8 @@ engine.core.prefix_cache.x_full_block_hashes__mutmut_14	+= becomes =: seq.hashes
 engine.core.preemption.x_preempt__mutmut_1	the victims-are-settled assert weakened: callers only pass settled victims (choose_victim, make_room)
 engine.core.preemption.x_preempt__mutmut_8	the assert's message: the assert never fires
 engine.core.preemption.x_preempt__mutmut_9	the assert's message: the assert never fires
-engine.core.preemption.x_preempt__mutmut_69	reserve left 1: only RUNNING sequences count in demand, and every way back sets reserve itself
-engine.core.preemption.x_preempt__mutmut_67	first_planned left True: every way back (resume_preempted, swap_in) sets it True itself
+engine.core.preemption.x_take_off_device__mutmut_70	reserve left 1: only RUNNING sequences count in demand, and every way back sets reserve itself
+engine.core.preemption.x_take_off_device__mutmut_68	first_planned left True: every way back (resume_preempted, swap_in) sets it True itself
 engine.core.blocks.x_chain_hashes__mutmut_16	range end len-step+2 for len-step+1: offsets are multiples of 4 x block_size and len(packed) a multiple of 4, so no offset is ever len-step+1
 engine.core.blocks.xǁBlockPoolǁreclaim__mutmut_1	< 0 for <= 0: reclaim(0) runs its loop zero times and returns 0 alike
 engine.core.blocks.xǁBlockPoolǁreclaim__mutmut_14	popitem(last=None): falsy like False
@@ -151,8 +151,8 @@ engine.core.finish.x_mark_finish__mutmut_8	True for False when the finish does n
 engine.core.finish.x_stop_rule__mutmut_1	the cache never read: the rule is recomputed, the same, on each call (only slower)
 engine.core.prefix_cache.x_cache_full_blocks__mutmut_21	zip(strict=None): falsy like strict=False
 engine.core.prefix_cache.x_cache_full_blocks__mutmut_24	zip without strict: the default is strict=False
-engine.core.preemption.x_preempt__mutmut_11	lane_broken = None: a preemption while a lane step is planned takes a sequence outside the lane (every member already has a row in that step, so none is a victim); the lane skips a prefilling or joining sequence that is no longer running, so keeping it plans the same steps (the flag only makes the general plan rebuild it); the differential lane tests pass with it, the slow ones too
-engine.core.preemption.x_preempt__mutmut_12	as mutant 11
+engine.core.preemption.x_take_off_device__mutmut_2	lane_broken = None: a preemption while a lane step is planned takes a sequence outside the lane (every member already has a row in that step, so none is a victim); the lane skips a prefilling or joining sequence that is no longer running, so keeping it plans the same steps (the flag only makes the general plan rebuild it); the differential lane tests pass with it, the slow ones too
+engine.core.preemption.x_take_off_device__mutmut_3	as mutant 2
 engine.core.snapshot.x__restore_step__mutmut_6	zip(strict=None): a step's samplers and sample indices are restored from one list each, equally long
 engine.core.snapshot.x__restore_step__mutmut_9	as mutant 6
 engine.core.snapshot.x__restore_step__mutmut_10	as mutant 6
@@ -196,7 +196,7 @@ engine.core.state.xǁCoreStateǁprune_running__mutmut_2	the threshold between tw
 engine.core.state.xǁCoreStateǁprune_running__mutmut_3	as mutant 2
 engine.core.state.xǁCoreStateǁprune_running__mutmut_4	as mutant 2
 engine.core.tick_end.x_swap_in__mutmut_17	<= for <: with exactly enough free blocks the loop calls reclaim(0), which frees nothing and ends it
-engine.core.tick_end.x_swap_in__mutmut_41	first_planned left False: a swapped-in sequence has the KV of its whole history (spill_tokens is its prefill target), so it never reaches the prefill pass, the flag's only reader, and a later preemption resets it anyway
+engine.core.tick_end.x_swap_back_in__mutmut_12	first_planned left False: a swapped-in sequence has the KV of its whole history (spill_tokens is its prefill target), so it never reaches the prefill pass, the flag's only reader, and a later preemption resets it anyway
 EOF
 )
 
