@@ -12,8 +12,8 @@ the scheduler (ARCHITECTURE.md):
   through the core's own ``take_off_device``, which is ``preempt`` without that assertion.
 * ``swapped-deadline``: ``sweep_deadlines`` skips swapped sequences: a request whose deadline passes while its KV is
   in the spill store is never timed out.
-* ``swap-in-no-reclaim``: ``swap_in`` without its reclaim loop: a swapped sequence strands while the blocks it needs
-  sit, unreferenced, in the prefix cache.
+* ``swap-in-no-reclaim``: ``swap_in`` without its reclaim pass (``reclaim_for_swap_in``): a swapped sequence strands
+  while the blocks it needs sit, unreferenced, in the prefix cache.
 * ``stream-overrun``: ``_commit_in_bulk`` streams the token of a row whose sequence already finished (an over-run of
   running ahead, or a row of a cancelled request).
 * ``stop-loses``: ``stop_matched`` ignores a request already marked finished in this tick, so a ``StopMatched`` at a
@@ -31,13 +31,11 @@ import tickloom.engine.core.apply as apply_module
 import tickloom.engine.core.planner as planner_module
 import tickloom.engine.core.scheduler as scheduler_module
 import tickloom.engine.core.tick_end as tick_end_module
-from tickloom.engine.core.blocks import blocks_for
 from tickloom.engine.core.context import TickContext
 from tickloom.engine.core.finish import mark_finish
 from tickloom.engine.core.preemption import take_off_device
 from tickloom.engine.core.state import CoreState, InflightStep, Seq
 from tickloom.engine.core.status import Status
-from tickloom.engine.core.tick_end import swap_back_in
 from tickloom.events import StepDone, StopMatched
 
 
@@ -88,20 +86,9 @@ def sweep_deadlines_skipping_swapped(state: CoreState) -> None:
             mark_finish(state, seq, "timeout", len(seq.outputs) - 1)
 
 
-def swap_in_without_reclaim(state: CoreState, ctx: TickContext) -> None:
-    """``tick_end.swap_in`` without the loop that reclaims prefix-cache blocks for the smallest candidate."""
-    if not state.swapping_or_swapped:
-        return
-    pool = state.pool
-    size = state.config.block_size
-    active = state.active
-    while active < state.config.max_batch_size:
-        candidates = [seq for seq in state.swapping_or_swapped if seq.status is Status.SWAPPED and seq.swap_ready]
-        chosen = next((s for s in candidates if blocks_for(s.spill_tokens, size) <= pool.num_free), None)
-        if chosen is None:
-            return
-        swap_back_in(state, ctx, chosen)
-        active += 1
+def reclaim_nothing(state: CoreState, candidates: list[Seq]) -> None:
+    """``tick_end.reclaim_for_swap_in`` that reclaims nothing: ``swap_in`` then takes a candidate only if it fits
+    in the blocks already free."""
 
 
 def commit_streaming_overruns(state: CoreState, ctx: TickContext, step: InflightStep, msg: StepDone) -> None:
@@ -147,7 +134,7 @@ VARIANTS: dict[str, Callable[[], AbstractContextManager[None]]] = {
     "fence": lambda: patched(tick_end_module, "release_blocks", release_blocks_unfenced),
     "preempt-unsettled": lambda: patched(planner_module, "ensure_blocks", ensure_blocks_any_victim),
     "swapped-deadline": lambda: patched(scheduler_module, "sweep_deadlines", sweep_deadlines_skipping_swapped),
-    "swap-in-no-reclaim": lambda: patched(scheduler_module, "swap_in", swap_in_without_reclaim),
+    "swap-in-no-reclaim": lambda: patched(tick_end_module, "reclaim_for_swap_in", reclaim_nothing),
     "stream-overrun": lambda: patched(apply_module, "_commit_in_bulk", commit_streaming_overruns),
     "stop-loses": lambda: patched(apply_module, "stop_matched", stop_matched_unless_finishing),
 }

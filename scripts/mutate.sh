@@ -195,7 +195,7 @@ engine.core.state.xǁCoreStateǁjoin_running__mutmut_4	run orders step by 2: the
 engine.core.state.xǁCoreStateǁprune_running__mutmut_2	the threshold between two ways of dropping the finished (binary searches or one rebuild), which leave the same list: only speed
 engine.core.state.xǁCoreStateǁprune_running__mutmut_3	as mutant 2
 engine.core.state.xǁCoreStateǁprune_running__mutmut_4	as mutant 2
-engine.core.tick_end.x_swap_in__mutmut_17	<= for <: with exactly enough free blocks the loop calls reclaim(0), which frees nothing and ends it
+engine.core.tick_end.x_reclaim_for_swap_in__mutmut_9	<= for <: with exactly enough free blocks the loop calls reclaim(0), which frees nothing and ends it
 engine.core.tick_end.x_swap_back_in__mutmut_12	first_planned left False: a swapped-in sequence has the KV of its whole history (spill_tokens is its prefill target), so it never reaches the prefill pass, the flag's only reader, and a later preemption resets it anyway
 EOF
 )

@@ -76,14 +76,20 @@ def swap_in(state: CoreState, ctx: TickContext) -> None:
         candidates = [seq for seq in state.swapping_or_swapped if seq.status is Status.SWAPPED and seq.swap_ready]
         if not candidates:
             return
-        smallest = min(blocks_for(seq.spill_tokens, size) for seq in candidates)
-        while pool.num_free < smallest and pool.reclaim(smallest - pool.num_free):
-            pass
+        reclaim_for_swap_in(state, candidates)
         chosen = next((s for s in candidates if blocks_for(s.spill_tokens, size) <= pool.num_free), None)
         if chosen is None:
             return
         swap_back_in(state, ctx, chosen)
         active += 1
+
+
+def reclaim_for_swap_in(state: CoreState, candidates: list[Seq]) -> None:
+    """Reclaim prefix-cache blocks, pass by pass, until the smallest candidate fits or a pass frees nothing."""
+    pool = state.pool
+    smallest = min(blocks_for(seq.spill_tokens, state.config.block_size) for seq in candidates)
+    while pool.num_free < smallest and pool.reclaim(smallest - pool.num_free):
+        pass
 
 
 def swap_back_in(state: CoreState, ctx: TickContext, seq: Seq) -> None:
