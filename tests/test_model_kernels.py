@@ -151,7 +151,8 @@ def test_q8_0_embedding_reads_rows_from_the_file_mapping(tmp_path: Path) -> None
 
 @needs_fbgemm
 async def test_quantized_engine_run_replays_full(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A quantized run (int4 layers, fbgemm head) re-run by ``replay --full`` gives the same tokens."""
+    """A quantized run (int4 layers and an int8 head: on tickloom's CPU kernels where the CPU has them) re-run by
+    ``replay --full`` gives the same tokens."""
     import trio
 
     from tickloom.engine import Engine, EngineConfig, SamplingParams
