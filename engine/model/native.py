@@ -25,7 +25,7 @@ Trade-offs, said plainly:
 - The library links the OpenMP runtime torch has already loaded (same soname), so its threads are torch's:
   the thread count is ``torch.get_num_threads()`` and the two pools never compete.
 
-The compiled library is cached under ``$TICKLOOM_CACHE`` (default ``~/.cache/tickloom``) ``/kernels``, named by a
+The compiled library is cached in ``kernels/`` of the model cache's folder (``registry.cache_dir()``), named by a
 hash of the source, the flags and the compiler's version, so a changed source builds anew.
 """
 
@@ -133,7 +133,9 @@ def _cpu_flags() -> set[str] | None:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TICKLOOM_CACHE", Path.home() / ".cache" / "tickloom")) / "kernels"
+    from tickloom.engine.model.registry import cache_dir  # the model cache's root; kernels/ beside models/
+
+    root = cache_dir() / "kernels"
     out = root / f"cpu_kernels-{key}.so"
     if out.exists():
         return out
