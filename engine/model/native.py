@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -118,7 +119,10 @@ def _load() -> tuple[_Kernel | None, str]:
         return _Kernel(ctypes.CDLL(str(path))), "ready"
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        return None, f"building {_SOURCE.name} failed: {str(detail).strip()[:400]}"
+        reason = f"building {_SOURCE.name} failed: {str(detail).strip()[:400]}"
+        # The CPU could run the kernels, so this is worth saying: the model runs several times slower without them.
+        logging.getLogger(__name__).warning("tickloom's CPU kernels are off: %s", reason)
+        return None, reason
 
 
 def _cpu_flags() -> set[str] | None:
