@@ -12,16 +12,14 @@ import pytest
 import torch
 
 from tickloom.engine.model import int4pack
+from tickloom.engine.model.head import DynInt8Linear, fbgemm_available, int8_rows
 from tickloom.engine.model.kv_cache import PagedKVCache, zeroed_pool
 from tickloom.engine.model.llama import apply_rope, norm_weight2, rms_norm, rope_tables
 from tickloom.engine.model.quant import (
-    DynInt8Linear,
     Embedding,
     RawBlocks,
     drop_file_pages,
-    fbgemm_available,
     gguf_q8_0,
-    int8_rows,
 )
 
 torch.set_num_threads(1)

@@ -216,7 +216,8 @@ def _q8_0_rows(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
 
 
 def test_q8_head_keeps_the_files_weights_and_multiplies_to_15_bits() -> None:
-    from tickloom.engine.model.quant import Q8Linear, RawBlocks
+    from tickloom.engine.model.head import Q8Linear
+    from tickloom.engine.model.quant import RawBlocks
 
     rows, w = _q8_0_rows(48, 128, seed=6)
     lin = Q8Linear.from_weight(RawBlocks("Q8_0", rows, (48, 128)))
@@ -233,7 +234,7 @@ def test_q8_head_keeps_the_files_weights_and_multiplies_to_15_bits() -> None:
 
 
 def test_q8_head_from_float_rounds_each_group_to_its_own_step() -> None:
-    from tickloom.engine.model.quant import Q8Linear
+    from tickloom.engine.model.head import Q8Linear
 
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(8))
     w[0, 0] = 30.0  # one large weight coarsens its own group only

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tickloom.engine.model import native
 from tickloom.engine.model.batch import AttnGroup, StepBatch
 from tickloom.engine.model.config import ModelConfig, rope_inv_freq
+from tickloom.engine.model.head import head_linear
 from tickloom.engine.model.kv_cache import PagedKVCache
 from tickloom.engine.model.quant import (
     Embedding,
@@ -27,7 +28,6 @@ from tickloom.engine.model.quant import (
     Weight,
     activation_dtype,
     check_quant,
-    head_linear,
     join_linear,
 )
 
@@ -125,7 +125,7 @@ class LlamaModel:
     """Weights plus the paged-attention forward. Not an ``nn.Module``: it never trains.
 
     ``quant`` (``engine.model.quant.QUANT_SETTINGS``) picks the projections' form; the LM head is dense without
-    ``quant`` and int8 with it (``quant.head_linear``). The embedding table stays in ``dtype`` for lookup (or GGUF
+    ``quant`` and int8 with it (``head.head_linear``). The embedding table stays in ``dtype`` for lookup (or GGUF
     Q8_0 rows, dequantized per lookup). Tensors may be GGUF ``RawBlocks``; float tensors are converted to ``dtype``
     as they are used."""
 

@@ -10,8 +10,7 @@ matmul and the result cast back (torch has no fast float32 path for these ops):
   ``aten._weight_int4pack_mm_for_cpu`` (weights packed by ``engine.model.int4pack``, ``scales_and_zeros``
   ``[K / group, N, 2]`` in the activation dtype, ``w = (q - 8) * scale + zero``: ``zero = z + 8 s``).
 
-The LM head of a quantized model is a ``DynInt8Linear`` where torch has fbgemm (x86): int8 weights, activations
-quantized per row at each call, fbgemm's integer GEMM (see the class for why it is both fast and exact enough).
+The LM head of a quantized model has its own forms (``engine.model.head``).
 
 ``QUANT_SETTINGS`` names the settings ``EngineConfig.quant`` accepts.
 """
@@ -19,7 +18,6 @@ quantized per row at each call, fbgemm's integer GEMM (see the class for why it 
 from __future__ import annotations
 
 import mmap
-import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -137,98 +135,6 @@ def q8_0_rows(blocks: np.ndarray, chunk: int = 2048) -> tuple[torch.Tensor, torc
     return torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(scales)
 
 
-def int8_rows(w: Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Any weight as symmetric int8 ``N x K`` (-127..127) and float32 scales, one per row."""
-    if isinstance(w, RawBlocks) and w.kind == "Q8_0":
-        return q8_0_rows(w.data)
-    lin = Int8Linear.from_float(w.dequantize() if isinstance(w, RawBlocks) else w, act=torch.float32)
-    return lin.q, lin.scales
-
-
-def fbgemm_available() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines and _fbgemm_op() is not None
-
-
-def _vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            return "avx512_vnni" in fh.read(1 << 16)
-    except OSError:
-        return False
-
-
-def _fbgemm_op() -> Any:
-    try:  # registered by every x86 build; absent from some others, which then never build a DynInt8Linear
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_QLINEAR: Callable[[torch.Tensor, float, int, Any], torch.Tensor] = _fbgemm_op()
-_LEVELS = 127 if _vnni() else 63
-"""Activation steps each side of zero. fbgemm multiplies uint8 activations by int8 weights; without VNNI it sums
-pairs of products in int16, which saturates past 32767 (255 * 127 * 2 does), so there it gets 7-bit activations
-(127 * 127 * 2 does not)."""
-_TINY = 1e-30
-
-
-class DynInt8Linear:
-    """int8 weights (one scale per output row), packed once for fbgemm; each call quantizes the activations per
-    row and runs fbgemm's integer GEMM, which returns float32.
-
-    Why: on x86 torch's weight-only kernels convert every weight to float per call, so at batch 1 the 49152-row
-    LM head took 6 ms in int8 (int4: 2 ms), while fbgemm's uint8 x int8 GEMM reads the same bytes in under 1 ms,
-    and its advantage grows with the batch.
-
-    Why two passes: one 8-bit step per row is too coarse for this head's input (a few channels are 15-20 times
-    the row's rms, so most values get 3 bits: greedy agreement with float32 fell to 90%). Each row ``x`` is
-    split into ``s1 * (hi + s2 * lo)``, ``hi`` on the 8-bit grid and ``lo`` the rounding residual on its own
-    8-bit grid, and both go through one GEMM of twice the rows (at small batches it costs the same: the weights
-    are read once). That is ~16 bits per activation, finer than bfloat16. ``hi`` is rounded here, so fbgemm's
-    own rounding (with the fixed scale ``1 / _LEVELS``) leaves it as it is and the residual is exact.
-
-    Deterministic and independent of the batch: the scales are per row and the GEMM accumulates in int32."""
-
-    __slots__ = ("bias", "in_features", "out_features", "packed")
-
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        n = q.shape[0]
-        self.out_features, self.in_features = q.shape
-        self.bias = None if bias is None else bias.float()
-        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; fbgemm's ops are not
-            warnings.simplefilter("ignore")
-            qt = torch._make_per_channel_quantized_tensor(q.contiguous(), scales.double(),
-                                                          torch.zeros(n, dtype=torch.long), 0)
-            engine = torch.backends.quantized.engine
-            torch.backends.quantized.engine = "fbgemm"
-            try:
-                self.packed = torch.ops.quantized.linear_prepack(qt, None)
-            finally:
-                torch.backends.quantized.engine = engine
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead = tuple(x.shape[:-1])
-        xf = x.reshape(-1, self.in_features).float()
-        m = xf.shape[0]
-        inf = float("inf")
-        s1 = torch.linalg.vector_norm(xf, inf, dim=1, keepdim=True).clamp_(min=_TINY)
-        parts = torch.empty(2 * m, self.in_features)
-        hi, lo = parts[:m], parts[m:]
-        torch.div(xf, s1, out=lo)
-        torch.round(lo * _LEVELS, out=hi).div_(_LEVELS)
-        lo.sub_(hi)
-        s2 = torch.linalg.vector_norm(lo, inf, dim=1, keepdim=True).clamp_(min=_TINY)
-        lo.div_(s2)
-        y = _QLINEAR(parts, 1.0 / _LEVELS, _LEVELS + 1, self.packed)
-        out = torch.addcmul(y[:m], y[m:], s2).mul_(s1)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.view(*lead, self.out_features)
-
-    def nbytes(self) -> int:
-        return self.out_features * (self.in_features + 4)
-
-
 class Int4Linear:
     """Weight-only asymmetric int4 in groups of ``group`` input features: ``w[n, k] = s[n, g] * q[n, k] + z[n, g]``
     with ``q`` in 0..15 and ``g = k // group`` (GGUF Q4_1's own form).
@@ -316,46 +222,6 @@ class Int4Linear:
 
     def nbytes(self) -> int:
         return _nbytes(self.tiles, self.packed, self.scales_zeros, self.bias)
-
-
-class Q8Linear:
-    """GGUF Q8_0's form, ``w[n, k] = d[n, k // 32] * q[n, k]`` with ``q`` int8, on tickloom's 8-bit kernel
-    (``engine.model.native.q8_matmul``); returns float32. The LM head where the kernel runs: a Q8_0 head (the
-    bundled model's tied embedding) is used as the file has it, with no second rounding."""
-
-    __slots__ = ("in_features", "out_features", "tiles")
-
-    def __init__(self, q: np.ndarray, d: np.ndarray) -> None:
-        self.out_features, self.in_features = q.shape
-        self.tiles = native.pack_q8_tiles(q, d)
-
-    @classmethod
-    def from_weight(cls, w: Weight) -> Q8Linear:
-        if isinstance(w, RawBlocks) and w.kind == "Q8_0":
-            d8, q8 = gguf_q8_0(w.data)
-            return cls(q8.reshape(q8.shape[0], -1), d8)
-        f = (w.dequantize() if isinstance(w, RawBlocks) else w).float()
-        n, k = f.shape
-        groups = f.reshape(n, k // 32, 32)
-        step = groups.abs().amax(dim=-1) / 127.0
-        q = torch.round(groups / step.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.reshape(n, k).numpy(), step.numpy())
-
-    def dequantize(self) -> torch.Tensor:
-        t = self.tiles.numpy()
-        b, g, _ = t.shape
-        q = t[..., :512].view(np.int8).reshape(b, g, 8, 16, 4).transpose(0, 3, 1, 2, 4).reshape(b * 16, g, 32)
-        d = np.ascontiguousarray(t[..., 512:544]).view(np.float16).astype(np.float32)
-        d = np.ascontiguousarray(d.transpose(0, 2, 1)).reshape(b * 16, g)
-        return torch.from_numpy((q.astype(np.float32) * d[..., None]).reshape(b * 16, -1))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead = tuple(x.shape[:-1])
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        return native.q8_matmul(x2, self.tiles, self.out_features).view(*lead, self.out_features)
-
-    def nbytes(self) -> int:
-        return _nbytes(self.tiles)
 
 
 def gguf_q4_fields(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
@@ -503,19 +369,6 @@ def drop_file_pages(arr: np.ndarray) -> bool:
             return True
         base = base.base
     return False
-
-
-def head_linear(w: Weight, quant: str, act: torch.dtype) -> Linear:
-    """The LM head under a model setting: dense with ``"none"``; else ``Q8Linear`` where tickloom's kernels
-    run, else ``DynInt8Linear`` where fbgemm runs, else weight-only int8. Never int4: an int4 head costs about a
-    tenth of the greedy agreement with float32 on SmolLM2-135M (llama.cpp's Q4 files keep a Q8_0 head too)."""
-    if quant == "none":
-        return join_linear([w], None, quant, act)
-    if native.available() and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
-        return Q8Linear.from_weight(w)
-    if fbgemm_available():
-        return DynInt8Linear(*int8_rows(w))
-    return join_linear([w], None, "int8", act)
 
 
 def check_quant(quant: str, dtype: torch.dtype, device: torch.device) -> None:
