@@ -15,6 +15,13 @@ as they are, such rows would make the executor reject step t+1 as a whole, and f
 do with t. So the device *poisons* the requests of a failed step until their ``ReleaseRequest``: their rows are
 cut out of later steps before the executor sees them, and the step reports a placeholder token for each, which
 the core discards (the request has already ended).
+
+A failed ``SwapIn`` poisons its request the same way. The core plans rows for a request as soon as it sends its
+SwapIn, over the blocks the copy is to fill, so without the copy the executor's table for it is stale. The copy
+can go missing for a reason outside the device: a ``DropSpill`` (the request was cancelled or timed out) goes to
+the spill actor, which does not wait behind the device's queue, so it can delete the host copy while the SwapIn
+still waits in that queue. ``SwapInFailed`` is reported before the step that follows it, so the core has ended
+the request before it sees the placeholder.
 """
 
 from __future__ import annotations
@@ -223,6 +230,7 @@ class ThreadDevice:
             try:
                 ex.copy_in(command.request_id, list(command.block_ids), self._spill.store.take(command.request_id))
             except Exception as exc:  # reported as SwapInFailed: that request alone ends with an error
+                self._poisoned.add(command.request_id)
                 self._report(SwapInFailed(command.request_id, f"{type(exc).__name__}: {exc}"))
 
     def _to_spill(self, request_id: str, kv: HostKV | None, error: str) -> None:

@@ -39,9 +39,8 @@ class ModelExecutor(BoundRequests[_RequestState]):
     (the step actor's executor thread) calls it, in command order."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16) -> None:
-        super().__init__()
+        super().__init__(block_size)
         self.model = model
-        self.block_size = block_size
         self.kv: PagedKVCache = model.new_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(model.cfg.vocab_size, model.device)
         self.copier = CopyEngine(model.device)

@@ -43,10 +43,9 @@ class StubExecutor(BoundRequests[_StubRequest]):
 
     def __init__(self, vocab_size: int = 32000, num_blocks: int = 1024, block_size: int = 16,
                  avoid: tuple[int, ...] = ()) -> None:
-        super().__init__()
+        super().__init__(block_size)
         self.vocab_size = vocab_size
         self.num_blocks = num_blocks
-        self.block_size = block_size
         self.avoid = avoid
         self.steps_run = 0
 

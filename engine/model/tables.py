@@ -18,8 +18,10 @@ S = TypeVar("S", bound=HasBlockTable)
 class BoundRequests(Generic[S]):
     """Per-request state keyed by request id, for the requests bound and not yet released."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
         self._requests: dict[str, S] = {}
+        self.block_size = block_size
+        """Tokens per KV block: each row's table must cover its positions (``start_step`` checks)."""
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -57,4 +59,10 @@ class BoundRequests(Generic[S]):
             del state.block_table[start:]
             state.block_table.extend(new_block_ids[offset : offset + count])
             offset += count
+        size = self.block_size
+        for i, (state, position, count) in enumerate(zip(states, positions, num_tokens, strict=True)):
+            need = (position + count + size - 1) // size
+            if need > len(state.block_table):
+                raise ValueError(f"row {i}: positions up to {position + count - 1} need {need} blocks, "
+                                 f"block table has {len(state.block_table)}")
         return states
