@@ -29,12 +29,14 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
 
 from tickloom.actors.mailbox import ChannelOverflow, Outbox
 from tickloom.actors.spill import SpillActor
+from tickloom.engine.model.tables import BoundRequests
 from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import (
     NO_SAMPLE,
@@ -238,13 +240,31 @@ class ThreadDevice:
         trio.from_thread.run_sync(self._spill.accept_nowait, request_id, kv, error, trio_token=self._token)
 
 
+@dataclass(slots=True)
+class _Table:
+    block_table: list[int] = field(default_factory=list)
+
+
+class BlockTables(BoundRequests[_Table]):
+    """Block tables alone, for a device with no executor: the stub device checks its steps against them."""
+
+    def bind(self, request_id: str) -> None:
+        self._requests[request_id] = _Table()
+
+    def swap_in(self, request_id: str, block_ids: list[int]) -> None:
+        self._requests[request_id].block_table[:] = block_ids
+
+
 class StubDevice:
-    """A trio-native device for tests: oracle tokens, ``trio.sleep(step_time)`` per step, scripted faults."""
+    """A trio-native device for tests: oracle tokens, ``trio.sleep(step_time)`` per step, scripted faults.
+
+    It keeps block tables and poisons requests as ``ThreadDevice`` does, so a step whose table deltas do not
+    cover its rows fails here as it would on a model, and the explorer can find the race that causes it."""
 
     def __init__(self, outbox: Outbox, spill: SpillActor | None, limit: int, *, vocab_size: int,
                  step_time: Callable[[RunStep], float], avoid: tuple[int, ...] = (),
                  fail_steps: frozenset[int] = frozenset(),
-                 script: dict[str, dict[int, int]] | None = None) -> None:
+                 script: dict[str, dict[int, int]] | None = None, block_size: int = 16) -> None:
         self._outbox = outbox
         self._spill = spill
         self._send, self._receive = trio.open_memory_channel[Command](limit)
@@ -257,6 +277,9 @@ class StubDevice:
         self.seeds: dict[str, int] = {}
         self.specs: dict[str, tuple[SamplingSpec, list[int]]] = {}
         self.released: list[str] = []
+        self.tables = BlockTables(block_size)
+        """Each bound request's block table, kept from the commands as an executor keeps it."""
+        self._poisoned: set[str] = set()
         self.busy_ns = 0
 
     def submit_nowait(self, command: Command) -> None:
@@ -271,24 +294,16 @@ class StubDevice:
     async def run(self) -> None:
         async for command in self._receive:
             if isinstance(command, RunStep):
-                seconds = self.step_time(command)
-                await trio.sleep(seconds)
-                self.busy_ns += int(seconds * 1e9)
-                if command.step_id in self.fail_steps:
-                    await self._outbox.send(StepFailed(command.step_id, "scripted device fault"))
-                    continue
-                ids = sampled_ids(command)
-                rows = [self.row(rid, index) for rid, index in zip(command.request_ids, command.sample_indices,
-                                                                   strict=True) if index != NO_SAMPLE]
-                out = oracle_step(rows, self.vocab_size, self.avoid)
-                await self._outbox.send(StepDone(command.step_id, ids, out.token_ids, int(seconds * 1e9),
-                                                 *out.columns))
+                await self._run_step(command)
             elif isinstance(command, BindRequest):
                 self.seeds[command.request_id] = command.seed
                 self.specs[command.request_id] = (command.params, command.prompt_token_ids)
+                self.tables.bind(command.request_id)
             elif isinstance(command, ReleaseRequest):
                 self.released.append(command.request_id)
                 self.specs.pop(command.request_id, None)
+                self.tables.release(command.request_id)
+                self._poisoned.discard(command.request_id)
             elif isinstance(command, SpillOut):
                 assert self._spill is not None
                 self._spill.accept_nowait(command.request_id, HostKV(None, None, command.num_tokens), "")
@@ -297,7 +312,38 @@ class StubDevice:
                 try:
                     self._spill.store.take(command.request_id)
                 except KeyError as exc:
+                    self._poisoned.add(command.request_id)
                     await self._outbox.send(SwapInFailed(command.request_id, f"no host copy: {exc}"))
+                else:
+                    self.tables.swap_in(command.request_id, list(command.block_ids))
+
+    async def _run_step(self, command: RunStep) -> None:
+        """``ThreadDevice``'s rules in virtual time: poisoned rows cut, tables checked as an executor does."""
+        seconds = self.step_time(command)
+        await trio.sleep(seconds)
+        self.busy_ns += int(seconds * 1e9)
+        dead = self._poisoned.intersection(command.request_ids) if self._poisoned else set()
+        step = without_requests(command, dead) if dead else command
+        try:
+            if command.step_id in self.fail_steps:
+                raise RuntimeError("scripted device fault")
+            self.tables.start_step(list(step.request_ids), list(step.positions), list(step.num_tokens),
+                                   list(step.token_ids), list(step.sample_indices), list(step.block_starts),
+                                   list(step.num_new_blocks), list(step.new_block_ids))
+        except (RuntimeError, ValueError) as exc:
+            self._poisoned.update(command.request_ids)
+            await self._outbox.send(StepFailed(command.step_id, f"{type(exc).__name__}: {exc}"))
+            return
+        rows = [self.row(rid, index) for rid, index in zip(step.request_ids, step.sample_indices, strict=True)
+                if index != NO_SAMPLE]
+        out = oracle_step(rows, self.vocab_size, self.avoid)
+        result = StepResult(out.token_ids, *out.columns)
+        if dead:
+            result = with_placeholders(command, dead, result)
+        await self._outbox.send(StepDone(command.step_id, sampled_ids(command), result.token_ids,
+                                         int(seconds * 1e9), result.logprobs, result.top_token_ids,
+                                         result.top_logprobs, result.prompt_logprobs, result.prompt_top_token_ids,
+                                         result.prompt_top_logprobs))
 
     def row(self, request_id: str, index: int) -> OracleRow:
         """A sampling row for the oracle: the request's seed, params and prompt, and a scripted token if any."""

@@ -255,7 +255,8 @@ class SpillActor:
 
     It hears of each ``SpillOut`` from the step actor when the command is dispatched, before the device can hand
     the copy over. So a ``DropSpill`` that overtakes its copy (the request ended meanwhile) is remembered, and the
-    copy is discarded on arrival instead of lingering in a tier until shutdown.
+    copy is discarded on arrival instead of lingering in a tier until shutdown. The drop still removes what the
+    store already holds for the request: an earlier copy, if it was swapped out again before that one was dropped.
     """
 
     def __init__(self, store: SpillStore, outbox: Outbox, limit: int,
@@ -290,10 +291,11 @@ class SpillActor:
             if kind == "pending":
                 pending.add(request_id)
             elif kind == "drop":
+                # Drop what the store holds even when a copy is in flight: a request swapped in and out again
+                # before its first step settled still has its earlier copy here, and only this drop removes it.
                 if request_id in pending:
                     doomed.add(request_id)
-                else:
-                    await trio.to_thread.run_sync(self.store.drop, request_id)
+                await trio.to_thread.run_sync(self.store.drop, request_id)
             else:
                 pending.discard(request_id)
                 if request_id in doomed:

@@ -103,6 +103,31 @@ async def test_a_drop_that_overtakes_its_copy_discards_it(tmp_path: Path,
     store.close()
 
 
+async def test_a_drop_while_a_second_copy_is_in_flight_also_drops_the_first(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """Soak regression: a request swapped in, then swapped out again before its first step settled (its first copy
+    is still on disk), then cancelled while the second copy was in flight. The drop must remove the first copy as
+    well as discard the second, or the first outlives the request."""
+    send, receive = trio.open_memory_channel[Envelope](16)
+    store = SpillStore(tmp_path, host_bytes=0)
+    spill = SpillActor(store, Outbox(Source.SPILL, send), 16)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spill.run)
+        spill.submit_nowait(SpillOut("r", [1, 2], 40))
+        spill.accept_nowait("r", _kv(1))
+        assert (await receive.receive()).msg == SpillDone("r", True, "", _kv(1).nbytes())
+        spill.submit_nowait(SpillOut("r", [3, 4], 40))  # swapped out again; the first copy is still held
+        spill.submit_nowait(DropSpill("r"))  # cancelled before the device hands the second copy over
+        spill.accept_nowait("r", _kv(2))
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    with pytest.raises(trio.WouldBlock):
+        receive.receive_nowait()  # the second copy was neither stored nor reported
+    assert store.held == 0, "neither copy outlives the request"
+    assert store.directory is not None and not list(store.directory.iterdir())
+    store.close()
+
+
 def _dead_pid() -> int:
     """The id of a process that has exited and been reaped."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
