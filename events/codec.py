@@ -111,11 +111,17 @@ def _wire_only(node: object) -> object:
     return node
 
 
-def compute_schema_hash() -> str:
-    """Hash of the wire schema of every frame type: field order, types, defaults and tags (not docs)."""
-    _, components = msgspec.json.schema_components([Frame])
+def schema_hash(types: list[object]) -> str:
+    """Hash of the wire schema of ``types``: field order, types, defaults and tags (not docs). The engine log's
+    hash is this over its frames; the router log's, over its own."""
+    _, components = msgspec.json.schema_components(types)
     canonical = msgspec.json.encode(_wire_only(components), order="deterministic")
     return hashlib.blake2b(canonical, digest_size=12).hexdigest()
+
+
+def compute_schema_hash() -> str:
+    """Hash of the wire schema of every frame type of the engine log."""
+    return schema_hash([Frame])
 
 
 SCHEMA_HASH = compute_schema_hash()

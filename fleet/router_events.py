@@ -7,7 +7,6 @@ with a default) and tagged with a pinned tag. The router's log reuses the engine
 
 from __future__ import annotations
 
-import hashlib
 from importlib import resources
 from typing import Annotated, Literal
 
@@ -15,7 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from tickloom.events import LogHeader, Record, SnapshotRecord
-from tickloom.events.codec import _wire_only  # the engine schema hash's rule: only what reaches the bytes
+from tickloom.events.codec import schema_hash
 
 Policy = Literal["affinity", "round-robin", "least-loaded"]
 POLICIES: tuple[Policy, ...] = ("affinity", "round-robin", "least-loaded")
@@ -164,9 +163,7 @@ RouterFrame = LogHeader | RouterTickRecord | SnapshotRecord
 
 def compute_router_schema_hash() -> str:
     """Hash of the router log's wire schema (field order, types, defaults, tags; not docs)."""
-    _, components = msgspec.json.schema_components([RouterFrame, RouterConfig])
-    canonical = msgspec.json.encode(_wire_only(components), order="deterministic")
-    return hashlib.blake2b(canonical, digest_size=12).hexdigest()
+    return schema_hash([RouterFrame, RouterConfig])
 
 
 ROUTER_SCHEMA_HASH = compute_router_schema_hash()

@@ -29,7 +29,7 @@ from tickloom.fleet.router_events import RouterTickRecord
 from tickloom.fleet.router_log import RouterLogReader
 from tickloom.replay import ReplayReport, verify
 from tickloom.replay.diff import diff_commands, summarise_inputs, value_diff
-from tickloom.replay.verify import _unreadable  # the engine replay's own rule for an unreadable log
+from tickloom.replay.verify import mark_unreadable
 
 ROUTER_LOG = "router.log"
 _REPLICA_DIR = re.compile(r"^replica-(\d+)$")
@@ -71,7 +71,7 @@ def _reporting(report: ReplayReport) -> Iterator[None]:
     try:
         yield
     except LogError as exc:
-        _unreadable(report, exc)
+        mark_unreadable(report, exc)
     finally:
         report.seconds = time.perf_counter() - start
 

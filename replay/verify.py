@@ -92,7 +92,8 @@ def open_log(path: str | os.PathLike[str]) -> LogReader:
     return LogReader(path)
 
 
-def _unreadable(report: ReplayReport, exc: BaseException) -> ReplayReport:
+def mark_unreadable(report: ReplayReport, exc: BaseException) -> ReplayReport:
+    """Set ``report`` to ``unreadable`` with ``exc``'s message and, when it has one, its byte offset."""
     report.status = "unreadable"
     report.error = str(exc)
     report.byte_offset = getattr(exc, "offset", None)
@@ -131,7 +132,7 @@ def verify(path: str | os.PathLike[str], *, check_snapshots: bool = True) -> Rep
             if report.status == "identical":
                 report.torn_bytes = reader.tail.torn_bytes
     except LogError as exc:
-        return _unreadable(report, exc)
+        return mark_unreadable(report, exc)
     finally:
         report.seconds = time.perf_counter() - start
     return report
@@ -319,7 +320,7 @@ def bisect(
                 report.rows += sum(len(c.request_ids) for c in out.commands if isinstance(c, RunStep))
             report.torn_bytes = reader.tail.torn_bytes
     except LogError as exc:
-        return _unreadable(report, exc)
+        return mark_unreadable(report, exc)
     except ReplayConfigError as exc:
         _bad_header(report, f"the configuration is not a valid core config: {exc}")
     finally:
