@@ -57,6 +57,13 @@ class _EngineFields(SchedulingKnobs, frozen=True, kw_only=True, forbid_unknown_f
     device: Annotated[str, Meta(min_length=1, max_length=64, description="A torch device.")] = "cpu"
     threads: Annotated[Annotated[int, Meta(ge=1, le=4096)] | None, Meta(
         description="torch threads; None: torch's default.")] = None
+    tensor_parallel_size: Annotated[int, Meta(
+        ge=1, le=64, description="Ranks the model is sharded over (Megatron-style: attention by heads, the MLP by "
+                                 "channels): rank 0 in this process, the others in worker processes the engine "
+                                 "starts and stops; gloo on cpu, nccl on one cuda device per rank. The model's "
+                                 "heads, kv heads and intermediate size must divide by it; not with the stub model "
+                                 "or spill. kv_memory_bytes is per rank; on cpu, threads=None gives each rank its "
+                                 "share of the cores.")] = 1
     num_blocks: Annotated[BlockCount | None, Meta(
         description="KV blocks in the pool; None derives them from kv_memory_bytes.")] = None
     kv_memory_bytes: Annotated[int, Meta(ge=1, le=2**48, description="The KV pool's size in bytes, when "
@@ -97,11 +104,26 @@ class EngineConfig(_EngineFields, frozen=True, kw_only=True):
             parse_fsync(fields.fsync)
         except ValueError as exc:
             raise ConfigError(f"EngineConfig.{exc}") from None
+        _check_tensor_parallel(fields)
         _normalise(self, fields)
 
     @property
     def spill_enabled(self) -> bool:
         return self.spill_dir is not None or self.host_spill_bytes > 0
+
+
+def _check_tensor_parallel(fields: _EngineFields) -> None:
+    """What tensor parallelism cannot run, known from the config alone (the model's shapes are checked at open)."""
+    world = fields.tensor_parallel_size
+    if world == 1:
+        return
+    if fields.model == "stub":
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={world}: the stub model has no weights to shard; "
+                          "use tensor_parallel_size=1 with model='stub'")
+    if fields.spill_dir is not None or fields.host_spill_bytes > 0:
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={world}: KV spill (spill_dir, host_spill_bytes) is not "
+                          "supported with tensor parallelism (each rank holds a shard of the KV cache); turn spill "
+                          "off or use tensor_parallel_size=1")
 
 
 def _normalise(target: msgspec.Struct, fields: msgspec.Struct) -> None:

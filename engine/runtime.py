@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -42,6 +42,10 @@ from tickloom.events import (
     check_new_log_path,
 )
 
+if TYPE_CHECKING:
+    from tickloom.engine.model.loaders import LoadedModel
+    from tickloom.engine.model.tp_launch import TensorParallelRanks
+
 INBOX_SIZE = 4096
 ENGINE_VERSION = "0.1.0"
 
@@ -63,8 +67,11 @@ class Runtime:
     """Everything an open engine holds. Built by ``build_runtime``; used by ``Engine``."""
 
     def __init__(self, config: EngineConfig, core_config: CoreConfig, tokenizer: Any, fingerprint: str,
-                 executor: Any, torch_info: tuple[str, str, str, int]) -> None:
+                 executor: Any, torch_info: tuple[str, str, str, int],
+                 ranks: TensorParallelRanks | None = None) -> None:
         self.config = config
+        self.ranks = ranks
+        """The other ranks of a tensor-parallel engine (``tensor_parallel_size > 1``), stopped by ``close``."""
         self.core_config = core_config
         self.tokenizer = tokenizer
         self.fatal: EngineError | None = None
@@ -98,7 +105,8 @@ class Runtime:
             step_time = config.stub_step_time
             self.device = StubDevice(device_outbox, self.spill, limit * 4, vocab_size=core_config.vocab_size,
                                      step_time=lambda _step: step_time, avoid=core_config.eos_token_ids,
-                                     fail_steps=frozenset(faults.fail_steps) if faults else frozenset())
+                                     fail_steps=frozenset(faults.fail_steps) if faults else frozenset(),
+                                     block_size=core_config.block_size)
         else:
             self.device = ThreadDevice(executor, device_outbox, self.spill, limit * 4,
                                        fail_steps=frozenset(faults.fail_steps) if faults else frozenset())
@@ -136,7 +144,16 @@ class Runtime:
         faults = self.config.faults
         if faults is not None and faults.crash_actor is not None:
             tasks.append((faults.crash_actor, self._injected_crash))
+        if self.ranks is not None:
+            tasks.append(("device", self._watch_ranks))
         return tasks
+
+    async def _watch_ranks(self) -> None:
+        """A tensor-parallel worker that exits, or a broken process group, is fatal (the device's ranks are gone)."""
+        assert self.ranks is not None
+        while True:
+            self.ranks.check()
+            await trio.sleep(0.05)
 
     async def _injected_crash(self) -> None:
         assert self.config.faults is not None
@@ -147,13 +164,16 @@ class Runtime:
         try:
             await run()
         except Exception as exc:
-            actor = "log" if isinstance(exc, LogWriteFailed) else name
-            error = EngineError(actor, exc)
-            if self.fatal is None:
-                self.fatal = error
-                self.retire.fail_all(error)
-                self.live_changed.set()
+            error = EngineError("log" if isinstance(exc, LogWriteFailed) else name, exc)
+            self._fail(error)
             raise error from exc
+
+    def _fail(self, error: EngineError) -> None:
+        """The engine's fatal error (the first one is kept): every open stream gets it."""
+        if self.fatal is None:
+            self.fatal = error
+            self.retire.fail_all(error)
+            self.live_changed.set()
 
     @asynccontextmanager
     async def supervise(self) -> AsyncIterator[trio.Nursery]:
@@ -165,22 +185,38 @@ class Runtime:
     async def shutdown(self) -> None:
         """End what is left with explicit errors (the core's shutdown input), then stop the device."""
         self.closing = True
+        self._check_ranks()
         if self.fatal is None:
             with trio.move_on_after(10):
                 await self.reporter.wait_flushed()  # streams closed before this end cancelled, not shut down
                 await self.client.send(Shutdown())
                 await self.step.shut_down.wait()
+            self._check_ranks()
         self.device.stop_nowait()
 
+    def _check_ranks(self) -> None:
+        """A tensor-parallel rank lost between two looks of the watcher (a failed step ends its requests first, so
+        their client may already be leaving) is fatal all the same."""
+        if self.ranks is not None and self.fatal is None:
+            try:
+                self.ranks.check()
+            except Exception as exc:  # TensorParallelError: made the engine's fatal error, raised by Engine.open
+                self._fail(EngineError("device", exc))
+
     def close(self) -> None:
-        """Release what outlives the nursery: the log (closed at its last whole frame) and spill files."""
-        if self.log is not None:
-            if self.fatal is not None and self.fatal.actor == "log":
-                self.log.writer.abandon()
-            else:
-                self.log.writer.close()
-        if self.store is not None:
-            self.store.close()
+        """Release what outlives the nursery: the log (closed at its last whole frame), spill files and the
+        tensor-parallel workers (the device thread has ended, so no call is in flight)."""
+        try:
+            if self.log is not None:
+                if self.fatal is not None and self.fatal.actor == "log":
+                    self.log.writer.abandon()
+                else:
+                    self.log.writer.close()
+            if self.store is not None:
+                self.store.close()
+        finally:
+            if self.ranks is not None:
+                self.ranks.close()
 
     # -- requests --------------------------------------------------------------------------------------------
     def now_ns(self) -> int:
@@ -316,23 +352,58 @@ async def build_runtime(config: EngineConfig) -> Runtime:
         return Runtime(config, core_config, tokenizer, "stub", None, ("", "stub", "", 0))
     from tickloom.engine.model import ModelExecutor, load_model
 
-    loaded = await trio.to_thread.run_sync(load_model, config.model, config.dtype, config.device, config.threads,
-                                           config.quant)
-    import torch
-
-    mcfg = loaded.config
-    max_seq_len = min(config.max_seq_len, mcfg.max_position_embeddings)
-    if config.num_blocks is not None:
-        num_blocks = config.num_blocks
+    ranks: TensorParallelRanks | None = None
+    if config.tensor_parallel_size > 1:
+        ranks, loaded = await _start_ranks(config)
     else:
-        dtype_bytes = torch.tensor([], dtype=loaded.model.dtype).element_size()
-        per_block = 2 * mcfg.num_layers * config.block_size * mcfg.num_kv_heads * mcfg.head_dim * dtype_bytes
-        num_blocks = max(config.kv_memory_bytes // per_block, max_seq_len // config.block_size + 1)
-    core_config = core_config_for(config, num_blocks=num_blocks, max_seq_len=max_seq_len,
-                                  vocab_size=mcfg.vocab_size, eos_token_ids=tuple(mcfg.eos_token_ids))
-    executor = ModelExecutor(loaded.model, num_blocks, config.block_size)
-    dtype_name = str(loaded.model.dtype).removeprefix("torch.")
-    if loaded.model.quant != "none":  # "bfloat16+int4": what replay --full passes back to load_model
-        dtype_name = f"{dtype_name}+{loaded.model.quant}"
-    info = (str(torch.__version__), str(loaded.model.device), dtype_name, torch.get_num_threads())
-    return Runtime(config, core_config, loaded.tokenizer, loaded.fingerprint, executor, info)
+        loaded = await trio.to_thread.run_sync(load_model, config.model, config.dtype, config.device,
+                                               config.threads, config.quant)
+    try:
+        import torch
+
+        mcfg = loaded.config
+        max_seq_len = min(config.max_seq_len, mcfg.max_position_embeddings)
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        else:  # a rank's cache holds its share of the kv heads (loaded.model.cfg is the shard's)
+            dtype_bytes = torch.tensor([], dtype=loaded.model.dtype).element_size()
+            per_block = (2 * mcfg.num_layers * config.block_size * loaded.model.cfg.num_kv_heads * mcfg.head_dim
+                         * dtype_bytes)
+            num_blocks = max(config.kv_memory_bytes // per_block, max_seq_len // config.block_size + 1)
+        core_config = core_config_for(config, num_blocks=num_blocks, max_seq_len=max_seq_len,
+                                      vocab_size=mcfg.vocab_size, eos_token_ids=tuple(mcfg.eos_token_ids))
+        executor: Any
+        if ranks is None:
+            executor = ModelExecutor(loaded.model, num_blocks, config.block_size)
+        else:
+            executor = await trio.to_thread.run_sync(ranks.connect, num_blocks, config.block_size)
+        dtype_name = str(loaded.model.dtype).removeprefix("torch.")
+        if loaded.model.quant != "none":  # "bfloat16+int4": what replay --full passes back to load_model
+            dtype_name = f"{dtype_name}+{loaded.model.quant}"
+        info = (str(torch.__version__), str(loaded.model.device), dtype_name, torch.get_num_threads())
+        return Runtime(config, core_config, loaded.tokenizer, loaded.fingerprint, executor, info, ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+
+
+async def _start_ranks(config: EngineConfig) -> tuple[TensorParallelRanks, LoadedModel]:
+    """Check that the model can be sharded over ``tensor_parallel_size`` ranks (a ``ConfigError`` naming it),
+    start the workers and load rank 0's shard (``engine/model/tp_launch.py``)."""
+    from tickloom.engine.model.tp import shard_config
+    from tickloom.engine.model.tp_launch import TensorParallelRanks, read_model_config
+
+    world = config.tensor_parallel_size
+    mcfg = await trio.to_thread.run_sync(read_model_config, config.model)
+    try:
+        shard_config(mcfg, world)
+        ranks = TensorParallelRanks(world, config.model, dtype=config.dtype, device=config.device,
+                                    threads=config.threads, quant=config.quant)
+    except ValueError as exc:
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={world}: {exc}") from None
+    try:
+        return ranks, await trio.to_thread.run_sync(ranks.start)
+    except BaseException:
+        ranks.close()
+        raise

@@ -38,6 +38,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, tem
                         help="weight-only quantization on CPU: int8 per channel, int4 in groups of 32 (a GGUF's "
                              "Q4 blocks as they are); none: the --dtype weights (default: the model's)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard the model over N ranks: this process and N-1 worker processes (gloo on cpu, "
+                             "one GPU each on cuda; default 1)")
     parser.add_argument("--stub-step-time", type=float, default=None, metavar="SECONDS",
                         help="with --model stub: seconds per model step (default: the engine's, 0.01)")
     if chat_flag:
@@ -117,7 +120,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     extra = {} if args.stub_step_time is None else {"stub_step_time": args.stub_step_time}
     try:
         return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, log_path=args.log,
-                            max_seq_len=args.max_seq_len, quant=getattr(args, "quant", None), **extra)
+                            max_seq_len=args.max_seq_len, quant=getattr(args, "quant", None),
+                            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **extra)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -29,6 +29,10 @@ from tickloom.engine.model.quant import Weight, bf16_supported
 from tickloom.engine.model.tokenizer import TokenizerWrapper
 
 log = logging.getLogger(__name__)
+
+ModelBuilder = Callable[[ModelConfig, Mapping[str, Weight], torch.dtype, torch.device, str], LlamaModel]
+"""What builds the model from the checkpoint's tensors: ``LlamaModel``, or one rank's shard
+(``functools.partial(tp.shard_model, rank=r, world=w)``)."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -233,9 +237,11 @@ def load_hf_dir(
     device: str | torch.device | None = None,
     quant: str = "none",
     gguf: Path | None = None,
+    build: ModelBuilder = LlamaModel,
 ) -> LoadedModel:
     """``gguf``: the file ``model_dir`` was converted from; with a ``quant`` setting its Q4_0/Q4_1/Q8_0 blocks
-    are read straight from it (no float32 weights are read or made). The fingerprint gains ``+<quant>``."""
+    are read straight from it (no float32 weights are read or made). The fingerprint gains ``+<quant>``; it is the
+    whole checkpoint's, whatever ``build`` makes of it."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(model_dir, "not a directory")
@@ -264,7 +270,7 @@ def load_hf_dir(
         )
     if not tok.eos_token_ids and cfg.eos_token_ids:
         tok.eos_token_ids = cfg.eos_token_ids
-    model = LlamaModel(cfg, needed, dt, dev, quant)
+    model = build(cfg, needed, dt, dev, quant)
     if quant != "none":
         fp = f"{fp}+{quant}"
     return LoadedModel(model=model, tokenizer=tok, config=cfg, fingerprint=fp, path=model_dir)
@@ -372,8 +378,10 @@ def load_model(
     device: str | torch.device | None = None,
     num_threads: int | None = None,
     quant: str | None = None,
+    *,
+    build: ModelBuilder = LlamaModel,
 ) -> LoadedModel:
-    """Load ``smollm2-135m``, a Hugging Face model directory, or a ``.gguf`` file.
+    """Load ``smollm2-135m``, a Hugging Face model directory, or a ``.gguf`` file (``build``: see ``ModelBuilder``).
 
     Progress goes to the ``engine.model`` logger at INFO ("loading ...", a first run's conversion, "loaded ...
     in X s"); the command line shows it on stderr."""
@@ -390,7 +398,7 @@ def load_model(
         dtype = "bfloat16"  # the quantized kernels take 16-bit activations
     log.info("loading %s%s…", path_or_name, "" if quant == "none" else f" ({quant})")
     with _no_gc():
-        loaded = load_hf_dir(resolve_model(path_or_name), dtype, device, quant, _source_gguf(path_or_name))
+        loaded = load_hf_dir(resolve_model(path_or_name), dtype, device, quant, _source_gguf(path_or_name), build)
     _release_heap()
     log.info("loaded %s in %.1f s", path_or_name, time.monotonic() - started)
     return loaded

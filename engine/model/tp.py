@@ -22,6 +22,11 @@ The scheduler core stays single: rank 0 hosts it (the engine, the simulator) wit
 its executor. Each call (bind, run a step, release) is encoded with msgspec and broadcast to the other ranks, which
 run ``serve_rank`` and make the same call on their shard, so every rank receives the same commands in the same
 order. Spilling KV to the host is not supported with more than one rank (each rank holds a shard).
+
+The engine turns this on with ``EngineConfig.tensor_parallel_size``: ``tp_launch.py`` starts the other ranks as
+worker processes (``tp_worker.py``), loads rank 0's shard in the engine's process, runs every call on one thread,
+and stops the workers when the engine closes or fails. ``tests/test_tp.py`` drives the ranks by hand (the core in
+the simulator), ``tests/test_tp_engine.py`` through ``Engine.open``.
 """
 
 from __future__ import annotations
