@@ -133,7 +133,8 @@ class ReplicaActor:
         ended = [item for item in items if not isinstance(item, RequestOutput)]
         error = None
         if ended or (frames and frames[-1].finished and pump.choices == 1):
-            del self._pumps[request_id]
+            if self._pumps.get(request_id) is pump:  # ``cancel`` may have removed it while this pull waited
+                del self._pumps[request_id]
             if ended and isinstance(ended[0], BaseException):
                 error = f"{type(ended[0]).__name__}: {ended[0]}"
         return encode(Pulled(self.incarnation, frames, error=error))
@@ -144,6 +145,8 @@ class ReplicaActor:
             await pump.stream.aclose()
             if pump.task is not None:
                 pump.task.cancel()
+            with contextlib.suppress(asyncio.QueueFull):  # a full queue has no pull waiting on it
+                pump.queue.put_nowait(None)  # ends a pull still waiting (its caller went away)
 
     async def close(self) -> None:
         """Close the engine (its log ends with its last tick)."""

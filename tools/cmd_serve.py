@@ -4,12 +4,23 @@
 Every run writes a log (``--log PATH``, by default a fresh ``tickloom-serve-<time>-<pid>.tlog`` in the current
 directory; ``--no-log`` for none) that ``tickloom replay`` checks. SIGTERM or Ctrl-C drains (running requests
 finish, new ones get 503), then exits; a second signal stops at once.
+
+``--replicas N`` (N > 1, or with ``--fleet-dir``) serves a fleet instead: N engine replicas on Ray behind the logged
+router (``tickloom.fleet``, the extra ``tickloom[fleet]``), its logs in ``--fleet-dir`` (by default a fresh
+``tickloom-serve-<time>-<pid>/``), which ``tickloom replay DIR`` checks. Ray is started locally for the run, or
+joined with ``--address``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tickloom.engine import EngineConfig
+    from tickloom.tools.serve.server import ServeOptions
 
 NAME = "serve"
 HELP = "serve the engine over HTTP with an OpenAI-compatible API"
@@ -47,6 +58,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="past --max-waiting: hold new requests (wait) or answer 503 (reject); default wait")
     parser.add_argument("--stub-step-time", type=float, default=None, metavar="SECONDS",
                         help="with --model stub: seconds per model step (default: the engine's, 0.01)")
+    fleet = parser.add_argument_group("fleet", "serve N engine replicas on Ray (pip install 'tickloom[fleet]')")
+    fleet.add_argument("--replicas", type=int, default=1, metavar="N",
+                       help="engine replicas; more than 1 serves a fleet behind the logged router (default 1: one "
+                            "engine in this process)")
+    fleet.add_argument("--fleet-dir", default=None, metavar="DIR",
+                       help="the fleet's directory to create (router.log, replica-<i>/); giving it serves a fleet "
+                            "even of 1 (default: a fresh tickloom-serve-<time>-<pid>/)")
+    fleet.add_argument("--policy", default=None, choices=["affinity", "round-robin", "least-loaded"],
+                       help="routing policy (default affinity)")
+    fleet.add_argument("--address", default=None, help="a Ray cluster's address (default: start Ray locally)")
+    fleet.add_argument("--replica-cpus", type=float, default=None, help="Ray CPUs reserved per replica (default 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +76,17 @@ def run(args: argparse.Namespace) -> int:
     from tickloom.tools.cli import EX_DATAERR, CliError
     from tickloom.tools.serve.server import ServeOptions, default_log_path
     from tickloom.tools.serve.server import run as serve_run
+
+    if args.replicas < 1:
+        raise CliError("--replicas must be at least 1")
+    fleet = args.replicas > 1 or args.fleet_dir is not None
+    if not fleet:
+        flags = [flag for flag, value in (("--policy", args.policy), ("--address", args.address),
+                                          ("--replica-cpus", args.replica_cpus)) if value is not None]
+        if flags:
+            raise CliError(f"{flags[0]} is for a fleet: give --replicas N (N > 1) or --fleet-dir")
+    elif args.log is not None or args.no_log:
+        raise CliError(f"{'--log' if args.log is not None else '--no-log'}: a fleet writes its logs in --fleet-dir")
 
     if not 0 <= args.port <= 65535:
         raise CliError("--port must be in [0, 65535]")
@@ -66,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from tickloom.tools.model_options import check_model_options
 
     check_model_options(args.model, args.device, args.dtype)
-    log_path = None if args.no_log else (args.log or default_log_path())
+    log_path = None if args.no_log or fleet else (args.log or default_log_path())
     given = {"stub_step_time": args.stub_step_time, "max_batch_size": args.max_batch_size,
              "max_waiting": args.max_waiting}
     extra = {name: value for name, value in given.items() if value is not None}
@@ -82,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
     from tickloom.engine.model import ModelLoadError
 
     try:
-        serve_run(config, options)
+        if fleet:
+            _serve_fleet(args, config, options)
+        else:
+            serve_run(config, options)
     except ModelLoadError as exc:
         raise CliError(f"cannot load model {args.model!r}: {exc}", EX_DATAERR) from None
     except ConfigError as exc:  # e.g. --log names a path that exists: logs are never overwritten
@@ -90,3 +126,38 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # the address is taken, or not ours to bind
         raise CliError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     return 0
+
+
+def _serve_fleet(args: argparse.Namespace, config: EngineConfig, options: ServeOptions) -> None:
+    """Serve a fleet: Ray started locally for the run (or joined at ``--address``), stopped after it."""
+    from tickloom.engine import ConfigError
+    from tickloom.tools.cli import CliError
+    from tickloom.tools.serve.server import default_log_path
+    from tickloom.tools.serve.server import run as serve_run
+
+    try:
+        import ray
+    except ImportError:
+        raise CliError("serving a fleet (--replicas, --fleet-dir) needs Ray, which is not installed: "
+                       "pip install 'tickloom[fleet]'") from None
+    from tickloom.fleet.front import FleetConfig, FleetError
+
+    fields = {"policy": args.policy, "replica_cpus": args.replica_cpus}
+    try:
+        fleet_config = FleetConfig(replicas=args.replicas, fleet_dir=args.fleet_dir or default_log_path(suffix=""),
+                                   **{name: value for name, value in fields.items() if value is not None})
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    started = not ray.is_initialized()
+    if started:
+        # Ray's CPUs are scheduling tokens: locally, enough for every replica whatever the machine's cores
+        cpus = max(os.cpu_count() or 1, math.ceil(fleet_config.replicas * fleet_config.replica_cpus))
+        ray.init(address=args.address, num_cpus=None if args.address else cpus, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    try:
+        serve_run(config, options, fleet_config)
+    except FleetError as exc:  # e.g. a replica did not start
+        raise CliError(str(exc)) from None
+    finally:
+        if started:
+            ray.shutdown()

@@ -26,9 +26,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tickloom.engine import Engine, EngineError, EngineOverloaded, RequestOutput, RequestRejected, RequestStream
+from tickloom.engine import EngineError, EngineOverloaded, RequestOutput, RequestRejected
 from tickloom.engine.api import Prompt
 from tickloom.tools.serve import translate
+from tickloom.tools.serve.backend import ServedEngine, ServedStream
 from tickloom.tools.serve.chunks import ChunkWriter
 from tickloom.tools.serve.metrics import Metrics
 from tickloom.tools.serve.openai_types import (
@@ -55,7 +56,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 @dataclass
 class ServerState:
-    engine: Engine
+    engine: ServedEngine
+    """An ``Engine``, or a ``fleet_backend.FleetBackend``."""
     model_name: str
     request_timeout: float | None = None
     metrics: Metrics = field(init=False)
@@ -111,7 +113,7 @@ class Group:
     """The engine requests of one OpenAI request, one per prompt with ``n`` choices each: started together,
     cancelled together if unfinished."""
 
-    def __init__(self, streams: Sequence[RequestStream], n: int, metrics: Metrics) -> None:
+    def __init__(self, streams: Sequence[ServedStream], n: int, metrics: Metrics) -> None:
         self.streams = list(streams)
         self.n = n
         self.metrics = metrics
@@ -145,7 +147,7 @@ class Group:
         An ``EngineError`` from a stream is kept in ``errors`` (each stream raises the same crash)."""
         send, receive = trio.open_memory_channel[tuple[int, RequestOutput]](0)
 
-        async def one(k: int, stream: RequestStream, ch: trio.MemorySendChannel[tuple[int, RequestOutput]]) -> None:
+        async def one(k: int, stream: ServedStream, ch: trio.MemorySendChannel[tuple[int, RequestOutput]]) -> None:
             async with ch:
                 try:
                     async for out in stream:

@@ -1,9 +1,10 @@
 """``/metrics``: Prometheus text from a registry of this server's own (no process-global state).
 
 Engine figures (queues, KV blocks, ticks, steps, tokens, preemptions, swaps, spill and log bytes) are read from
-``engine.stats()`` at each scrape. Per-request figures are observed as requests finish: time to first token and
-the mean inter-token latency from ``RequestOutput.usage``, the end-to-end duration measured by the server, token
-counts, and finishes by reason.
+``engine.stats()`` at each scrape; a figure the backend does not report is left out (a fleet reports its replicas'
+queues and KV blocks, and how many replicas are live). Per-request figures are observed as requests finish: time
+to first token and the mean inter-token latency from ``RequestOutput.usage``, the end-to-end duration measured by
+the server, token counts, and finishes by reason.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ _COUNTERS = {
     "preemptions": "sequences preempted",
     "swaps": "sequences swapped out to the spill store",
 }
+_GAUGES = (
+    ("tokens_per_s", "tickloom_engine_tokens_per_second", "engine tokens per second since start"),
+    ("spill_bytes", "tickloom_spill_bytes", "bytes held by the spill store"),
+    ("log_bytes", "tickloom_log_bytes", "bytes written to the engine log"),
+    ("replicas_live", "tickloom_fleet_replicas_live", "fleet replicas live (serving a fleet)"),
+)
 
 
 class _EngineCollector:
@@ -41,18 +48,20 @@ class _EngineCollector:
         s = self._stats()
         queues = GaugeMetricFamily("tickloom_queue_requests", "requests in each engine queue", labels=["queue"])
         for q in _QUEUES:
-            queues.add_metric([q], float(s[q]))
+            if q in s:
+                queues.add_metric([q], float(s[q]))
         yield queues
         blocks = GaugeMetricFamily("tickloom_kv_blocks", "KV cache blocks by state", labels=["state"])
         for state, key in _BLOCKS.items():
-            blocks.add_metric([state], float(s[key]))
+            if key in s:
+                blocks.add_metric([state], float(s[key]))
         yield blocks
         for name, doc in _COUNTERS.items():
-            yield CounterMetricFamily(f"tickloom_engine_{name}", doc, value=float(s[name]))
-        yield GaugeMetricFamily("tickloom_engine_tokens_per_second", "engine tokens per second since start",
-                                value=float(s["tokens_per_s"]))
-        yield GaugeMetricFamily("tickloom_spill_bytes", "bytes held by the spill store", value=float(s["spill_bytes"]))
-        yield GaugeMetricFamily("tickloom_log_bytes", "bytes written to the engine log", value=float(s["log_bytes"]))
+            if name in s:
+                yield CounterMetricFamily(f"tickloom_engine_{name}", doc, value=float(s[name]))
+        for key, name, doc in _GAUGES:
+            if key in s:
+                yield GaugeMetricFamily(name, doc, value=float(s[key]))
 
 
 class Metrics:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tickloom.engine import EngineError, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
+from tickloom.tools.serve.backend import ReplicaUnavailable
 from tickloom.tools.serve.openai_types import (
     ChatCompletionRequest,
     ChatLogprobs,
@@ -127,9 +128,12 @@ def rejected(exc: RequestRejected, req: OpenAIRequest) -> OpenAIError:
 
 
 def engine_error(exc: EngineOverloaded | EngineError) -> OpenAIError:
-    """``EngineOverloaded`` is 503, ``EngineError`` 500."""
+    """``EngineOverloaded`` is 503, and so is a fleet's ``ReplicaUnavailable`` (the replica died, or none is live:
+    the client may retry); another ``EngineError`` is 500."""
     if isinstance(exc, EngineOverloaded):
         return OpenAIError(503, str(exc), type="server_error", code="engine_overloaded")
+    if isinstance(exc, ReplicaUnavailable):
+        return OpenAIError(503, str(exc), type="server_error", code="replica_unavailable")
     return OpenAIError(500, str(exc), type="server_error", code="engine_error")
 
 

@@ -1,0 +1,67 @@
+"""What the server needs of what it serves, as Protocols: ``Engine`` has it, and so does
+``fleet_backend.FleetBackend`` (N replicas on Ray behind the logged router). ``app`` and ``server`` are typed
+against these alone.
+
+Also the two errors a backend other than the engine raises for one request: both are ``EngineError``s, so the
+server's paths for an engine's failure carry them to the client (``translate.engine_error``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from tickloom.engine import EngineConfig, EngineError, RequestOutput, SamplingParams
+from tickloom.engine.api import Prompt
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class HasTokenizer(Protocol):
+    @property
+    def tokenizer(self) -> Decoder: ...
+
+
+class ServedStream(Protocol):
+    """One request's frames (all ``n`` choices): ``start`` submits, iteration yields, ``aclose`` cancels."""
+
+    async def start(self) -> None: ...
+
+    def __aiter__(self) -> ServedStream: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    async def aclose(self) -> None: ...
+
+
+class ServedEngine(Protocol):
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def runtime(self) -> HasTokenizer: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
+                 request_id: str | None = None, priority: int = 0, cache_salt: str = "") -> ServedStream: ...
+
+    async def drain(self, timeout: float = math.inf) -> bool: ...
+
+
+class BackendRequestError(EngineError):
+    """One request failed in the backend around the engines (e.g. a fleet replica's stream broke): a 500."""
+
+    def __init__(self, message: str, where: str = "fleet") -> None:
+        super().__init__(where, message)
+        self.args = (message,)
+
+
+class ReplicaUnavailable(BackendRequestError):
+    """The replica serving the request died, or no replica is live: a 503 (the message names the replica)."""
+
+
+__all__ = ["BackendRequestError", "Decoder", "HasTokenizer", "ReplicaUnavailable", "ServedEngine", "ServedStream"]

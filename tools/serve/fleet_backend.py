@@ -1,0 +1,439 @@
+"""``FleetBackend``: a ``fleet.front.Fleet`` (asyncio) behind the trio server, with the engine's surface
+(``backend.ServedEngine``): ``config``, ``runtime.tokenizer``, ``stats()``, ``generate()`` and ``drain()``.
+
+    async with FleetBackend.open(EngineConfig(model="stub"), FleetConfig(replicas=2, fleet_dir="run")) as backend:
+        await serve_engine(backend, ServeOptions(port=8000))
+
+The fleet runs on its own asyncio loop in a thread of its own; every call into it is a coroutine submitted to that
+loop, and trio waits for its ``concurrent.futures.Future`` through a ``trio.Event`` set from the loop's thread (no
+trio worker thread is held per waiting request). Prompts are tokenized here, with the model's tokenizer loaded in
+this process as the engine's runtime loads it (``load_tokenizer``: the tokenizer files alone, no weights), so a
+replica receives token ids (chat messages rendered here with the model's template) and ``token_text`` needs no
+round trip. ``stats()`` sums the replicas' last load reports (queues, free and total KV blocks) and counts the
+live replicas.
+
+Ray is the optional extra ``tickloom[fleet]``; ``open`` says so if it is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import importlib.util
+import logging
+import math
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, Generic, NoReturn, TypeVar
+
+import trio
+from msgspec import Meta
+
+from tickloom.engine import ConfigError, EngineConfig, EngineError, EngineOverloaded, RequestOutput, RequestRejected
+from tickloom.engine.api import MAX_CHARS_PER_TOKEN, Prompt
+from tickloom.engine.params import SamplingParams, checked, encodable, unencodable
+from tickloom.fleet.front import Fleet, FleetConfig, FleetError, FleetStream, NoReplica, ReplicaDied
+from tickloom.tools.serve.backend import BackendRequestError, ReplicaUnavailable
+
+log = logging.getLogger("tickloom.serve")
+
+T = TypeVar("T")
+
+
+def require_ray() -> None:
+    """``ConfigError`` naming the extra to install when Ray is missing."""
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("serving a fleet needs Ray, which is not installed: pip install 'tickloom[fleet]'")
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    """The model's tokenizer, as ``engine.runtime.build_runtime`` loads it, without the weights."""
+    if config.model == "stub":
+        from tickloom.engine.model.stub import StubTokenizer
+
+        return StubTokenizer(config.stub_vocab_size)
+    from tickloom.engine.model.registry import resolve_model
+    from tickloom.engine.model.tokenizer import TokenizerWrapper
+
+    return TokenizerWrapper.from_dir(resolve_model(config.model))
+
+
+@dataclass
+class Tokenizing:
+    """What the server reads of ``runtime``: the tokenizer (for ``token_text``)."""
+
+    tokenizer: Any = None
+
+
+class _Pending(Generic[T]):
+    """One coroutine running on the fleet's loop; trio waits for it on ``done``, set from the loop's thread."""
+
+    def __init__(self, future: concurrent.futures.Future[T], token: trio.lowlevel.TrioToken) -> None:
+        self.future = future
+        self.done = trio.Event()
+        self._token = token
+        future.add_done_callback(self._wake)  # runs now if it is already done
+
+    def _wake(self, _: object) -> None:
+        with contextlib.suppress(trio.RunFinishedError):  # the trio run is over: nobody is waiting
+            self._token.run_sync_soon(self.done.set)
+
+
+def _report(future: concurrent.futures.Future[Any]) -> None:
+    """Log the failure of a call nobody waits for any more."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("closing an abandoned fleet request failed", exc_info=future.exception())
+
+
+def _translated(exc: BaseException) -> BaseException:
+    """The fleet's failure of one request as the server knows engine failures (``EngineError``s)."""
+    if isinstance(exc, ReplicaDied | NoReplica):
+        return ReplicaUnavailable(str(exc))
+    if isinstance(exc, FleetError):
+        return BackendRequestError(str(exc))
+    if isinstance(exc, RequestRejected | EngineOverloaded | EngineError) or not isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, concurrent.futures.CancelledError):
+        return BackendRequestError("the fleet closed while the request was open")
+    return BackendRequestError(f"{type(exc).__name__}: {exc}")
+
+
+def _raise(exc: BaseException) -> NoReturn:
+    mapped = _translated(exc)
+    if mapped is exc:
+        raise exc
+    raise mapped from exc
+
+
+class _Remote:
+    """A request's side on the fleet's loop. Every method runs on that loop, so its fields need no lock."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, kw: dict[str, Any]) -> None:
+        self.prompt = prompt
+        self.params = params
+        self.kw = kw
+        self.stream: FleetStream | None = None
+        self.starting: asyncio.Task[Any] | None = None
+        self.pulling: asyncio.Task[Any] | None = None
+
+    async def start(self, fleet: Fleet) -> None:
+        self.starting = asyncio.current_task()
+        self.stream = fleet.generate(self.prompt, self.params, **self.kw)
+        await self.stream.start()
+
+    async def next(self) -> RequestOutput | None:
+        assert self.stream is not None
+        self.pulling = asyncio.current_task()
+        try:
+            return await self.stream.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def close(self) -> None:
+        # Why: the trio side has left; what is still in flight here is settled before the request is cancelled.
+        # - A start is waited for, never cancelled: cancelling the await would not recall a submit already sent,
+        #   and the replica would run the request for nobody. A start is one route and one Ray call, so it is short.
+        # - A pull is cancelled: it may wait as long as the request is queued, and its frames are for nobody. The
+        #   replica's own pull ends once ``FleetStream.aclose`` cancels the request there.
+        # A result left here was never taken by the trio side (it takes it and ends, or closes first).
+        for task, cancel in ((self.starting, False), (self.pulling, True)):
+            if task is None:
+                continue
+            if not task.done():
+                if cancel:
+                    task.cancel()
+                await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is not None:
+                log.info("a fleet request whose client left failed: %s", task.exception())
+        if self.stream is not None:
+            await self.stream.aclose()
+
+
+class FleetRequestStream:
+    """The trio side of one fleet request: ``start``, ``async for`` (one frame per call into the loop, so the
+    replica's bounded buffer is the only buffer), ``aclose``. A ``ReplicaDied`` or ``NoReplica`` raises as
+    ``ReplicaUnavailable``, another fleet failure as ``BackendRequestError``; ``RequestRejected`` and
+    ``EngineOverloaded`` as they are."""
+
+    def __init__(self, backend: FleetBackend, remote: _Remote) -> None:
+        self._backend = backend
+        self._remote = remote
+        self._choices = remote.params.n
+        self._starting: _Pending[None] | None = None
+        self._pulling: _Pending[RequestOutput | None] | None = None
+        self._finals = 0
+        self._ended = False
+        """The end was seen (the last final frame, the end of iteration, an error) or the stream was closed."""
+        self._closed = False
+
+    async def start(self) -> None:
+        backend = self._backend
+        if self._starting is None:
+            if self._closed:
+                raise BackendRequestError("the request's stream is closed")
+            if backend.draining:
+                raise EngineOverloaded("the fleet is draining: no new requests")
+            self._starting = backend.submit(self._remote.start(backend.fleet))
+            backend.opened(self)
+        try:
+            await self._starting.done.wait()
+        except trio.Cancelled:
+            # Cut short, it cannot be known whether the replica took the request: close it (after the start).
+            self._closed = True
+            self._end()
+            backend.abandon(self._remote)
+            raise
+        try:
+            self._starting.future.result()
+        except BaseException as exc:
+            self._end()
+            _raise(exc)
+
+    def __aiter__(self) -> FleetRequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        await self.start()
+        if self._pulling is None:
+            self._pulling = self._backend.submit(self._remote.next())
+        pulling = self._pulling
+        await pulling.done.wait()  # a wait cut short leaves the pull running: the next call takes its frame
+        self._pulling = None
+        try:
+            out = pulling.future.result()
+        except BaseException as exc:
+            self._end()
+            _raise(exc)
+        if out is None:
+            self._end()
+            raise StopAsyncIteration
+        if out.finished:
+            self._finals += 1
+            if self._finals == self._choices:
+                self._end()
+        return out
+
+    async def aclose(self) -> None:
+        """Cancel the request if it has not finished (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._starting is None or (self._ended and self._pulling is None):
+            self._end()
+            return
+        closing = self._backend.submit(self._remote.close())
+        try:
+            await closing.done.wait()
+        except trio.Cancelled:
+            closing.future.add_done_callback(_report)  # the close goes on, on the loop
+            raise
+        finally:
+            self._end()
+        closing.future.result()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._backend.ended(self)
+
+    def __del__(self) -> None:
+        # Dropped unfinished (an ``async for`` left early): cancel the request, as ``Engine``'s streams do.
+        if self.__dict__.get("_starting") is not None and not self.__dict__.get("_ended", True):
+            self._backend.abandon(self._remote)
+
+
+class FleetBackend:
+    """Use ``FleetBackend.open(engine_config, fleet_config)`` in a trio run (Ray initialised first)."""
+
+    def __init__(self, config: EngineConfig, fleet_config: FleetConfig) -> None:
+        self.config = config
+        self.fleet_config = fleet_config
+        self.runtime = Tokenizing()
+        self.draining = False
+        self._fleet: Fleet | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="tickloom-fleet-loop", daemon=True)
+        self._stop = asyncio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        self._open: weakref.WeakSet[FleetRequestStream] = weakref.WeakSet()
+        """Started streams not yet ended (weak: a stream dropped unfinished is collected and cancels itself)."""
+        self._changed = trio.Event()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: EngineConfig, fleet_config: FleetConfig) -> AsyncIterator[FleetBackend]:
+        """Start the fleet's loop and ``Fleet.open`` on it; on leaving, close the fleet (every replica's engine and
+        log, the router log) and stop the loop."""
+        require_ray()
+        backend = cls(config, fleet_config)
+        backend._thread.start()
+        opened: concurrent.futures.Future[Fleet] = concurrent.futures.Future()
+        host = backend.submit(backend._host(opened))
+
+        def host_done(future: concurrent.futures.Future[None]) -> None:
+            if not opened.done():  # Fleet.open failed, or was cancelled
+                if future.cancelled():
+                    opened.cancel()
+                else:
+                    opened.set_exception(future.exception() or FleetError("the fleet closed before it opened"))
+
+        host.future.add_done_callback(host_done)
+        try:
+            ready = _Pending(opened, backend._token)
+            await ready.done.wait()
+            backend._fleet = opened.result()
+            backend.runtime.tokenizer = await trio.to_thread.run_sync(load_tokenizer, config)
+            yield backend
+        finally:
+            with trio.CancelScope(shield=True):
+                await backend._close(host, opened.done() and not opened.cancelled() and opened.exception() is None)
+
+    async def _host(self, opened: concurrent.futures.Future[Fleet]) -> None:
+        async with Fleet.open(self.config, self.fleet_config) as fleet:
+            opened.set_result(fleet)
+            await self._stop.wait()
+
+    async def _close(self, host: _Pending[None], was_open: bool) -> None:
+        if was_open:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        else:
+            host.future.cancel()  # interrupted while opening: Fleet.open's own cleanup closes what started
+        await host.done.wait()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        await trio.to_thread.run_sync(self._thread.join)
+        error = None if host.future.cancelled() else host.future.exception()
+        if was_open and error is not None:
+            raise error  # closing the fleet failed
+
+    def _run_loop(self) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+            # As asyncio.run ends: cancel what is left (a request abandoned at the very end), report its failures.
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            for task in left:
+                if not task.cancelled() and task.exception() is not None:
+                    loop.call_exception_handler({"message": "a fleet task failed at close",
+                                                 "exception": task.exception(), "task": task})
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+    # -- calls into the loop -----------------------------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> _Pending[T]:
+        """Run ``coro`` on the fleet's loop (thread-safe; never blocks)."""
+        return _Pending(asyncio.run_coroutine_threadsafe(coro, self._loop), self._token)
+
+    async def on_loop(self, fn: Callable[[Fleet], T]) -> T:
+        """``fn(fleet)`` run on the fleet's loop (e.g. ``lambda f: f.kill_replica(1)``, for tests and chaos)."""
+        fleet = self.fleet
+
+        async def call() -> T:
+            return fn(fleet)
+
+        pending = self.submit(call())
+        await pending.done.wait()
+        return pending.future.result()
+
+    def abandon(self, remote: _Remote) -> None:
+        """Close ``remote`` on the loop without waiting (thread-safe: ``__del__`` may run in any thread)."""
+        coro = remote.close()
+        try:
+            asyncio.run_coroutine_threadsafe(coro, self._loop).add_done_callback(_report)
+        except RuntimeError:  # the loop is closed: the fleet, and its requests, are gone
+            coro.close()
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._wake)
+
+    # -- the engine's surface ----------------------------------------------------------------------------------
+    @property
+    def fleet(self) -> Fleet:
+        """The fleet; touch it only on its loop (``on_loop``)."""
+        if self._fleet is None:
+            raise EngineError("fleet", "the fleet is not open: use `async with FleetBackend.open(...)`")
+        return self._fleet
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
+                 request_id: str | None = None, priority: int = 0, cache_salt: str = "") -> FleetRequestStream:
+        """A stream of one request on the replica the router picks. The prompt is tokenized and the params checked
+        here (``RequestRejected``); the rest is checked at ``start``, where the fleet and then the replica's engine
+        take the request."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"params must be SamplingParams, not {type(params).__name__}")
+        params.validate()
+        kw = {"deadline": deadline, "request_id": request_id, "priority": priority, "cache_salt": cache_salt}
+        return FleetRequestStream(self, _Remote(self._prompt_ids(prompt), params, kw))
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        """As ``engine.runtime.Runtime.tokenize``; token ids are passed on (the replica's engine checks them)."""
+        tokenizer = self.runtime.tokenizer
+        if isinstance(prompt, str):
+            encodable(prompt, "prompt")
+            if len(prompt) > MAX_CHARS_PER_TOKEN * self.config.max_seq_len:
+                raise RequestRejected(f"the prompt has {len(prompt)} characters; it cannot fit "
+                                      f"max_seq_len={self.config.max_seq_len} tokens")
+            try:
+                return list(tokenizer.encode(prompt))
+            except ValueError as exc:
+                raise RequestRejected(f"the prompt cannot be tokenized: {exc}") from None
+        if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
+            bad = unencodable(list(prompt))
+            if bad is not None:
+                raise RequestRejected(f"prompt{bad} is not encodable as UTF-8 (a lone surrogate)")
+            try:
+                text = tokenizer.render_chat([dict(m) for m in prompt if isinstance(m, dict)],
+                                            add_generation_prompt=True)
+                return list(tokenizer.encode(text, add_special_tokens=False))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise RequestRejected(f"the prompt's chat messages cannot be rendered and tokenized: {exc}") from None
+        if isinstance(prompt, list | tuple):
+            return list(prompt)
+        raise RequestRejected("prompt must be a str, a list of token ids, or a list of chat messages, not "
+                              f"{type(prompt).__name__}")
+
+    def stats(self) -> dict[str, Any]:
+        """The live replicas' last load reports summed, and the replicas live. Read from this thread: the loop only
+        ever replaces a replica's ``last_load`` and ``info`` (frozen structs) and ``live``, each read whole."""
+        replicas = list(self.fleet.replicas)
+        live = [r for r in replicas if r.live]
+        loads = [load for r in live if (load := r.last_load) is not None]
+        return {"waiting": sum(load.waiting for load in loads), "running": sum(load.running for load in loads),
+                "blocks_free": sum(load.free_blocks for load in loads),
+                "blocks_total": sum(r.info.num_blocks for r in live), "replicas": len(replicas),
+                "replicas_live": len(live), "open": len(self._open)}
+
+    async def drain(self, timeout: float = math.inf) -> bool:
+        """Stop taking requests; True once every open stream has ended, False after ``timeout`` seconds."""
+        seconds: float = checked(timeout, Annotated[float, Meta(ge=0.0)], "drain timeout")  # inf waits for all
+        self.draining = True
+        with trio.move_on_after(seconds):
+            while len(self._open):
+                await self._changed.wait()
+            return True
+        return False
+
+    # -- open streams ------------------------------------------------------------------------------------------
+    def opened(self, stream: FleetRequestStream) -> None:
+        self._open.add(stream)
+
+    def ended(self, stream: FleetRequestStream) -> None:
+        self._open.discard(stream)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+__all__ = ["FleetBackend", "FleetRequestStream", "load_tokenizer", "require_ray"]
