@@ -1,9 +1,13 @@
-"""Test-wide settings: one torch thread (when torch is installed) and no network for Hugging Face."""
+"""Test-wide settings: one torch thread (when torch is installed) and no network for Hugging Face; a local Ray
+cluster per module for the fleet tests that ask for ``ray_cluster``."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+
+import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -11,3 +15,14 @@ if importlib.util.find_spec("torch") is not None:
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray of 4 CPUs (scheduling tokens, not cores) for one module's fleet tests."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

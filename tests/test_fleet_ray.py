@@ -10,7 +10,6 @@ import asyncio
 import collections
 import gc
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,6 @@ pytestmark = pytest.mark.slow
 
 STUB = EngineConfig(model="stub", stub_step_time=0.004, block_size=16, num_blocks=2048)
 """One stub step takes 4 ms: a 300-request run lasts long enough to kill a replica in the middle of it."""
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def shared_prefix_prompts(requests: int, families: int) -> list[list[int]]:

@@ -346,22 +346,24 @@ async def test_concurrent_clients_sync_and_async(tmp_path: Path) -> None:
         assert len(set(streamed)) == 8 and all(len(t) == 24 for t in streamed)
 
 
+def leave_after(c: httpx.Client, events: int) -> str:
+    """A streamed chat of 200 tokens left after ``events`` events; its response id."""
+    body = {"model": "stub", "messages": CHAT, "max_tokens": 200, "stream": True}
+    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        seen: list[dict[str, Any]] = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen.append(json.loads(line[6:]))
+            if len(seen) == events:
+                break
+    return str(seen[0]["id"])
+
+
 async def test_disconnect_mid_stream_cancels_the_request(tmp_path: Path) -> None:
     config = stub(tmp_path / "s.tlog", stub_step_time=0.05)
     async with running(config) as srv:
-        def leave_early(c: httpx.Client) -> str:
-            body = {"model": "stub", "messages": CHAT, "max_tokens": 200, "stream": True}
-            with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                seen: list[dict[str, Any]] = []
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        seen.append(json.loads(line[6:]))
-                    if len(seen) == 3:
-                        break
-            return str(seen[0]["id"])
-
-        rid = await srv.http(leave_early)
+        rid = await srv.http(functools.partial(leave_after, events=3))
         with trio.fail_after(10):
             while True:
                 text = await srv.http(lambda c: c.get("/metrics").text)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from tests.engine_helpers import core_finishes
-from tests.test_serve import CHAT, Server, running, stub
+from tests.test_serve import CHAT, Server, leave_after, running, stub
 from tickloom.engine import EngineConfig
 from tickloom.fleet.front import FleetConfig
 from tickloom.fleet.router_replay import replica_logs, verify_fleet
@@ -32,15 +32,6 @@ pytestmark = pytest.mark.slow
 
 ENGINE = dict(model="stub", num_blocks=256, max_seq_len=256, stub_step_time=0.005, max_batch_size=16)
 """``tests.test_serve.stub``'s engine, without its log (each replica writes its own)."""
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @dataclass
@@ -85,20 +76,6 @@ def answers(c: openai.OpenAI) -> dict[str, Any]:
         "n=2": [(ch.index, ch.text, ch.finish_reason) for ch in sorted(n2.choices, key=lambda ch: ch.index)],
         "n=2 usage": (n2.usage.prompt_tokens, n2.usage.completion_tokens),
     }
-
-
-def leave_after(c: httpx.Client, events: int) -> str:
-    """A streamed chat of 200 tokens left after ``events`` events; its response id."""
-    body = {"model": "stub", "messages": CHAT, "max_tokens": 200, "stream": True}
-    with c.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200
-        seen: list[dict[str, Any]] = []
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                seen.append(json.loads(line[6:]))
-            if len(seen) == events:
-                break
-    return str(seen[0]["id"])
 
 
 async def test_a_fleet_answers_as_one_engine_and_a_client_leaving_cancels_on_its_replica(
