@@ -28,17 +28,13 @@ from tickloom.engine.params import (
     TokenId,
     checked,
     encodable,
-    unencodable,
     with_bounds,
 )
+from tickloom.engine.prompts import Prompt, text_prompt_ids
 from tickloom.engine.runtime import Runtime, build_runtime
 from tickloom.events import RequestArrived, RequestCancelled
 
 _PROMPT_IDS = with_bounds(list[TokenId])
-
-Prompt = str | list[int] | Sequence[dict[str, Any]]
-"""Text, token ids (used as given: no BOS is added) or chat messages (rendered with the model's template)."""
-
 
 class Engine:
     """Use ``Engine.open(config)``; the constructor only stores the configuration."""
@@ -227,17 +223,9 @@ class Engine:
         ``keep`` of them when given (``SamplingParams.truncate_prompt_tokens``)."""
         rt = self.runtime
         limits = rt.core_config
-        ids: list[int]
-        if isinstance(prompt, str):
-            encodable(prompt, "prompt")
-            if len(prompt) > MAX_CHARS_PER_TOKEN * limits.max_seq_len:
-                raise RequestRejected(f"the prompt has {len(prompt)} characters; it cannot fit "
-                                      f"max_seq_len={limits.max_seq_len} tokens")
-            ids = rt.tokenize(prompt)
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            messages = [_chat_message(i, m) for i, m in enumerate(prompt)]
-            ids = rt.tokenize(messages)
-        elif isinstance(prompt, (list, tuple)):
+        ids = text_prompt_ids(rt.tokenizer, prompt, limits.max_seq_len)
+        if ids is None:  # token ids
+            assert isinstance(prompt, list | tuple)
             if keep is not None:
                 prompt = prompt[-keep:]
             if len(prompt) >= limits.max_seq_len:
@@ -247,9 +235,6 @@ class Engine:
             if bad is not None:
                 raise RequestRejected(f"prompt token id {ids[bad]} at position {bad} is outside "
                                       f"vocab_size={limits.vocab_size}")
-        else:
-            raise RequestRejected("prompt must be a str, a list of token ids, or a list of chat messages, not "
-                                  f"{type(prompt).__name__}")
         if not ids:
             raise RequestRejected("the prompt is empty")
         return ids if keep is None else ids[-keep:]
@@ -300,9 +285,6 @@ class Engine:
         return stream
 
 
-MAX_CHARS_PER_TOKEN = 1024
-"""A text prompt longer than this many characters per ``max_seq_len`` token is refused before tokenizing."""
-
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
 MAX_DEADLINE_S = 1e9
@@ -317,27 +299,6 @@ class _RequestArgs(msgspec.Struct, frozen=True, kw_only=True):
     priority: Annotated[int, Meta(ge=INT32_MIN, le=INT32_MAX)] = 0
     """Lower is more important, as in vLLM; an int32."""
     cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] = ""
-
-
-class _ChatMessage(msgspec.Struct, frozen=True):
-    role: Annotated[str, Meta(min_length=1, max_length=256)]
-    content: str
-
-
-def _chat_message(index: int, message: dict[Any, Any]) -> dict[str, Any]:
-    """One chat message, checked: a str ``role`` and ``content``; other keys (str) are passed to the template."""
-    what = f"prompt[{index}]"
-    for key in ("role", "content"):
-        if key not in message:
-            raise RequestRejected(f"{what} has no {key!r}: a chat message needs 'role' and 'content'")
-    bad_key = next((k for k in message if not isinstance(k, str)), None)
-    if bad_key is not None:
-        raise RequestRejected(f"{what} has a non-str key {bad_key!r}")
-    checked({"role": message["role"], "content": message["content"]}, _ChatMessage, what)
-    bad = unencodable(message)
-    if bad is not None:
-        raise RequestRejected(f"{what}{bad} is not encodable as UTF-8 (a lone surrogate)")
-    return dict(message)
 
 
 def _kept_tokens(truncate: int | None, max_seq_len: int) -> int | None:

@@ -26,7 +26,7 @@ from tickloom.actors.step import StepActor
 from tickloom.engine.config import EngineConfig
 from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.config import SchedulingKnobs
-from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
+from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded
 from tickloom.engine.model.stub import StubTokenizer
 from tickloom.events import (
     DIGEST_VERSION,
@@ -221,22 +221,6 @@ class Runtime:
     # -- requests --------------------------------------------------------------------------------------------
     def now_ns(self) -> int:
         return int(trio.current_time() * 1e9)
-
-    def tokenize(self, prompt: str | list[int] | Sequence[dict[str, Any]]) -> list[int]:
-        if isinstance(prompt, str):
-            try:
-                return list(self.tokenizer.encode(prompt))
-            except ValueError as exc:
-                raise RequestRejected(f"the prompt cannot be tokenized: {exc}") from None
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt, Sequence) and all(isinstance(m, dict) and "role" in m for m in prompt):
-            try:
-                text = self.tokenizer.render_chat(list(prompt), add_generation_prompt=True)
-                return list(self.tokenizer.encode(text, add_special_tokens=False))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise RequestRejected(f"the prompt's chat messages cannot be rendered and tokenized: {exc}") from None
-        raise RequestRejected("prompt must be a str, a list of token ids, or a list of chat messages")
 
     async def acquire_slot(self) -> None:
         if self.config.overload == "reject":

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from tickloom import EngineConfig, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
+from tickloom.engine.prompts import tokenize
 from tickloom.fleet.router_replay import incarnation_log, replica_dir
 from tickloom.fleet.wire import Load, Pulled, ReplicaInfo, Submit, Submitted, decode, encode
 
@@ -94,8 +95,7 @@ class ReplicaActor:
 
     async def tokenize(self, prompt: str) -> list[int]:
         await self.start()
-        ids: list[int] = self._engine.runtime.tokenize(prompt)
-        return ids
+        return tokenize(self._engine.runtime.tokenizer, prompt)
 
     async def load(self) -> bytes:
         await self.start()
@@ -145,7 +145,7 @@ class ReplicaActor:
             await pump.stream.aclose()
             if pump.task is not None:
                 pump.task.cancel()
-            with contextlib.suppress(asyncio.QueueFull):  # a full queue has no pull waiting on it
+            if not pump.queue.full():  # a full queue has no pull waiting on it
                 pump.queue.put_nowait(None)  # ends a pull still waiting (its caller went away)
 
     async def close(self) -> None:

@@ -12,7 +12,7 @@ replica receives token ids (chat messages rendered here with the model's templat
 round trip. ``stats()`` sums the replicas' last load reports (queues, free and total KV blocks) and counts the
 live replicas.
 
-Ray is the optional extra ``tickloom[fleet]``; ``open`` says so if it is missing.
+Ray is the optional extra ``tickloom[fleet]`` (``tickloom serve --replicas`` says so if it is missing).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import importlib.util
 import logging
 import math
 import threading
@@ -33,21 +32,15 @@ from typing import Annotated, Any, Generic, NoReturn, TypeVar
 import trio
 from msgspec import Meta
 
-from tickloom.engine import ConfigError, EngineConfig, EngineError, EngineOverloaded, RequestOutput, RequestRejected
-from tickloom.engine.api import MAX_CHARS_PER_TOKEN, Prompt
-from tickloom.engine.params import SamplingParams, checked, encodable, unencodable
+from tickloom.engine import EngineConfig, EngineError, EngineOverloaded, RequestOutput, RequestRejected
+from tickloom.engine.params import SamplingParams, checked
+from tickloom.engine.prompts import Prompt, text_prompt_ids
 from tickloom.fleet.front import Fleet, FleetConfig, FleetError, FleetStream, NoReplica, ReplicaDied
 from tickloom.tools.serve.backend import BackendRequestError, ReplicaUnavailable
 
 log = logging.getLogger("tickloom.serve")
 
 T = TypeVar("T")
-
-
-def require_ray() -> None:
-    """``ConfigError`` naming the extra to install when Ray is missing."""
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError("serving a fleet needs Ray, which is not installed: pip install 'tickloom[fleet]'")
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
@@ -270,7 +263,6 @@ class FleetBackend:
     async def open(cls, config: EngineConfig, fleet_config: FleetConfig) -> AsyncIterator[FleetBackend]:
         """Start the fleet's loop and ``Fleet.open`` on it; on leaving, close the fleet (every replica's engine and
         log, the router log) and stop the loop."""
-        require_ray()
         backend = cls(config, fleet_config)
         backend._thread.start()
         opened: concurrent.futures.Future[Fleet] = concurrent.futures.Future()
@@ -376,31 +368,13 @@ class FleetBackend:
         return FleetRequestStream(self, _Remote(self._prompt_ids(prompt), params, kw))
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        """As ``engine.runtime.Runtime.tokenize``; token ids are passed on (the replica's engine checks them)."""
-        tokenizer = self.runtime.tokenizer
-        if isinstance(prompt, str):
-            encodable(prompt, "prompt")
-            if len(prompt) > MAX_CHARS_PER_TOKEN * self.config.max_seq_len:
-                raise RequestRejected(f"the prompt has {len(prompt)} characters; it cannot fit "
-                                      f"max_seq_len={self.config.max_seq_len} tokens")
-            try:
-                return list(tokenizer.encode(prompt))
-            except ValueError as exc:
-                raise RequestRejected(f"the prompt cannot be tokenized: {exc}") from None
-        if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
-            bad = unencodable(list(prompt))
-            if bad is not None:
-                raise RequestRejected(f"prompt{bad} is not encodable as UTF-8 (a lone surrogate)")
-            try:
-                text = tokenizer.render_chat([dict(m) for m in prompt if isinstance(m, dict)],
-                                            add_generation_prompt=True)
-                return list(tokenizer.encode(text, add_special_tokens=False))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise RequestRejected(f"the prompt's chat messages cannot be rendered and tokenized: {exc}") from None
-        if isinstance(prompt, list | tuple):
-            return list(prompt)
-        raise RequestRejected("prompt must be a str, a list of token ids, or a list of chat messages, not "
-                              f"{type(prompt).__name__}")
+        """Text and chat messages tokenized here, as the engine does (``engine.prompts``); token ids are passed on,
+        and the replica's engine checks them."""
+        ids = text_prompt_ids(self.runtime.tokenizer, prompt, self.config.max_seq_len)
+        if ids is not None:
+            return ids
+        assert isinstance(prompt, list | tuple)  # text_prompt_ids refuses anything else
+        return list(prompt)
 
     def stats(self) -> dict[str, Any]:
         """The live replicas' last load reports summed, and the replicas live. Read from this thread: the loop only
@@ -436,4 +410,4 @@ class FleetBackend:
         self._changed = trio.Event()
 
 
-__all__ = ["FleetBackend", "FleetRequestStream", "load_tokenizer", "require_ray"]
+__all__ = ["FleetBackend", "FleetRequestStream", "load_tokenizer"]
