@@ -86,6 +86,10 @@ class _EngineFields(SchedulingKnobs, frozen=True, kw_only=True, forbid_unknown_f
         ge=0.0, le=3600.0, description="Seconds per step of the stub model (virtual time under MockClock).")] = 0.01
     faults: Annotated[FaultPlan | None, Meta(description="Faults to inject (FaultPlan).")] = None
 
+    @property
+    def spill_enabled(self) -> bool:
+        return self.spill_dir is not None or self.host_spill_bytes > 0
+
 
 class EngineConfig(_EngineFields, frozen=True, kw_only=True):
     """How to build an engine. ``model="stub"`` runs the core's oracle instead of a model (tests, benchmarks).
@@ -107,10 +111,6 @@ class EngineConfig(_EngineFields, frozen=True, kw_only=True):
         _check_tensor_parallel(fields)
         _normalise(self, fields)
 
-    @property
-    def spill_enabled(self) -> bool:
-        return self.spill_dir is not None or self.host_spill_bytes > 0
-
 
 def _check_tensor_parallel(fields: _EngineFields) -> None:
     """What tensor parallelism cannot run, known from the config alone (the model's shapes are checked at open)."""
@@ -120,7 +120,7 @@ def _check_tensor_parallel(fields: _EngineFields) -> None:
     if fields.model == "stub":
         raise ConfigError(f"EngineConfig.tensor_parallel_size={world}: the stub model has no weights to shard; "
                           "use tensor_parallel_size=1 with model='stub'")
-    if fields.spill_dir is not None or fields.host_spill_bytes > 0:
+    if fields.spill_enabled:
         raise ConfigError(f"EngineConfig.tensor_parallel_size={world}: KV spill (spill_dir, host_spill_bytes) is not "
                           "supported with tensor parallelism (each rank holds a shard of the KV cache); turn spill "
                           "off or use tensor_parallel_size=1")

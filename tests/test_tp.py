@@ -16,7 +16,7 @@ import torch
 from tickloom.engine.model.config import ModelConfig
 from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.tiny import write_tiny_model
-from tickloom.engine.model.tp import load_rank_model, shard_config, shard_tensors
+from tickloom.engine.model.tp import shard_config, shard_tensors
 from tickloom.replay import verify
 
 HERE = Path(__file__).parent
@@ -36,10 +36,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_two_gloo_ranks_give_the_tokens_of_one(tmp_path: Path, architecture: str) -> None:
-    from tp_rank import CONFIG, run_workload
+    from tp_rank import CONFIG, rank_model, run_workload
 
     model_dir = write_tiny_model(tmp_path / "model", seed=3, architecture=architecture)
-    one = run_workload(ModelExecutor(load_rank_model(model_dir, rank=0, world=1, dtype="float32"),
+    one = run_workload(ModelExecutor(rank_model(model_dir, rank=0, world=1),
                                      CONFIG.num_blocks, CONFIG.block_size), tmp_path / "one.tlog")
     assert sorted(one) == ["g0", "g1", "s0", "s1"] and all(one.values())
 

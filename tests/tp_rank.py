@@ -7,6 +7,7 @@ test's one-rank run and rank 0 drive: the real core in the simulator, the model 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ import torch.distributed as dist
 
 from tickloom.engine.core import CoreConfig
 from tickloom.engine.model.executor import ModelExecutor
-from tickloom.engine.model.tp import TensorParallelExecutor, load_rank_model, serve_rank
+from tickloom.engine.model.llama import LlamaModel
+from tickloom.engine.model.loaders import load_model
+from tickloom.engine.model.tp import TensorParallelExecutor, serve_rank, shard_model
 from tickloom.events import EmitTokens, RequestArrived, SamplingSpec
 from tickloom.replay.full import ModelDevice
 from tickloom.replay.record import record_core_run
@@ -24,6 +27,12 @@ from tickloom.replay.record import record_core_run
 CONFIG = CoreConfig(num_blocks=96, block_size=16, vocab_size=512, eos_token_ids=(2,), max_seq_len=256,
                     max_batch_size=8, max_prefill_tokens=48)
 """Small prefill chunks: the steps mix prefill chunks and decode rows."""
+
+
+def rank_model(model_dir: str | Path, *, rank: int, world: int) -> LlamaModel:
+    """Rank ``rank``'s float32 shard of the checkpoint, loaded as the engine loads one (``load_model``'s ``build``)."""
+    build = functools.partial(shard_model, rank=rank, world=world)
+    return load_model(model_dir, "float32", "cpu", 1, "none", build=build).model
 
 
 def workload() -> dict[int, list[RequestArrived]]:
@@ -63,7 +72,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world)
     try:
-        model = load_rank_model(args.model, rank=args.rank, world=args.world, dtype="float32")
+        model = rank_model(args.model, rank=args.rank, world=args.world)
         executor = ModelExecutor(model, CONFIG.num_blocks, CONFIG.block_size)
         if args.rank == 0:
             tp = TensorParallelExecutor(executor)

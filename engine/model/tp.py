@@ -32,8 +32,8 @@ the simulator), ``tests/test_tp_engine.py`` through ``Engine.open``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -44,10 +44,11 @@ from tickloom.engine.model.config import ModelConfig
 from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.kv_cache import HostKV
 from tickloom.engine.model.llama import LlamaModel
-from tickloom.engine.model.loaders import parse_dtype, read_safetensors
 from tickloom.engine.model.quant import Linear, RawBlocks, Weight
 from tickloom.engine.model.types import StepResult
 from tickloom.events import SamplingSpec
+
+log = logging.getLogger(__name__)
 
 
 def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
@@ -237,6 +238,26 @@ class TensorParallelExecutor:
         _broadcast(_Stop(), self.model.device, self.group)
 
 
+def build_executors_together(model: LlamaModel | None, device: torch.device, pool: tuple[int, int] | None = None,
+                             group: Any = None) -> tuple[ModelExecutor | None, int]:
+    """Every rank at once: take the KV pool's ``(num_blocks, block_size)`` from rank 0 (its ``pool``), build this
+    rank's executor (``model`` None: its shard did not load), and count the ranks that could not. Why a vote: a rank
+    that failed still takes part in both collectives, so no rank waits for one that never comes, and all of them
+    learn at once whether to serve or to exit."""
+    setup = torch.tensor(pool or (0, 0), dtype=torch.int64, device=device)
+    dist.broadcast(setup, 0, group=group)
+    num_blocks, block_size = (int(v) for v in setup.tolist())
+    executor: ModelExecutor | None = None
+    if model is not None:
+        try:
+            executor = ModelExecutor(model, num_blocks, block_size)
+        except Exception:  # counted in the vote; the traceback goes to stderr, which rank 0 reads back
+            log.exception("a tensor-parallel rank could not build its executor")
+    failed = torch.tensor([int(executor is None)], dtype=torch.int64, device=device)
+    dist.all_reduce(failed, group=group)
+    return executor, int(failed.item())
+
+
 def serve_rank(executor: ModelExecutor, group: Any = None) -> int:
     """A rank other than 0: make every call rank 0 broadcasts on this rank's shard, until it stops; the calls made.
 
@@ -252,13 +273,3 @@ def serve_rank(executor: ModelExecutor, group: Any = None) -> int:
             _apply(executor, call)
         except (ValueError, KeyError):
             continue  # rank 0 raised the same for this call and reports the step failed
-
-
-def load_rank_model(model_dir: str | Path, *, rank: int, world: int, dtype: str | None = None,
-                    device: str | None = None, group: Any = None) -> LlamaModel:
-    """Rank ``rank``'s shard of the Hugging Face checkpoint in ``model_dir`` (dense weights: ``quant`` none)."""
-    path = Path(model_dir)
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    cfg = ModelConfig.from_file(path / "config.json")
-    tensors, _ = read_safetensors(path)
-    return shard_model(cfg, tensors, parse_dtype(dtype, dev), dev, rank=rank, world=world, group=group)

@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 
 from tickloom.engine.model.config import ModelConfig
-from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.loaders import LoadedModel, load_model
-from tickloom.engine.model.tp import TensorParallelExecutor, shard_model
+from tickloom.engine.model.tp import TensorParallelExecutor, build_executors_together, shard_model
 from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import SamplingSpec
 
@@ -255,20 +254,12 @@ class TensorParallelRanks:
 
     def _handshake(self, num_blocks: int, block_size: int) -> TensorParallelExecutor:
         assert self._loaded is not None
-        device = torch.device(self.devices[0])
-        dist.broadcast(torch.tensor([num_blocks, block_size], dtype=torch.int64, device=device), 0)
-        executor: ModelExecutor | None = None
-        failed = torch.zeros(1, dtype=torch.int64, device=device)
-        try:
-            executor = ModelExecutor(self._loaded.model, num_blocks, block_size)
-        except Exception:
-            failed += 1  # still take part in the vote below, or the workers would wait for it forever
-            log.exception("tensor-parallel rank 0 could not build its executor")
-        dist.all_reduce(failed)  # how many ranks failed to load their shard or build their executor
-        if executor is None or int(failed.item()):
+        executor, failed = build_executors_together(self._loaded.model, torch.device(self.devices[0]),
+                                                    (num_blocks, block_size))
+        if executor is None or failed:
             self._reap(STOP_WAIT_S)  # the workers exit after the vote; their stderr says why
             reasons = [w.exit_reason(w.proc.returncode) for w in self.workers if w.proc.returncode]
-            raise TensorParallelError(f"{int(failed.item())} of {self.world} ranks could not load the model: "
+            raise TensorParallelError(f"{failed} of {self.world} ranks could not load the model: "
                                       + ("; ".join(reasons) or "see the log"))
         return TensorParallelExecutor(executor)
 

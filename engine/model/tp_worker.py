@@ -24,9 +24,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.loaders import load_model
-from tickloom.engine.model.tp import serve_rank, shard_model
+from tickloom.engine.model.tp import build_executors_together, serve_rank, shard_model
 
 WAIT_FOREVER = datetime.timedelta(days=3650)
 """A worker's collective timeout. Between calls it waits for rank 0 as long as the engine is idle; it never waits
@@ -72,27 +71,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    executor: ModelExecutor | None = None
-    device = torch.device(args.device)
-    setup = torch.zeros(2, dtype=torch.int64, device=device)
     try:  # joined first, so a failure here is reported to rank 0 in the vote below rather than by a timeout
-        loaded = load_model(args.model, args.dtype, args.device, args.threads, args.quant,
-                            build=functools.partial(shard_model, rank=args.rank, world=args.world))
+        model = load_model(args.model, args.dtype, args.device, args.threads, args.quant,
+                           build=functools.partial(shard_model, rank=args.rank, world=args.world)).model
     except Exception:
         traceback.print_exc()
-        loaded = None
-    dist.broadcast(setup, 0)
-    num_blocks, block_size = (int(v) for v in setup.tolist())
-    if loaded is not None:
-        try:
-            executor = ModelExecutor(loaded.model, num_blocks, block_size)
-        except Exception:
-            traceback.print_exc()
-    failed = torch.tensor([0 if executor is not None else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(failed)
+        model = None
+    executor, failed = build_executors_together(model, torch.device(args.device))
     if executor is None:
         return 1
-    if int(failed.item()):
+    if failed:
         return 0  # another rank failed; rank 0 reports it
     serve_rank(executor)
     return 0
