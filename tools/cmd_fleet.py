@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tickloom.fleet.front import FleetConfig
 
 from tickloom.tools.model_options import add_model_arguments, engine_config, sampling
 
@@ -44,8 +50,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--replicas, --repeat and --concurrency must be at least 1")
     config = engine_config(args)
     params = sampling(args)
-    import ray
-
     from tickloom.engine import ConfigError
     from tickloom.fleet.front import FleetConfig
 
@@ -54,17 +58,31 @@ def run(args: argparse.Namespace) -> int:
                                    replica_cpus=args.replica_cpus)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
-    started = not ray.is_initialized()
-    if started:
-        # Ray's CPUs are scheduling tokens: locally, enough for every replica whatever the machine's cores
-        cpus = max(os.cpu_count() or 1, math.ceil(args.replicas * args.replica_cpus))
-        local = {} if args.address else {"num_cpus": cpus}
-        ray.init(address=args.address, include_dashboard=False, log_to_driver=False, configure_logging=False, **local)
-    try:
+    with ray_for_command(args.address, fleet_config):
         return asyncio.run(_serve(args, config, fleet_config, params))
+
+
+@contextlib.contextmanager
+def ray_for_command(address: str | None, fleet_config: FleetConfig) -> Iterator[None]:
+    """Ray for one command's fleet: used as it is if already initialised; else joined at ``address``, or started
+    locally, and shut down afterwards. ``CliError`` naming the extra to install if Ray is missing."""
+    from tickloom.tools.cli import CliError
+
+    try:
+        import ray
+    except ImportError:
+        raise CliError("a fleet needs Ray, which is not installed: pip install 'tickloom[fleet]'") from None
+    if ray.is_initialized():
+        yield
+        return
+    # Ray's CPUs are scheduling tokens: locally, enough for every replica whatever the machine's cores
+    cpus = max(os.cpu_count() or 1, math.ceil(fleet_config.replicas * fleet_config.replica_cpus))
+    ray.init(address=address, num_cpus=None if address else cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        yield
     finally:
-        if started:
-            ray.shutdown()
+        ray.shutdown()
 
 
 async def _serve(args: argparse.Namespace, config: object, fleet_config: object, params: object) -> int:

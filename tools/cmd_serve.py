@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -131,16 +130,11 @@ def run(args: argparse.Namespace) -> int:
 def _serve_fleet(args: argparse.Namespace, config: EngineConfig, options: ServeOptions) -> None:
     """Serve a fleet: Ray started locally for the run (or joined at ``--address``), stopped after it."""
     from tickloom.engine import ConfigError
+    from tickloom.fleet.front import FleetConfig, FleetError
     from tickloom.tools.cli import CliError
+    from tickloom.tools.cmd_fleet import ray_for_command
     from tickloom.tools.serve.server import default_log_path
     from tickloom.tools.serve.server import run as serve_run
-
-    try:
-        import ray
-    except ImportError:
-        raise CliError("serving a fleet (--replicas, --fleet-dir) needs Ray, which is not installed: "
-                       "pip install 'tickloom[fleet]'") from None
-    from tickloom.fleet.front import FleetConfig, FleetError
 
     fields = {"policy": args.policy, "replica_cpus": args.replica_cpus}
     try:
@@ -148,16 +142,8 @@ def _serve_fleet(args: argparse.Namespace, config: EngineConfig, options: ServeO
                                    **{name: value for name, value in fields.items() if value is not None})
     except ConfigError as exc:
         raise CliError(str(exc)) from None
-    started = not ray.is_initialized()
-    if started:
-        # Ray's CPUs are scheduling tokens: locally, enough for every replica whatever the machine's cores
-        cpus = max(os.cpu_count() or 1, math.ceil(fleet_config.replicas * fleet_config.replica_cpus))
-        ray.init(address=args.address, num_cpus=None if args.address else cpus, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
-    try:
-        serve_run(config, options, fleet_config)
-    except FleetError as exc:  # e.g. a replica did not start
-        raise CliError(str(exc)) from None
-    finally:
-        if started:
-            ray.shutdown()
+    with ray_for_command(args.address, fleet_config):
+        try:
+            serve_run(config, options, fleet_config)
+        except FleetError as exc:  # e.g. a replica did not start
+            raise CliError(str(exc)) from None
