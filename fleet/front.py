@@ -150,6 +150,7 @@ class Fleet:
         """Open streams; weak, so that a stream its client dropped unfinished is collected and cancels itself."""
         self._next_id = 0
         self._watcher: asyncio.Task[None] | None = None
+        self._closing = False
         self.deaths: list[tuple[int, int, str]] = []
         """(replica, incarnation, reason) of each replica that went down."""
 
@@ -189,10 +190,13 @@ class Fleet:
     async def _close(self, handles: list[Any]) -> None:
         import ray
 
+        # Why a flag as well as the cancel: on Python < 3.12 ``asyncio.wait_for`` returns the inner result instead of
+        # raising when the cancel lands just as the awaited call completes, so one cancel of the watcher can be
+        # swallowed (it then goes on polling, and the await below never ends). The flag ends its loop regardless.
+        self._closing = True
         if self._watcher is not None:
             self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+            await asyncio.wait([self._watcher])  # its end, without taking (or hiding) a cancel of this close
         for stream in list(self._streams.values()):
             await stream.aclose()
         for replica in self.replicas:  # empty if they never all started: then there is no engine to close
@@ -335,7 +339,7 @@ class Fleet:
         """Poll each live replica's load; bring back the ones Ray restarted."""
         import ray
 
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.config.load_every)
             for index, replica in enumerate(self.replicas):
                 try:
