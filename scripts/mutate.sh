@@ -1,19 +1,48 @@
 #!/usr/bin/env bash
-# Mutation testing of the scheduler core (engine/core) with mutmut; configuration: [tool.mutmut] in pyproject.toml.
+# Mutation testing with mutmut, by area; configuration: [tool.mutmut] in pyproject.toml.
 #
-#   scripts/mutate.sh                       every module of engine/core (thousands of mutants: hours on 2 cores)
-#   scripts/mutate.sh admission tick_end    only these modules (tickloom.engine.core.<module>.*)
-#   scripts/mutate.sh --score [module ...]  only print the scores of what has been run so far
+#   scripts/mutate.sh                              every module of the core (thousands of mutants: hours on 2 cores)
+#   scripts/mutate.sh admission tick_end           only these modules of the core (tickloom.engine.core.<module>.*)
+#   scripts/mutate.sh --area events [module ...]   the area events (all its modules, or only these: log frames ...)
+#   scripts/mutate.sh --score [module ...]         only print the scores of what has been run so far: one table per
+#                                                  area (with --area, that area's only)
 #
 # Environment: MUTATE_CHILDREN (default 1) parallel mutant workers.
+#
+# The areas, and what each mutates (a module is named by its path under the area's folder, without .py):
+#   core        engine/core/*: every scheduling decision. [tool.mutmut] itself; mutants/ at the top.
+#   events      events/log.py, frames.py, codec.py, digest.py, errors.py: the log writer, reader, frame scan and
+#               recovery, the one encoding and the schema hash, the running digest, the errors that name a file and
+#               offset. Left out: commands.py, inputs.py, records.py, types.py and routing.py (the vocabulary: Struct
+#               declarations, whose one behaviour, the wire schema, the schema-hash and golden-bytes tests pin as a
+#               whole), oracle.py (the stub model's tokens: the core's tests' model, scored with them) and
+#               __init__.py (re-exports).
+#   replay      replay/verify.py and diff.py: exact replay, divergence reports, seek and bisect, field-level diffs.
+#               The rest of replay/ (the simulator, explorers, what-if, traces) is tooling over the same core.
+#   validation  engine/params.py (SamplingParams and the checked/unencodable/with_bounds helpers: the validation
+#               boundary of the public API) and the checks of engine/config.py (FaultPlan's and EngineConfig's
+#               __post_init__, _check_tensor_parallel, _normalise). Left out: config.py's configuration_table, _bound,
+#               _number and _json_value, which render the README's table (tests/test_engine_config.py compares it
+#               with README.md), not checks of any input.
+#   actors      actors/deadlines.py, log.py, mailbox.py, streams.py and retire.py: the timer heap, the fsync policy
+#               and group commit, stamping and bounded reporting, stream assembly (detokenization, stop strings, the
+#               reasoning split, logprobs, usage) and the client streams. Left out for now: step.py, device.py and
+#               spill.py, whose behaviour the engine-level tests (trio, a device thread, files) cover; too slow for
+#               each mutant's run, and over the two hours one core allows for this list.
+# Each area other than core is its table [tool.mutmut.areas.NAME] in pyproject.toml (files, tests, an optional
+# `mutants` list of name patterns that narrows what is run and scored). mutmut reads only [tool.mutmut], so the
+# script runs such an area in mutants/areas/NAME/: links to tickloom/, tests/ and what the area copies, and a
+# pyproject.toml that is the real one with [tool.mutmut] replaced by the area's table. Everything under mutants/ is
+# ignored by git.
 #
 # Mutants are named after their file's path under tickloom/ (tickloom.engine.core.lane.x_plan_lane_decode__mutmut_3);
 # the list of equivalent mutants below leaves out the "tickloom." prefix.
 #
-# Each mutant runs, in a fork, only the core tests that call the mutated function (fastest first, stopping at the
-# first failure: mutmut adds -x, -p no:randomly). The tests are tests/test_core_*.py without the golden-bytes and
-# purity tests (see pyproject.toml). Results are cached in mutants/ per function: a rerun tests only functions
-# whose source changed. `.venv/bin/mutmut show <name>` prints a mutant's diff; `mutmut results` lists them.
+# Each mutant runs, in a fork, only the area's tests that call the mutated function (fastest first, stopping at the
+# first failure: mutmut adds -x, -p no:randomly). The core's tests are tests/test_core_*.py without the golden-bytes
+# and purity tests (see pyproject.toml). Results are cached in mutants/ per function: a rerun tests only functions
+# whose source changed. `.venv/bin/mutmut show <name>` prints a mutant's diff (for an area, run it in
+# mutants/areas/NAME); `mutmut results` lists them.
 #
 # The score is detected / (detected + survived + suspicious + no tests), where detected is killed plus timeout (a
 # mutant that makes the tests hang is caught, as Stryker counts it), leaving out the equivalent mutants listed below (a mutant no test can kill because the program behaves identically), each with its reason.
@@ -23,11 +52,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 score_only=0
-if [[ "${1:-}" == "--score" ]]; then
-    score_only=1
-    shift
-fi
+area=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --score) score_only=1; shift ;;
+        --area) area="${2:?--area needs a name}"; shift 2 ;;
+        --area=*) area="${1#--area=}"; shift ;;
+        *) break ;;
+    esac
+done
 modules=("$@")
+if [[ $score_only == 0 && -z $area ]]; then
+    area=core
+fi
 
 # name<TAB>reason, one equivalent mutant per line.
 EQUIVALENT=$(cat <<'EOF'
@@ -200,77 +237,159 @@ engine.core.tick_end.x_swap_back_in__mutmut_12	first_planned left False: a swapp
 EOF
 )
 
-if [[ $score_only == 0 ]]; then
-    # mutmut reruns every mutant named on its command line, and skips those with a result otherwise. So: the first
-    # time, name the modules; after that, name only the mutants not yet killed (a survivor is retested, as a new
-    # test may kill it; a mutant whose function changed has lost its result and is tested again).
-    if compgen -G "mutants/tickloom/engine/core/*.py.meta" >/dev/null; then
-        mapfile -t names < <(EQUIVALENT="$EQUIVALENT" .venv/bin/python - "${modules[@]}" <<'PY'
-import json, os, sys
-from pathlib import Path
-equivalent = {"tickloom." + line.split("\t")[0].strip() for line in os.environ["EQUIVALENT"].splitlines() if line.strip()}
-wanted = set(sys.argv[1:])
-for meta in sorted(Path("mutants/tickloom/engine/core").glob("*.py.meta")):
-    if wanted and meta.name.removesuffix(".py.meta") not in wanted:
-        continue
-    for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
-        if code not in (1, 3) and name not in equivalent:
-            print(name)
-PY
-        )
-        if [[ ${#names[@]} -gt 0 ]]; then
-            .venv/bin/mutmut run --max-children "${MUTATE_CHILDREN:-1}" "${names[@]}"
-        fi
-    else
-        patterns=()
-        for module in "${modules[@]}"; do
-            patterns+=("tickloom.engine.core.${module}.*")
-        done
-        .venv/bin/mutmut run --max-children "${MUTATE_CHILDREN:-1}" "${patterns[@]}"
-    fi
-fi
+EQUIVALENT="$EQUIVALENT" SCORE_ONLY="$score_only" AREA="$area" exec .venv/bin/python - "${modules[@]}" <<'PY'
+"""Run an area's mutants (unless --score), then print the score table of each area asked for."""
 
-EQUIVALENT="$EQUIVALENT" .venv/bin/python - "${modules[@]}" <<'PY'
+import fnmatch
 import json
 import os
+import re
+import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from mutmut.stats import status_by_exit_code
 
-equivalent = {}
+ROOT = Path.cwd()
+EQUIVALENT = {}
 for line in os.environ["EQUIVALENT"].splitlines():
     if line.strip():
         name, _, reason = line.partition("\t")
-        equivalent["tickloom." + name.strip()] = reason.strip()
+        EQUIVALENT["tickloom." + name.strip()] = reason.strip()
 
-wanted = set(sys.argv[1:])
-columns = ("killed", "survived", "timeout", "suspicious", "no tests", "not checked", "equivalent")
-totals = dict.fromkeys(columns, 0)
-survivors = []
-print(f"{'module':<12}" + "".join(f"{c:>12}" for c in columns) + f"{'score':>9}")
-for meta in sorted(Path("mutants/tickloom/engine/core").glob("*.py.meta")):
-    module = meta.name.removesuffix(".py.meta")
-    if wanted and module not in wanted:
-        continue
-    counts = dict.fromkeys(columns, 0)
-    for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
-        status = "equivalent" if name in equivalent else status_by_exit_code[code]
-        if status in ("segfault", "caught by type check", "skipped", "check was interrupted by user"):
-            status = "suspicious" if status == "segfault" else "not checked"
-        counts[status] += 1
-        if status in ("survived", "suspicious", "no tests"):
-            survivors.append((status, name))
-    if not sum(counts.values()):
-        continue
-    for c in columns:
-        totals[c] += counts[c]
+pyproject_text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+mutmut_config = tomllib.loads(pyproject_text)["tool"]["mutmut"]
+AREA_TABLES = mutmut_config.get("areas", {})
+AREAS = ["core", *AREA_TABLES]
+
+
+class Area:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "core":
+            table = {k: v for k, v in mutmut_config.items() if k != "areas"}
+            self.workdir = ROOT
+        else:
+            table = AREA_TABLES[name]
+            self.workdir = ROOT / "mutants" / "areas" / name
+        self.table = table
+        self.only_mutate = table["only_mutate"]
+        self.patterns = table.get("mutants")  # None: every mutant of the files
+        # a module's label is its path under the deepest folder common to the area's files, without .py
+        self.folder = os.path.commonpath([os.path.dirname(p) for p in self.only_mutate])
+
+    def metas(self) -> dict[str, Path]:
+        found = {}
+        for pattern in self.only_mutate:
+            for meta in sorted((self.workdir / "mutants").glob(pattern + ".meta")):
+                if meta.name.endswith(".py.meta"):
+                    rel = meta.relative_to(self.workdir / "mutants").as_posix().removesuffix(".py.meta")
+                    found[rel.removeprefix(self.folder + "/")] = meta
+        return found
+
+    def modules(self) -> list[str]:
+        """The area's modules, from its files (a glob is expanded in the source tree)."""
+        names = []
+        for pattern in self.only_mutate:
+            for path in sorted(ROOT.glob(pattern)):
+                if path.suffix == ".py":
+                    names.append(path.relative_to(ROOT).as_posix().removesuffix(".py").removeprefix(self.folder + "/"))
+        return names
+
+    def dotted(self, module: str) -> str:
+        return f"{self.folder}/{module}".replace("/", ".")
+
+    def in_scope(self, mutant: str) -> bool:
+        return self.patterns is None or any(fnmatch.fnmatchcase(mutant, p) for p in self.patterns)
+
+    def prepare(self) -> None:
+        """An area's own folder: links to what mutmut copies, and pyproject.toml with the area's [tool.mutmut]."""
+        if self.name == "core":
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tops = {Path(p).parts[0] for p in self.table.get("source_paths", []) + self.table.get("also_copy", [])}
+        for top in sorted(tops | {"tests"}):
+            link = self.workdir / top
+            if not link.is_symlink():
+                link.symlink_to(os.path.relpath(ROOT / top, self.workdir))
+        lines = [f"{key} = {json.dumps(value, ensure_ascii=False)}" for key, value in self.table.items()
+                 if key != "mutants"]
+        # [tool.mutmut] is the last table of pyproject.toml (with its areas): everything before it is kept
+        before = pyproject_text[: pyproject_text.index("\n[tool.mutmut]\n") + 1]
+        text = before + "[tool.mutmut]\n" + "\n".join(lines) + "\n"
+        target = self.workdir / "pyproject.toml"
+        if not target.exists() or target.read_text(encoding="utf-8") != text:
+            target.write_text(text, encoding="utf-8")
+
+    def run(self, wanted: list[str]) -> None:
+        # mutmut reruns every mutant named on its command line, and skips those with a result otherwise. So: the
+        # first time, name the modules; after that, name only the mutants not yet killed (a survivor is retested, as
+        # a new test may kill it; a mutant whose function changed has lost its result and is tested again).
+        self.prepare()
+        metas = self.metas()
+        names: list[str] = []
+        for module in wanted or self.modules():
+            meta = metas.get(module)
+            if meta is None:
+                prefix = f"{self.dotted(module)}."
+                if self.patterns is None:
+                    names.append(prefix + "*")
+                else:
+                    names.extend(p for p in self.patterns if p.startswith(prefix))
+                continue
+            for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+                if code not in (1, 3) and name not in EQUIVALENT and self.in_scope(name):
+                    names.append(name)
+        if names:
+            mutmut = ROOT / ".venv" / "bin" / "mutmut"
+            children = os.environ.get("MUTATE_CHILDREN", "1")
+            code = subprocess.run([str(mutmut), "run", "--max-children", children, *names], cwd=self.workdir).returncode
+            if code:
+                sys.exit(f"scripts/mutate.sh: mutmut run failed (exit status {code}) for the area {self.name}")
+
+    def score(self, wanted: list[str]) -> None:
+        columns = ("killed", "survived", "timeout", "suspicious", "no tests", "not checked", "equivalent")
+        totals = dict.fromkeys(columns, 0)
+        survivors = []
+        print(f"area {self.name}: {', '.join(self.only_mutate)}" + (" (some functions)" if self.patterns else ""))
+        print(f"{'module':<12}" + "".join(f"{c:>12}" for c in columns) + f"{'score':>9}")
+        for module, meta in self.metas().items():
+            if wanted and module not in wanted:
+                continue
+            counts = dict.fromkeys(columns, 0)
+            for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+                if not self.in_scope(name):
+                    continue
+                status = "equivalent" if name in EQUIVALENT else status_by_exit_code[code]
+                if status in ("segfault", "caught by type check", "skipped", "check was interrupted by user"):
+                    status = "suspicious" if status == "segfault" else "not checked"
+                counts[status] += 1
+                if status in ("survived", "suspicious", "no tests"):
+                    survivors.append((status, name))
+            if not sum(counts.values()):
+                continue
+            for c in columns:
+                totals[c] += counts[c]
+            print(f"{module:<12}" + "".join(f"{counts[c]:>12}" for c in columns) + _score(counts))
+        print(f"{'total':<12}" + "".join(f"{totals[c]:>12}" for c in columns) + _score(totals))
+        for status, name in survivors:
+            print(f"  {status}: {name}")
+
+
+def _score(counts: dict[str, int]) -> str:
     scored = counts["killed"] + counts["survived"] + counts["timeout"] + counts["suspicious"] + counts["no tests"]
-    score = f"{100 * (counts['killed'] + counts['timeout']) / scored:8.1f}%" if scored else "       -"
-    print(f"{module:<12}" + "".join(f"{counts[c]:>12}" for c in columns) + score)
-scored = totals["killed"] + totals["survived"] + totals["timeout"] + totals["suspicious"] + totals["no tests"]
-score = f"{100 * (totals['killed'] + totals['timeout']) / scored:8.1f}%" if scored else "       -"
-print(f"{'total':<12}" + "".join(f"{totals[c]:>12}" for c in columns) + score)
-for status, name in survivors:
-    print(f"  {status}: {name}")
+    return f"{100 * (counts['killed'] + counts['timeout']) / scored:8.1f}%" if scored else "       -"
+
+
+area_name = os.environ["AREA"]
+if area_name and area_name not in AREAS:
+    sys.exit(f"scripts/mutate.sh: no area {area_name!r}; the areas are {', '.join(AREAS)}")
+wanted = sys.argv[1:]
+if os.environ["SCORE_ONLY"] == "0":
+    Area(area_name).run(wanted)
+for i, name in enumerate([area_name] if area_name else AREAS):
+    if i:
+        print()
+    Area(name).score(wanted)
 PY

@@ -1,5 +1,5 @@
-"""Test-wide settings: one torch thread (when torch is installed) and no network for Hugging Face; a local Ray
-cluster per module for the fleet tests that ask for ``ray_cluster``."""
+"""Test-wide settings: one torch thread (when torch is installed), no network for Hugging Face and derandomized
+hypothesis (fixed seeds); a local Ray cluster per module for the fleet tests that ask for ``ray_cluster``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ from collections.abc import Iterator
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+if importlib.util.find_spec("hypothesis") is not None:
+    from hypothesis import settings
+
+    # Property tests run derandomized by default (each test's examples come from a seed fixed by the test itself),
+    # so a failure, or a mutant's kill, never depends on luck and reruns the same. HYPOTHESIS_PROFILE=random draws
+    # fresh examples each run, for exploring.
+    settings.register_profile("derandomized", derandomize=True, database=None)
+    settings.register_profile("random", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "derandomized"))
 
 if importlib.util.find_spec("torch") is not None:
     import torch

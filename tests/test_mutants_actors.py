@@ -1,0 +1,1 @@
+"""Behavioural tests that kill the mutants of the actors area (scripts/mutate.sh --area actors)."""

@@ -1,0 +1,1 @@
+"""Behavioural tests that kill the mutants of the events area (scripts/mutate.sh --area events)."""
