@@ -114,6 +114,24 @@ def remove_stale_spill_dirs(directory: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
+def _make_dirs(directory: Path, made: list[Path]) -> None:
+    """``os.makedirs(directory, exist_ok=True)``, appending each directory it makes to ``made`` (outermost first),
+    so that exactly those can be removed again."""
+    missing: list[Path] = []
+    path = directory
+    while not os.path.lexists(path) and path.parent != path:  # up to the first thing there, whatever it is
+        missing.append(path)
+        path = path.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except FileExistsError:
+            if not path.is_dir():
+                raise
+            continue  # made at the same moment by someone else: theirs, not ours
+        made.append(path)
+
+
 class SpillStore:
     """Both tiers; thread-safe, because the device thread takes host copies while the actors work."""
 
@@ -127,12 +145,19 @@ class SpillStore:
         self._dir: Path | None = None
         self.removed_stale: list[Path] = []
         """Stale spill directories of killed processes that this store removed at start."""
-        if directory is not None:
-            os.makedirs(directory, exist_ok=True)
-            self.removed_stale = remove_stale_spill_dirs(directory)
-            self._dir = Path(tempfile.mkdtemp(prefix=_owner_prefix(), dir=directory))
-            os.chmod(self._dir, 0o700)
+        self._made: list[Path] = []
+        """The directories of ``directory``'s path that this store made (outermost first): a failed start removes
+        them again (``discard``)."""
         self._files: dict[str, Path] = {}
+        if directory is not None:
+            try:
+                _make_dirs(Path(directory), self._made)
+                self.removed_stale = remove_stale_spill_dirs(directory)
+                self._dir = Path(tempfile.mkdtemp(prefix=_owner_prefix(), dir=directory))
+                os.chmod(self._dir, 0o700)
+            except BaseException:
+                self.discard()
+                raise
 
     @property
     def directory(self) -> Path | None:
@@ -224,6 +249,19 @@ class SpillStore:
             for leftover in self._dir.iterdir():
                 leftover.unlink()
             self._dir.rmdir()
+
+    def discard(self) -> None:
+        """``close``, then remove the directories this store made for ``spill_dir``: for an engine that never
+        started. A directory that is not empty (someone else's files) is kept."""
+        try:
+            self.close()
+        finally:
+            for made in reversed(self._made):
+                try:
+                    made.rmdir()
+                except OSError:
+                    break  # not empty, or not ours any more: neither it nor its parents are removed
+            self._made.clear()
 
     def _path(self, request_id: str) -> Path:
         assert self._dir is not None

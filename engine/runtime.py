@@ -90,9 +90,24 @@ class Runtime:
         self.store: SpillStore | None = None
         self.spill: SpillActor | None = None
         self.swap_in: SwapInActor | None = None
+        self.log: LogActor | None = None
+        self._new_writer: LogWriter | None = None
+        try:
+            self._wire(config, core_config, tokenizer, fingerprint, executor, torch_info, send, limit)
+        except BaseException:  # a failed start leaves nothing behind: no spill directory, no log file
+            if self._new_writer is not None:
+                self._new_writer.discard()
+            if self.store is not None:
+                self.store.discard()
+            raise
+        self._new_writer = None
+
+    def _wire(self, config: EngineConfig, core_config: CoreConfig, tokenizer: Any, fingerprint: str, executor: Any,
+              torch_info: tuple[str, str, str, int], send: trio.MemorySendChannel[Envelope], limit: int) -> None:
+        """Build the spill store, the device, the actors, the log and the core (``__init__`` undoes it on failure)."""
         faults = config.faults
         if config.spill_enabled:
-            self.store = SpillStore(config.spill_dir, config.host_spill_bytes)
+            self.store = _new_spill_store(config.spill_dir, config.host_spill_bytes)
             fail_spill = set(faults.fail_spill) if faults else set()
             self.spill = SpillActor(self.store, Outbox(Source.SPILL, send.clone()), limit,
                                     fault=lambda rid: "injected spill write error" if rid in fail_spill else None)
@@ -114,7 +129,6 @@ class Runtime:
                                  delay=faults.report_delay if faults else 0.0)
         self.retire = RetireActor(tokenizer, self.reporter.report_nowait)
         self.deadlines = DeadlineActor(Outbox(Source.DEADLINE, send.clone()), limit)
-        self.log: LogActor | None = None
         if config.log_path is not None:
             header = LogHeader(
                 format_version=FORMAT_VERSION, schema_hash=SCHEMA_HASH, digest_version=DIGEST_VERSION,
@@ -125,7 +139,8 @@ class Runtime:
                 device=torch_info[1], dtype=torch_info[2], threads=torch_info[3],
                 snapshot_every=config.snapshot_every,
             )
-            self.log = LogActor(_new_log(config.log_path, header), config.fsync)
+            self._new_writer = _new_log(config.log_path, header)
+            self.log = LogActor(self._new_writer, config.fsync)
         self.core = SchedulerCore(core_config)
         self.step = StepActor(self.core, self._inbox, device=self.device, deadlines=self.deadlines,
                               retire=_RetireTap(self), spill=self.spill, swap_in=self.swap_in, log=self.log,
@@ -309,6 +324,15 @@ def _new_log(path: str, header: LogHeader) -> LogWriter:
         raise ConfigError(f"log_path={path!r} cannot be created: {exc}") from exc
 
 
+def _new_spill_store(directory: str | None, host_bytes: int) -> SpillStore:
+    """The spill store. Any failure to make or use ``spill_dir`` (not a directory, read-only, no permission, a full
+    disk) is a ``ConfigError`` naming ``spill_dir`` and the reason; the store has removed what it made."""
+    try:
+        return SpillStore(directory, host_bytes)
+    except OSError as exc:
+        raise ConfigError(f"spill_dir={directory!r} cannot be used: {exc}") from exc
+
+
 def _check_log_path(path: str) -> None:
     """Refuse a taken ``log_path`` before loading a model; ``_new_log`` refuses atomically again later."""
     try:
@@ -340,8 +364,11 @@ async def build_runtime(config: EngineConfig) -> Runtime:
     if config.tensor_parallel_size > 1:
         ranks, loaded = await _start_ranks(config)
     else:
-        loaded = await trio.to_thread.run_sync(load_model, config.model, config.dtype, config.device,
-                                               config.threads, config.quant)
+        try:
+            loaded = await trio.to_thread.run_sync(load_model, config.model, config.dtype, config.device,
+                                                   config.threads, config.quant)
+        except OSError as exc:  # the loader names most problems (ModelLoadError); an OS error left over is ours
+            raise _model_error(config.model, exc) from exc
     try:
         import torch
 
@@ -372,6 +399,10 @@ async def build_runtime(config: EngineConfig) -> Runtime:
         raise
 
 
+def _model_error(model: str, exc: OSError) -> ConfigError:
+    return ConfigError(f"model={model!r} cannot be loaded: {exc}")
+
+
 async def _start_ranks(config: EngineConfig) -> tuple[TensorParallelRanks, LoadedModel]:
     """Check that the model can be sharded over ``tensor_parallel_size`` ranks (a ``ConfigError`` naming it),
     start the workers and load rank 0's shard (``engine/model/tp_launch.py``)."""
@@ -379,7 +410,10 @@ async def _start_ranks(config: EngineConfig) -> tuple[TensorParallelRanks, Loade
     from tickloom.engine.model.tp_launch import TensorParallelRanks, read_model_config
 
     world = config.tensor_parallel_size
-    mcfg = await trio.to_thread.run_sync(read_model_config, config.model)
+    try:
+        mcfg = await trio.to_thread.run_sync(read_model_config, config.model)
+    except OSError as exc:
+        raise _model_error(config.model, exc) from exc
     try:
         shard_config(mcfg, world)
         ranks = TensorParallelRanks(world, config.model, dtype=config.dtype, device=config.device,

@@ -20,6 +20,8 @@ its byte offset, never skipped.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 import struct
 import zlib
 from typing import Literal
@@ -92,23 +94,89 @@ class FrameInfo:
         return self.offset + HEADER_SIZE + self.length
 
 
-def _parse_header(buf: bytes | memoryview, offset: int) -> tuple[FrameKind, int, int, int] | None:
+class FileBytes:
+    """A log file read as bytes, in bounded memory: ``len`` is its size when opened, and a slice is a read-only
+    ``memoryview`` read with ``pread`` (never an mmap, so neither the address space nor the resident memory grows
+    with the file). One window of the file is kept: the frame just verified is decoded from the same read.
+
+    Does not own ``fd``."""
+
+    WINDOW = 256 * 1024
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd = fd
+        self._size = size
+        self._start = 0
+        self._window = memoryview(b"")
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, index: slice) -> memoryview:
+        start, stop, step = index.indices(self._size)
+        if step != 1:
+            raise ValueError("FileBytes slices are contiguous")
+        if stop <= start:
+            return memoryview(b"")
+        ours = start - self._start
+        if ours >= 0 and stop - self._start <= len(self._window):
+            return self._window[ours : stop - self._start]
+        want = min(self._size, start + max(stop - start, self.WINDOW)) - start
+        self._window = memoryview(self._pread(start, want))
+        self._start = start
+        return self._window[: stop - start]
+
+    def _pread(self, offset: int, length: int) -> bytes:
+        data = os.pread(self._fd, length, offset)
+        if len(data) == length or not data:
+            return data
+        parts = [data]  # a short read: finish it, or stop where the file now ends (it shrank under us)
+        got = len(data)
+        while got < length:
+            more = os.pread(self._fd, length - got, offset + got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        return b"".join(parts)
+
+    def next_data(self, offset: int) -> int:
+        """The first offset at or after ``offset`` that is not in a hole of a sparse file (holes read as zeros, so
+        no frame begins in one); ``len(self)`` if only a hole is left. ``offset`` itself where the file system
+        cannot tell."""
+        if offset >= self._size:
+            return self._size
+        try:
+            return min(os.lseek(self._fd, offset, os.SEEK_DATA), self._size)
+        except OSError as exc:
+            return self._size if exc.errno == errno.ENXIO else offset
+
+
+Source = bytes | memoryview | FileBytes
+"""What the frame scan reads: a whole file in memory, or ``FileBytes``."""
+
+
+def _next_data(buf: Source, offset: int) -> int:
+    return buf.next_data(offset) if isinstance(buf, FileBytes) else offset
+
+
+def _parse_header(buf: Source, offset: int) -> tuple[FrameKind, int, int, int] | None:
     """(kind, length, tick, body_crc) if the frame header at ``offset`` is whole and checks, else None."""
     if len(buf) - offset < HEADER_SIZE:
         return None
-    magic, length, tick, head_crc, body_crc = HEADER.unpack_from(buf, offset)
+    magic, length, tick, head_crc, body_crc = HEADER.unpack(buf[offset : offset + HEADER_SIZE])
     kind = _KIND_OF_MAGIC.get(bytes(magic))
     if kind is None or zlib.crc32(_HEAD_FIELDS.pack(magic, length, tick)) != head_crc:
         return None
     return kind, length, tick, body_crc
 
 
-def framed_format_version(buf: bytes | memoryview, offset: int = 0) -> int | None:
+def framed_format_version(buf: Source, offset: int = 0) -> int | None:
     """The format version byte of a whole, CRC-checking frame header at ``offset`` of *any* format version, or
     None. Lets a reader tell a log from a later format (incompatible) from a damaged one (corrupt)."""
     if len(buf) - offset < HEADER_SIZE:
         return None
-    magic, length, tick, head_crc, _ = HEADER.unpack_from(buf, offset)
+    magic, length, tick, head_crc, _ = HEADER.unpack(buf[offset : offset + HEADER_SIZE])
     magic = bytes(magic)
     if magic[:2] != b"TL" or magic[2:3] not in (b"h", b"t", b"s"):
         return None
@@ -120,13 +188,18 @@ def framed_format_version(buf: bytes | memoryview, offset: int = 0) -> int | Non
 _SCAN_CHUNK = 1 << 20
 
 
-def _valid_header_after(buf: bytes | memoryview, start: int) -> bool:
+def _valid_header_after(buf: Source, start: int) -> bool:
     """Whether any checking frame header begins at or after ``start`` (the corruption-versus-torn test).
 
-    Scans in chunks, so a damaged frame early in a large log never copies the rest of the file."""
+    Scans in chunks, so a damaged frame early in a large log never copies the rest of the file, and skips the holes
+    of a sparse file (a zero tail of any size costs nothing)."""
     size = len(buf)
     chunk_start = start
     while chunk_start < size:
+        # A header that began before a hole was seen by the chunk before it (the overlap reads the hole's zeros).
+        chunk_start = _next_data(buf, chunk_start)
+        if chunk_start >= size:
+            break
         # Each chunk overlaps the next by a header's length less one, so no header straddles unseen.
         data = bytes(buf[chunk_start : min(size, chunk_start + _SCAN_CHUNK + HEADER_SIZE - 1)])
         pos = data.find(b"TL")
@@ -138,8 +211,23 @@ def _valid_header_after(buf: bytes | memoryview, start: int) -> bool:
     return False
 
 
+def _only_zeros_after(buf: Source, start: int) -> bool:
+    """Whether every byte from ``start`` to the end is zero: space the file holds but nothing was written to (a
+    preallocated or zero-filled tail after a crash), in bounded memory."""
+    size = len(buf)
+    chunk_start = start
+    while chunk_start < size:
+        chunk_start = _next_data(buf, chunk_start)
+        if chunk_start >= size:
+            break
+        if bytes(buf[chunk_start : min(size, chunk_start + _SCAN_CHUNK)]).strip(b"\0"):
+            return False
+        chunk_start += _SCAN_CHUNK
+    return True
+
+
 def read_frame(
-    buf: bytes | memoryview, offset: int, *, path: str, expected_tick: int | None, max_frame_bytes: int
+    buf: Source, offset: int, *, path: str, expected_tick: int | None, max_frame_bytes: int
 ) -> FrameInfo | None:
     """Verify the frame at ``offset``. Returns it, or None if the rest of the file is a torn tail.
 
@@ -165,7 +253,7 @@ def read_frame(
                              f"frame declares {length} payload bytes, past the end of the file at {size}")
         return None
     if zlib.crc32(buf[offset + HEADER_SIZE : end]) != body_crc:
-        if end == size:
+        if end == size or _only_zeros_after(buf, end):  # the last frame written, torn; then nothing, or zeros
             return None
         raise LogCorrupt(path, offset, None if kind == "header" else tick, "payload CRC mismatch")
     return FrameInfo(kind, tick, offset, length)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import mmap
 import os
+import stat
 from collections.abc import Iterator
 from importlib import resources
 from types import TracebackType
@@ -31,6 +31,7 @@ from tickloom.events.codec import (
 from tickloom.events.errors import LogCorrupt, LogError, LogExists, LogIncompatible
 from tickloom.events.frames import (
     DEFAULT_MAX_FRAME_BYTES,
+    FileBytes,
     FrameInfo,
     begin_frame,
     end_frame,
@@ -89,13 +90,17 @@ class LogWriter:
                 raise LogExists(self.path, "is a symlink") from exc
             raise
         self._fd: int | None = fd
+        self._identity: tuple[int, int] | None = None
         try:
+            self._identity = _identity(os.fstat(fd))
             # Safe: this fd is a file we just created (O_EXCL). The umask can only have removed bits from 0600;
             # put the owner's read and write back so the log stays readable and appendable.
             os.fchmod(fd, 0o600)
             self.flush()  # a log always starts with a readable header, even if nothing else is ever written
         except BaseException:
-            self.abandon()
+            # A file without its header (a full disk, say) is no log, and it would block the path (O_EXCL): remove
+            # it, the one this writer created, and let the error through.
+            self.discard()
             raise
 
     # Frames are encoded straight into the write buffer behind a reserved header (no payload copies); if encoding
@@ -170,11 +175,33 @@ class LogWriter:
             os.close(self._fd)
             self._fd = None
 
+    def discard(self) -> None:
+        """Close without writing what is buffered, and remove the file: for a log whose engine never started.
+        Only the file this writer created is removed: if the path now names another file, it is left alone."""
+        fd = self._fd
+        self._buffer = bytearray()  # not clear(): a failed write's traceback may still hold a view of it
+        if fd is None:
+            return
+        try:
+            try:
+                same = self._identity is not None and _identity(os.lstat(self.path)) == self._identity
+            except OSError:
+                same = False
+            if same:
+                os.unlink(self.path)
+        finally:
+            self._fd = None
+            os.close(fd)
+
     def __enter__(self) -> LogWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 @dataclasses.dataclass(slots=True)
@@ -185,23 +212,51 @@ class TailInfo:
     torn_bytes: int = 0
 
 
+def open_log_file(path: str) -> int:
+    """Open a log for reading; its descriptor. Anything that is not a readable regular file raises ``LogError``
+    with one line naming the problem: no such file, a directory, no permission, not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO there never hangs us
+    except FileNotFoundError:
+        raise LogError(f"{path}: no such file (nothing read, at byte offset 0)") from None
+    except PermissionError:
+        raise LogError(f"{path}: permission denied (cannot read the log, at byte offset 0)") from None
+    except OSError as exc:  # a path through a file (ENOTDIR), a loop of links, ...
+        raise LogError(f"{path}: cannot read the log (at byte offset 0): {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        os.close(fd)
+        raise LogError(f"{path}: cannot read the log (at byte offset 0): {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "is a directory, not a log file" if stat.S_ISDIR(mode) else "is not a regular file"
+        raise LogError(f"{path}: {what} (nothing read, at byte offset 0)")
+    return fd
+
+
+def check_log_file(path: str | os.PathLike[str]) -> None:
+    """Raise ``LogError`` (one line naming the problem) unless ``path`` is a regular file this process can open for
+    reading: the check a command makes before it decides what kind of log it was given. What is in the file is
+    the reader's to judge."""
+    os.close(open_log_file(os.fspath(path)))
+
+
 class LogReader:
     """Reads and verifies a log. Frames are checked (CRCs, size limit) as they are iterated."""
 
     def __init__(self, path: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.path = os.fspath(path)
         self.max_frame_bytes = max_frame_bytes
+        self._fd: int | None = open_log_file(self.path)
         try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                self._mmap: mmap.mmap | None = (
-                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-                )
-        except OSError as exc:  # missing, a directory, no permission: nothing was read, at byte offset 0
-            raise LogError(f"{self.path}: cannot read the log (at byte offset 0): {exc}") from exc
-        self._buf: memoryview = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
-        self.tail = TailInfo()
-        try:
+            size = os.fstat(self._fd).st_size
+            if size == 0:
+                raise LogCorrupt(self.path, 0, None, "the file is empty (no header frame)")
+            # Read with pread, a window at a time: memory stays bounded however large the file (a zero tail of any
+            # size included), where an mmap would take the whole file's size in address space.
+            self._buf = FileBytes(self._fd, size)
+            self.tail = TailInfo()
             self.header: LogHeader = self._read_header()
         except BaseException:
             self.close()
@@ -231,8 +286,7 @@ class LogReader:
             )
 
     def _decode(self, info: FrameInfo) -> Frame:
-        # The slice is released explicitly: a decode error's traceback would otherwise keep a view of the mmap
-        # alive, and closing the reader would fail over it instead of reporting the corrupt frame.
+        # The slice is released explicitly, so that no view of the read window outlives the decode.
         view = self._buf[info.payload_offset : info.end]
         try:
             return decode_frame(view)
@@ -327,10 +381,10 @@ class LogReader:
         return snapshot
 
     def close(self) -> None:
-        self._buf.release()
-        if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
+        """Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> LogReader:
         return self

@@ -54,8 +54,12 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"{flag} {out}: no such directory")
     if args.plot:
         require_matplotlib("--plot")
-    if not os.path.isfile(args.log):
-        raise CliError(f"{args.log}: no such file", status=2)
+    from tickloom.events.log import check_log_file
+
+    try:
+        check_log_file(args.log)  # missing, a directory, no permission: one line, exit 2
+    except LogError as exc:
+        raise CliError(str(exc), status=2) from None
     from tickloom.fleet.router_log import is_router_log
 
     if is_router_log(args.log):  # a fleet's router log: its own table (tickloom.fleet.router_inspect)

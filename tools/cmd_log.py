@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "info",
         help="verify every frame of a log and summarise it",
         description="Verify every frame of a log (CRCs, size limit, decoding) and print its header and counts. "
-        "Exits 2 if the log is corrupt or incompatible (naming the file and byte offset). Never modifies the file.",
+        "Exits 2 if the log cannot be read: missing, a directory, no permission, empty, corrupt or incompatible "
+        "(naming the file and byte offset). Never modifies the file.",
     )
     info.add_argument("path", help="the log file")
     info.set_defaults(_log_run=_info)
@@ -96,8 +97,6 @@ def _info(args: argparse.Namespace) -> int:
     from tickloom.events import LogError, LogReader, SnapshotRecord, TickRecord
     from tickloom.tools.cli import CliError
 
-    if not os.path.isfile(args.path):
-        raise CliError(f"{args.path}: no such file")
     ticks = snapshots = 0
     first: int | None = None
     last: int | None = None

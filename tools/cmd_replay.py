@@ -52,13 +52,13 @@ def run(args: argparse.Namespace) -> int:
             check_model(args.model)
     if args.until is not None and args.until < 0:
         raise CliError("--until must be a tick number (0 or more)")
+    problem = log_input_problem(args.log)
+    if problem is not None:
+        return _emit(args, {"status": "unreadable", "error": problem}, f"unreadable: {problem}", 2)
     if os.path.isdir(args.log) or _is_router_log(args.log):  # a fleet directory or a router log: tickloom.fleet
         from tickloom.fleet.cli_replay import run_fleet_replay
 
         return run_fleet_replay(args, _emit)
-    if not os.path.isfile(args.log):
-        return _emit(args, {"status": "unreadable", "error": f"{args.log}: no such file"},
-                     f"unreadable: {args.log}: no such file", 2)
     if args.until is not None:
         return _until(args)
     if args.bisect:
@@ -75,6 +75,26 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(report.format_text())
     return _full(args, model, report.to_json())
+
+
+def log_input_problem(path: str) -> str | None:
+    """Why ``path`` is neither a log file this process can read nor a fleet directory (one line naming the
+    problem: no such file, a directory that is not a fleet's, no permission...), or None. What is in a file is the
+    reader's to judge."""
+    from tickloom.events import LogError
+    from tickloom.events.log import check_log_file
+
+    if os.path.isdir(path):
+        from tickloom.fleet.router_replay import ROUTER_LOG, is_fleet_dir
+
+        if is_fleet_dir(path):
+            return None
+        return f"{path}: is a directory, not a log file or a fleet directory (no {ROUTER_LOG} in it)"
+    try:
+        check_log_file(path)
+    except LogError as exc:
+        return str(exc)
+    return None
 
 
 def _is_router_log(path: str) -> bool:

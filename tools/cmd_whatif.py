@@ -99,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
     from tickloom.events import LogError
     from tickloom.replay.whatif import read_log, whatif
     from tickloom.tools.cli import CliError
+    from tickloom.tools.cmd_replay import log_input_problem
 
+    problem = log_input_problem(args.log)  # missing, a directory that is not a fleet's, no permission: exit 2
+    if problem is not None:
+        return _unreadable(args, problem)
     if os.path.isdir(args.log) or _is_router_log(args.log):  # a fleet: re-routed (tickloom.fleet.whatif)
         from tickloom.fleet.cli_replay import run_fleet_whatif
 
@@ -111,8 +115,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
     if args.plot:
         _matplotlib()  # before the run: a missing matplotlib is a usage error, found at once
-    if not os.path.isfile(args.log):
-        return _unreadable(args, f"{args.log}: no such file")
     try:
         logged = read_log(args.log)
     except (LogError, ReplayConfigError) as exc:
