@@ -718,6 +718,7 @@ def test_file_bytes_slices_like_bytes(tmp_path: Path, monkeypatch: pytest.Monkey
     fd, buf = _file_bytes(tmp_path, data)
     try:
         assert len(buf) == 1000  # type: ignore[arg-type]
+        assert bytes(buf[0:4]) == data[0:4]  # type: ignore[index]  # the first read, before any window
         rng = random.Random(11)
         for _ in range(3000):
             start = rng.randrange(-20, 1020)
@@ -777,3 +778,166 @@ def test_file_bytes_finishes_short_reads(tmp_path: Path, monkeypatch: pytest.Mon
         assert bytes(buf2[50:500]) == data[50:100]
     finally:
         os.close(fd)
+
+
+# --- opening a log for reading -------------------------------------------------------------------------------------
+
+
+def test_known_schema_hashes_are_the_first_word_of_each_line_before_any_comment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tickloom.events import SCHEMA_HASH
+    from tickloom.events import log as log_module
+
+    known = log_module.known_schema_hashes()
+    assert SCHEMA_HASH in known
+    assert all(len(h) == 24 and int(h, 16) >= 0 for h in known), known
+    assert len(set(known)) == len(known)
+
+    class Text:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def joinpath(self, name: str) -> Text:
+            assert name == "known_schemas.txt"
+            return self
+
+        def read_text(self, encoding: str) -> str:
+            return self.text
+
+    text = "# a comment # with two marks\naaa  note # b # c\n\n   \nbbb#ccc\n  ddd eee\n#\n"
+    monkeypatch.setattr(log_module.resources, "files", lambda package: Text(text))
+    assert log_module.known_schema_hashes() == ("aaa", "bbb", "ddd")
+
+
+def test_files_that_are_no_readable_log_are_named_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tickloom.events.log import check_log_file
+
+    before = open_fds()
+    missing = tmp_path / "missing.tlog"
+    for call in (LogReader, check_log_file):
+        with pytest.raises(LogError) as info:
+            call(missing)
+        assert str(info.value) == f"{missing}: no such file (nothing read, at byte offset 0)"
+        with pytest.raises(LogError) as info:
+            call(tmp_path)
+        assert str(info.value) == f"{tmp_path}: is a directory, not a log file (nothing read, at byte offset 0)"
+        with pytest.raises(LogError) as info:
+            call("/dev/null")
+        assert str(info.value) == "/dev/null: is not a regular file (nothing read, at byte offset 0)"
+        through = tmp_path / "file"
+        through.write_bytes(b"x")
+        with pytest.raises(LogError) as info:
+            call(through / "log")
+        assert str(info.value) == f"{through / 'log'}: cannot read the log (at byte offset 0): Not a directory"
+    assert open_fds() == before
+
+    real_open = os.open
+
+    def denied(path: str, flags: int, mode: int = 0o777) -> int:
+        if path == str(tmp_path / "secret.tlog"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(LogError) as info:
+        LogReader(tmp_path / "secret.tlog")
+    assert str(info.value) == f"{tmp_path / 'secret.tlog'}: permission denied (cannot read the log, at byte offset 0)"
+    monkeypatch.setattr(os, "open", real_open)
+
+    ok = tmp_path / "ok.tlog"
+    header_only(ok)
+    check_log_file(ok)  # a log passes
+    real_fstat = os.fstat
+
+    def failing_fstat(fd: int) -> os.stat_result:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fstat", failing_fstat)
+    with pytest.raises(LogError) as info:
+        check_log_file(ok)
+    monkeypatch.setattr(os, "fstat", real_fstat)
+    assert str(info.value) == f"{ok}: cannot read the log (at byte offset 0): Input/output error"
+    assert open_fds() == before
+
+
+def test_an_empty_file_or_a_bad_first_frame_is_corrupt_at_the_header(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.tlog"
+    empty.write_bytes(b"")
+    with pytest.raises(LogCorrupt) as info:
+        LogReader(empty)
+    assert (info.value.path, info.value.offset, info.value.tick, info.value.reason) == (
+        str(empty), 0, None, "the file is empty (no header frame)")
+    one = tmp_path / "one.tlog"
+    one.write_bytes(b"T")
+    with pytest.raises(LogCorrupt) as info:
+        LogReader(one)
+    assert (info.value.path, info.value.offset, info.value.tick, info.value.reason) == (
+        str(one), 0, None, "missing or damaged header frame")
+    tick_first = tmp_path / "tick.tlog"
+    tick_first.write_bytes(pack_frame("tick", 0, b"x"))
+    with pytest.raises(LogCorrupt) as info:
+        LogReader(tick_first)
+    assert (info.value.path, info.value.reason) == (str(tick_first), "missing or damaged header frame")
+    t = fixture_ticks()[0]
+    not_header = tmp_path / "nothdr.tlog"
+    not_header.write_bytes(pack_frame("header", 0, encode(t)))
+    with pytest.raises(LogCorrupt) as info:
+        LogReader(not_header)
+    assert (info.value.path, info.value.offset, info.value.tick, info.value.reason) == (
+        str(not_header), 0, None, "first frame is not a header")
+    damaged = bytearray(pack_frame("header", 0, encode(HEADER)))
+    damaged[2] ^= 0xFF
+    bad = tmp_path / "bad.tlog"
+    bad.write_bytes(bytes(damaged) + pack_frame("tick", 0, b"x"))
+    with pytest.raises(LogCorrupt) as info:
+        LogReader(bad)
+    assert (info.value.path, info.value.offset, info.value.tick, info.value.reason) == (
+        str(bad), 0, None, "bad frame header (magic or header CRC)")
+
+
+def test_a_future_framing_names_the_file(tmp_path: Path) -> None:
+    from tickloom.events import FORMAT_VERSION
+    from tickloom.events.frames import MAGIC
+
+    payload = encode(HEADER)
+    head = struct.pack("<4sIQ", MAGIC["header"][:3] + bytes([FORMAT_VERSION + 1]), len(payload), 0)
+    path = tmp_path / "future.tlog"
+    path.write_bytes(head + struct.pack("<II", zlib.crc32(head), zlib.crc32(payload)) + payload)
+    with pytest.raises(LogIncompatible) as info:
+        LogReader(path)
+    assert info.value.path == str(path)
+    assert str(info.value) == (f"{path}: log format version {FORMAT_VERSION + 1} (header frame at byte offset 0) is "
+                               f"not readable by this build (it reads version {FORMAT_VERSION})")
+
+
+def test_a_reader_closes_its_file_and_starts_with_an_empty_tail(tmp_path: Path) -> None:
+    path = tmp_path / "a.tlog"
+    write_log(path)
+    before = open_fds()
+    reader = LogReader(path)
+    assert (reader.tail.end_offset, reader.tail.torn_bytes) == (0, 0)
+    reader.close()
+    assert open_fds() == before
+    with LogReader(path) as reader:
+        list(reader.frames())
+        assert reader.tail.end_offset == path.stat().st_size
+    assert open_fds() == before
+
+
+def test_framed_format_version_reads_any_version_of_a_checking_header() -> None:
+    from tickloom.events import FORMAT_VERSION
+    from tickloom.events.frames import framed_format_version
+
+    frame = pack_frame("header", 0, b"")  # exactly one header's bytes
+    assert framed_format_version(frame) == FORMAT_VERSION
+    assert framed_format_version(b"xx" + frame, 2) == FORMAT_VERSION
+    assert framed_format_version(frame[:-1]) is None
+    assert framed_format_version(b"x" * 30 + frame, 20) is None  # no header begins at byte 20
+    for kind in (b"h", b"t", b"s"):
+        head = struct.pack("<4sIQ", b"TL" + kind + b"\x07", 0, 3)
+        assert framed_format_version(head + struct.pack("<II", zlib.crc32(head), 0)) == 7, kind
+    for magic in (b"TLx\x07", b"XLh\x07", b"TXt\x07"):
+        head = struct.pack("<4sIQ", magic, 0, 3)
+        assert framed_format_version(head + struct.pack("<II", zlib.crc32(head), 0)) is None, magic
+    head = struct.pack("<4sIQ", b"TLh\x07", 0, 3)
+    assert framed_format_version(head + struct.pack("<II", zlib.crc32(head) ^ 1, 0)) is None
+    assert framed_format_version(b"x" * 40, 30) is None
