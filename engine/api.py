@@ -79,6 +79,11 @@ class Engine:
             raise rt.fatal
 
     @property
+    def failure(self) -> EngineError | None:
+        """The error the engine failed with (an actor crashed), or None while it works (or before it opens)."""
+        return None if self._rt is None else self._rt.fatal
+
+    @property
     def runtime(self) -> Runtime:
         if self._rt is None:
             raise EngineError("engine", "the engine is not open: use `async with Engine.open(config)`")

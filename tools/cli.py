@@ -28,6 +28,9 @@ EX_USAGE = 64
 EX_DATAERR = 65
 """Exit status of bad input data, e.g. a corrupt log (sysexits.h)."""
 
+EX_SOFTWARE = 70
+"""Exit status of a failure inside tickloom, e.g. the engine failing under ``serve`` (sysexits.h)."""
+
 SUBCOMMANDS: tuple[str, ...] = (
     "tickloom.tools.cmd_bench",
     "tickloom.tools.cmd_log",

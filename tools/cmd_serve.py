@@ -27,6 +27,9 @@ HELP = "serve the engine over HTTP with an OpenAI-compatible API"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tickloom.tools.model_options import DEFAULT_MODEL
+    from tickloom.tools.serve.app import DEFAULT_MAX_ANSWER_ENTRIES
+    from tickloom.tools.serve.guard import API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+    from tickloom.tools.serve.sse import DEFAULT_MAX_PENDING_BYTES
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
@@ -57,6 +60,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="past --max-waiting: hold new requests (wait) or answer 503 (reject); default wait")
     parser.add_argument("--stub-step-time", type=float, default=None, metavar="SECONDS",
                         help="with --model stub: seconds per model step (default: the engine's, 0.01)")
+    edge = parser.add_argument_group("limits and access", "what one client may cost the server, and who may use it")
+    edge.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                      help="require `Authorization: Bearer KEY` on every route but /health; repeat for several keys "
+                           f"(also ${API_KEY_ENV}, comma-separated)")
+    edge.add_argument("--metrics-open", action="store_true",
+                      help="serve /metrics without an API key (default: it needs one when keys are set)")
+    edge.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                      help=f"a larger request body gets 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    edge.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                      help=f"a request body must arrive within this (default {DEFAULT_BODY_TIMEOUT_S:g}); else 408")
+    edge.add_argument("--max-stream-buffer-bytes", type=int, default=DEFAULT_MAX_PENDING_BYTES, metavar="BYTES",
+                      help="a stream whose client leaves more events than this unread is ended with an error "
+                           f"(default {DEFAULT_MAX_PENDING_BYTES})")
+    edge.add_argument("--max-answer-entries", type=int, default=DEFAULT_MAX_ANSWER_ENTRIES, metavar="N",
+                      help="a whole (not streamed) answer may hold at most choices x tokens x (1 + logprobs) "
+                           f"entries (default {DEFAULT_MAX_ANSWER_ENTRIES}); more gets 400")
     fleet = parser.add_argument_group("fleet", "serve N engine replicas on Ray (pip install 'tickloom[fleet]')")
     fleet.add_argument("--replicas", type=int, default=1, metavar="N",
                        help="engine replicas; more than 1 serves a fleet behind the logged router (default 1: one "
@@ -71,8 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tickloom.engine import ConfigError, EngineConfig
-    from tickloom.tools.cli import EX_DATAERR, CliError
+    from tickloom.engine import ConfigError, EngineConfig, EngineError
+    from tickloom.tools.cli import EX_DATAERR, EX_SOFTWARE, CliError
     from tickloom.tools.serve.server import ServeOptions, default_log_path
     from tickloom.tools.serve.server import run as serve_run
 
@@ -93,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--request-timeout must be a positive number of seconds")
     if not args.drain_timeout >= 0:
         raise CliError("--drain-timeout must be at least 0")
+    for flag, value in (("--max-body-bytes", args.max_body_bytes),
+                        ("--max-stream-buffer-bytes", args.max_stream_buffer_bytes),
+                        ("--max-answer-entries", args.max_answer_entries)):
+        if value < 1:
+            raise CliError(f"{flag} must be at least 1")
+    if not 0 < args.body_timeout < math.inf:
+        raise CliError("--body-timeout must be a positive number of seconds")
     if args.stub_step_time is not None and args.model != "stub":
         raise CliError("--stub-step-time needs --model stub")
     from tickloom.tools.model_options import check_model_options
@@ -108,9 +134,14 @@ def run(args: argparse.Namespace) -> int:
                               quant=args.quant, **extra)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    from tickloom.tools.serve.guard import api_keys
+
     options = ServeOptions(host=args.host, port=args.port, model_name=args.served_model_name,
                            request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
-                           handle_signals=True)
+                           handle_signals=True, api_keys=api_keys(args.api_key), metrics_open=args.metrics_open,
+                           max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                           max_stream_buffer_bytes=args.max_stream_buffer_bytes,
+                           max_answer_entries=args.max_answer_entries)
     from tickloom.engine.model import ModelLoadError
 
     try:
@@ -120,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
             serve_run(config, options)
     except ModelLoadError as exc:
         raise CliError(f"cannot load model {args.model!r}: {exc}", EX_DATAERR) from None
+    except EngineError as exc:  # e.g. the log's disk is full: every open request was told, and the log replays
+        raise CliError(f"the engine failed: {exc}", EX_SOFTWARE) from None
     except ConfigError as exc:  # e.g. --log names a path that exists: logs are never overwritten
         raise CliError(str(exc)) from None
     except OSError as exc:  # the address is taken, or not ours to bind

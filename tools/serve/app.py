@@ -31,6 +31,8 @@ from tickloom.engine.api import Prompt
 from tickloom.tools.serve import translate
 from tickloom.tools.serve.backend import ServedEngine, ServedStream
 from tickloom.tools.serve.chunks import ChunkWriter
+from tickloom.tools.serve.ending import OpenRequests
+from tickloom.tools.serve.guard import BodyLimits, ClientGone, read_body, route_label
 from tickloom.tools.serve.metrics import Metrics
 from tickloom.tools.serve.openai_types import (
     ChatCompletionRequest,
@@ -40,7 +42,15 @@ from tickloom.tools.serve.openai_types import (
     OpenAIError,
     decode_request,
 )
-from tickloom.tools.serve.sse import EventSink, SSEResponse, watch_disconnect
+from tickloom.tools.serve.sse import (
+    DEFAULT_MAX_PENDING_BYTES,
+    DONE,
+    EventSink,
+    SlowClient,
+    SSEResponse,
+    event,
+    watch_disconnect,
+)
 from tickloom.tools.serve.translate import Choice, OpenAIRequest
 
 log = logging.getLogger("tickloom.serve")
@@ -53,6 +63,11 @@ MAX_CHOICES = 1024
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``/v1/completions``; chat defaults to what ``max_seq_len`` leaves."""
 
+DEFAULT_MAX_ANSWER_ENTRIES = 1_000_000
+"""What a whole (not streamed) answer may hold: choices x tokens x (1 + logprobs listed per token)."""
+
+ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+
 
 @dataclass
 class ServerState:
@@ -60,8 +75,15 @@ class ServerState:
     """An ``Engine``, or a ``fleet_backend.FleetBackend``."""
     model_name: str
     request_timeout: float | None = None
+    body: BodyLimits = field(default_factory=BodyLimits)
+    max_stream_buffer_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    """Bytes of events a streamed request may have waiting for its client (``--max-stream-buffer-bytes``)."""
+    max_answer_entries: int = DEFAULT_MAX_ANSWER_ENTRIES
     metrics: Metrics = field(init=False)
     draining: bool = False
+    failure: str | None = None
+    """Why the server no longer serves (the engine failed): ``/health`` says it, new requests get it as a 503."""
+    requests: OpenRequests = field(default_factory=OpenRequests)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -155,6 +177,7 @@ class Group:
                 except EngineError as exc:
                     self.errors.append(exc)
 
+        failure: list[Exception] = []
         async with trio.open_nursery() as nursery:
             async with send:
                 for i, s in enumerate(self.streams):
@@ -165,13 +188,22 @@ class Group:
                     if out.finished:
                         self.metrics.observe_finish(out.finish_reason, out.usage)
                     if on_frame is not None:
-                        await on_frame(i, out)
+                        try:
+                            await on_frame(i, out)
+                        except Exception as exc:  # e.g. SlowClient: re-raised below as itself, not in a group
+                            failure.append(exc)
+                            nursery.cancel_scope.cancel()
+                            break
+        if failure:
+            raise failure[0]
 
 
 def build_app(state: ServerState) -> Starlette:
     engine = state.engine
 
     async def health(request: Request) -> Response:
+        if state.failure is not None:
+            return json_response({"status": "failed", "reason": state.failure}, 503)
         if state.draining:
             return json_response({"status": "draining"}, 503)
         return json_response({"status": "ok"})
@@ -192,12 +224,22 @@ def build_app(state: ServerState) -> Starlette:
     async def generate(request: Request, *, chat: bool) -> Response:
         started = time.monotonic()
         endpoint = request.url.path
-        req: OpenAIRequest = decode_request(await request.body(),
-                                                      ChatCompletionRequest if chat else CompletionRequest)
+        try:
+            body = await read_body(request, state.body)
+        except ClientGone:
+            state.metrics.disconnects.inc()
+            return Response(status_code=499)
+        req: OpenAIRequest = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
+        del body
         if req.model != state.model_name:
             raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {state.model_name!r}",
                               param="model", code="model_not_found")
         translate.check_supported(req)
+        if state.failure is not None:
+            raise OpenAIError(503, f"the server is not serving: {state.failure}", type="server_error",
+                              code="engine_failed")
+        if state.requests.reason is not None:
+            raise state.requests.error()
         if state.draining:
             raise OpenAIError(503, "the server is draining: no new requests", type="server_error",
                               code="engine_overloaded")
@@ -211,6 +253,8 @@ def build_app(state: ServerState) -> Starlette:
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices",
                               param="n")
+        if not req.stream:
+            check_answer_size(req, len(prompts) * req.n, default_max, state.max_answer_entries)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         deadline = req.timeout if req.timeout is not None else state.request_timeout
         try:
@@ -234,20 +278,44 @@ def build_app(state: ServerState) -> Starlette:
             return Response(status_code=499)
         if req.stream:
             async def produce(sink: EventSink) -> None:
-                await writer.start(sink, len(group.choices))
-                await group.pump(lambda i, out: writer.frame(sink, group.choices[i], out))
-                await writer.end(sink, group.choices, group.n, group.errors)
+                with state.requests.track() as tracked:
+                    try:
+                        await writer.start(sink, len(group.choices))
+                        with tracked.waiting:
+                            await group.pump(lambda i, out: writer.frame(sink, group.choices[i], out))
+                    except SlowClient as exc:
+                        state.metrics.slow_clients.inc()
+                        with trio.CancelScope(shield=True):
+                            await group.aclose()
+                        sink.write_nowait(event(OpenAIError(429, str(exc), type="server_error",
+                                                            code="stream_buffer_full").body_struct()), last=True)
+                        sink.write_nowait(DONE, last=True)
+                        raise
+                    ended = tracked.ended
+                    if ended is not None:
+                        with trio.CancelScope(shield=True):
+                            await group.aclose()
+                        sink.write_nowait(event(ended.body_struct()), last=True)
+                        sink.write_nowait(DONE, last=True)
+                        return
+                    await writer.end(sink, group.choices, group.n, group.errors)
 
             async def cleanup() -> None:
                 await group.aclose()
                 state.metrics.duration.labels(endpoint).observe(time.monotonic() - started)
 
-            return SSEResponse(produce, state.metrics.disconnects.inc, cleanup)
-        try:
-            gone, _ = await run_until_disconnect(request.receive, lambda: group.pump(None))
-        finally:
-            with trio.CancelScope(shield=True):
-                await group.aclose()
+            return SSEResponse(produce, state.metrics.disconnects.inc, cleanup,
+                               max_pending_bytes=state.max_stream_buffer_bytes)
+        with state.requests.track() as tracked:
+            try:
+                with tracked.waiting:
+                    gone, _ = await run_until_disconnect(request.receive, lambda: group.pump(None))
+            finally:
+                with trio.CancelScope(shield=True):
+                    await group.aclose()
+            ended = tracked.ended
+        if ended is not None:
+            raise ended
         state.metrics.duration.labels(endpoint).observe(time.monotonic() - started)
         if gone:
             state.metrics.disconnects.inc()
@@ -286,8 +354,23 @@ def build_app(state: ServerState) -> Starlette:
     return app
 
 
+def check_answer_size(req: OpenAIRequest, choices: int, default_max: int, limit: int) -> None:
+    """Refuse a whole answer larger than ``limit`` entries (choices x tokens x (1 + logprobs listed per token)):
+    the server holds all of it until the last token. A stream sends it as it comes."""
+    tokens = req.max_tokens or default_max
+    chat_listed = (req.top_logprobs or 0) if isinstance(req, ChatCompletionRequest) and req.logprobs else None
+    listed = req.logprobs if isinstance(req, CompletionRequest) else chat_listed
+    per_token = 1 if listed is None else 2 + listed  # the token; with logprobs, its own and `listed` others
+    entries = choices * tokens * per_token
+    if entries > limit:
+        raise OpenAIError(400, f"a whole answer of {choices} choices x {tokens} tokens x {per_token} entries per "
+                               f"token is more than this server holds for one request ({limit} entries, "
+                               "--max-answer-entries): ask with stream=true, or for fewer", param="max_tokens",
+                          code="answer_too_large")
+
+
 def with_status_counts(app: ASGIApp, metrics: Metrics) -> ASGIApp:
-    """Count HTTP responses by path and status."""
+    """Count HTTP responses by route (every path that is no route counts as one, ``unmatched``) and status."""
 
     async def counted(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -296,7 +379,7 @@ def with_status_counts(app: ASGIApp, metrics: Metrics) -> ASGIApp:
 
         async def send_counting(message: Message) -> None:
             if message["type"] == "http.response.start":
-                metrics.http_requests.labels(scope["path"], str(message["status"])).inc()
+                metrics.http_requests.labels(route_label(scope["path"], ROUTES), str(message["status"])).inc()
             await send(message)
 
         await app(scope, receive, send_counting)

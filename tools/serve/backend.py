@@ -44,6 +44,11 @@ class ServedEngine(Protocol):
     @property
     def runtime(self) -> HasTokenizer: ...
 
+    @property
+    def failure(self) -> EngineError | None:
+        """Set once the whole backend has failed (the server then stops serving, naming it)."""
+        ...
+
     def stats(self) -> dict[str, Any]: ...
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,

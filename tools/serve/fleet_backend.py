@@ -376,6 +376,12 @@ class FleetBackend:
         assert isinstance(prompt, list | tuple)  # text_prompt_ids refuses anything else
         return list(prompt)
 
+    @property
+    def failure(self) -> EngineError | None:
+        """Always None: a replica that dies fails only its own requests (503 ``replica_unavailable``), and the
+        fleet serves on with the others."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         """The live replicas' last load reports summed, and the replicas live. Read from this thread: the loop only
         ever replaces a replica's ``last_load`` and ``info`` (frozen structs) and ``live``, each read whole."""

@@ -86,6 +86,8 @@ class Metrics:
                                      ["endpoint", "status"], registry=r)
         self.disconnects = Counter("tickloom_client_disconnects", "clients that left before their answer",
                                    registry=r)
+        self.slow_clients = Counter("tickloom_slow_client_streams",
+                                    "streams ended because their client did not read them", registry=r)
 
     def observe_finish(self, finish_reason: str | None, usage: RequestUsage | None) -> None:
         self.finished.labels(finish_reason or "unknown").inc()
