@@ -727,7 +727,7 @@ def test_file_bytes_slices_like_bytes(tmp_path: Path, monkeypatch: pytest.Monkey
             assert isinstance(view, memoryview)
             assert bytes(view) == data[start:stop], (start, stop)
         assert bytes(buf[5:5]) == b"" and bytes(buf[900:100]) == b""  # type: ignore[index]
-        with pytest.raises(ValueError, match="^FileBytes slices are contiguous$"):
+        with pytest.raises(ValueError, match=r"^FileBytes slices are contiguous$"):
             buf[0:10:2]  # type: ignore[index]
     finally:
         os.close(fd)
@@ -783,7 +783,9 @@ def test_file_bytes_finishes_short_reads(tmp_path: Path, monkeypatch: pytest.Mon
 # --- opening a log for reading -------------------------------------------------------------------------------------
 
 
-def test_known_schema_hashes_are_the_first_word_of_each_line_before_any_comment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_known_schema_hashes_are_the_first_word_of_each_line_before_any_comment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from tickloom.events import SCHEMA_HASH
     from tickloom.events import log as log_module
 

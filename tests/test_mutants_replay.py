@@ -19,7 +19,6 @@ from tickloom.events import (
     Finish,
     Preempted,
     ReleaseRequest,
-    RequestArrived,
     RunStep,
     SnapshotRecord,
     StepDone,
@@ -164,7 +163,8 @@ def log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def state(log: Path) -> CoreSnapshot:
-    """The core after tick 20 of the everything scenario: requests running, preempted and swapped, two steps in flight."""
+    """The core after tick 20 of the everything scenario: requests running, preempted and swapped, two steps in
+    flight."""
     from tickloom.replay import state_at
 
     snap = state_at(log, 20)
@@ -273,7 +273,7 @@ def test_seq_view_of_a_non_attrs_value_is_empty() -> None:
 # --- verify, bisect, core_at ---------------------------------------------------------------------------------------
 
 from tickloom.engine.core.snapshot import decode_snapshot, encode_snapshot  # noqa: E402
-from tickloom.events import LogCorrupt, LogHeader, LogReader, LogWriter, TickInputs  # noqa: E402
+from tickloom.events import LogCorrupt, LogHeader, LogReader, LogWriter  # noqa: E402
 from tickloom.replay import bisect, core_at, verify  # noqa: E402
 from tickloom.replay.verify import EXIT_CODES, ReplayReport, format_report, mark_unreadable  # noqa: E402
 
@@ -332,8 +332,8 @@ def test_a_core_that_raises_is_a_divergence_naming_the_exception(log: Path, tmp_
         out = []
         for r in recs:
             if isinstance(r, TickRecord) and r.inputs.tick == 12:
-                r = TickRecord(msgspec.structs.replace(r.inputs, inputs=[*r.inputs.inputs, StepDone(99999, ["x"], [1])]),
-                               r.outputs)
+                unknown_step = StepDone(99999, ["x"], [1])
+                r = TickRecord(msgspec.structs.replace(r.inputs, inputs=[*r.inputs.inputs, unknown_step]), r.outputs)
             out.append(r)
         return header, out
 
@@ -345,7 +345,7 @@ def test_a_core_that_raises_is_a_divergence_naming_the_exception(log: Path, tmp_
     assert report.inputs == summarise_inputs(next(t for t in _ticks(records) if t.inputs.tick == 12).inputs.inputs)
     assert report.state_diff == [] and report.command_diff == []
     text = format_report(report)
-    assert text.splitlines()[:2] == [f"divergent: first divergent tick 12 (after 12 identical ticks)",
+    assert text.splitlines()[:2] == ["divergent: first divergent tick 12 (after 12 identical ticks)",
                                      f"  {report.error}"]
 
 
@@ -609,13 +609,16 @@ WRITTEN = "  log written by engine '0.1', schema abc, format 1, digest v1"
 
 
 def test_format_report_of_each_status() -> None:
-    assert format_report(_report("identical", ticks=10, rows=30, seconds=2.0)) == "identical: 10 ticks, 30 rows, 5 ticks/s"
-    assert format_report(_report("identical", ticks=10, rows=30, seconds=0.0)) == "identical: 10 ticks, 30 rows, 0 ticks/s"
+    assert format_report(_report("identical", ticks=10, rows=30, seconds=2.0)) == (
+        "identical: 10 ticks, 30 rows, 5 ticks/s")
+    assert format_report(_report("identical", ticks=10, rows=30, seconds=0.0)) == (
+        "identical: 10 ticks, 30 rows, 0 ticks/s")
     assert format_report(_report("identical", ticks=1, rows=2, seconds=1.0, torn_bytes=7)) == (
         "identical: 1 ticks, 2 rows, 1 ticks/s (torn tail: 7 bytes after the last whole frame were dropped)")
     assert format_report(_report("clean", ticks=3, rows=4)) == "clean: no invariant violated in 3 ticks (4 rows)"
     assert format_report(_report("unreadable", error="x.tlog: bad")) == "unreadable: x.tlog: bad"
-    assert format_report(_report("violation", first_divergent_tick=4, error="E: e", inputs=["A()", "B()"])) == "\n".join(
+    violation = _report("violation", first_divergent_tick=4, error="E: e", inputs=["A()", "B()"])
+    assert format_report(violation) == "\n".join(
         ["violation at tick 4: E: e", WRITTEN, "  inputs:", "    A()", "    B()"])
     assert format_report(_report("violation", first_divergent_tick=4, error="E: e")) == "\n".join(
         ["violation at tick 4: E: e", WRITTEN, "  inputs:", "    (none)"])
@@ -623,9 +626,9 @@ def test_format_report_of_each_status() -> None:
 
 
 def test_format_report_of_a_divergence_lists_every_part() -> None:
-    full = _report("divergent", first_divergent_tick=6, ticks=6, error="why", inputs=["In()"], command_diff=["c1", "c2"],
-                   gauges_diff=["g1"], needs_tick_diff="needs_tick: expected True, got False", state_tick=7,
-                   state_diff=["s1"])
+    full = _report("divergent", first_divergent_tick=6, ticks=6, error="why", inputs=["In()"],
+                   command_diff=["c1", "c2"], gauges_diff=["g1"], needs_tick_diff="needs_tick: expected True, got False",
+                   state_tick=7, state_diff=["s1"])
     assert format_report(full) == "\n".join([
         "divergent: first divergent tick 6 (after 6 identical ticks)", "  why", WRITTEN, "  inputs of that tick:",
         "    In()", "  commands (expected = logged, got = replayed):", "    c1", "    c2", "  gauges:", "    g1",

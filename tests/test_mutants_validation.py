@@ -5,7 +5,7 @@ bounds are pinned here, exactly at each boundary."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 import pytest
@@ -122,7 +122,7 @@ def test_with_bounds_turns_every_bound_into_its_meta() -> None:
     assert with_bounds(Annotated[list[Annotated[int, Bound(ge1)]], Bound(Meta(max_length=2))]) == Annotated[
         list[Annotated[int, ge1]], Meta(max_length=2)]
     union = with_bounds(Annotated[int, Bound(ge1)] | None)
-    assert union == Optional[Annotated[int, ge1]]  # noqa: UP007
+    assert union == Annotated[int, ge1] | None
     assert with_bounds(Union[int, Annotated[str, Bound(Meta(min_length=1))]]) == Union[  # noqa: UP007
         int, Annotated[str, Meta(min_length=1)]]
     # and msgspec enforces the result
