@@ -627,8 +627,8 @@ def test_format_report_of_each_status() -> None:
 
 def test_format_report_of_a_divergence_lists_every_part() -> None:
     full = _report("divergent", first_divergent_tick=6, ticks=6, error="why", inputs=["In()"],
-                   command_diff=["c1", "c2"], gauges_diff=["g1"], needs_tick_diff="needs_tick: expected True, got False",
-                   state_tick=7, state_diff=["s1"])
+                   command_diff=["c1", "c2"], gauges_diff=["g1"],
+                   needs_tick_diff="needs_tick: expected True, got False", state_tick=7, state_diff=["s1"])
     assert format_report(full) == "\n".join([
         "divergent: first divergent tick 6 (after 6 identical ticks)", "  why", WRITTEN, "  inputs of that tick:",
         "    In()", "  commands (expected = logged, got = replayed):", "    c1", "    c2", "  gauges:", "    g1",
