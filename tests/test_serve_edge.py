@@ -365,3 +365,21 @@ async def test_a_failed_log_ends_every_stream_with_the_error(tmp_path: Path,
     assert seen["health"].status_code == 503 and seen["health"].json()["status"] == "failed"
     assert "No space left" in seen["health"].json()["reason"]
     assert seen["new"].status_code == 503 and seen["new"].json()["error"]["code"] == "engine_failed"
+
+
+def test_a_streamed_choice_keeps_only_its_finish_and_usage() -> None:
+    from tickloom.engine import RequestOutput, RequestUsage
+    from tickloom.tools.serve.translate import Choice
+
+    usage = RequestUsage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=1, reasoning_tokens=0)
+    frames = [RequestOutput(request_id="r", token_ids=[5], text_delta="a", logprobs=[-0.5]),
+              RequestOutput(request_id="r", token_ids=[6], text_delta="b", logprobs=[-0.25], finished=True,
+                            finish_reason="length", usage=usage)]
+    streamed, whole = Choice(0), Choice(0)
+    for out in frames:
+        streamed.add(out, keep=False)
+        whole.add(out)
+    assert streamed.token_ids == [] and streamed.text == [] and streamed.logprobs == [] and streamed.tops == []
+    assert whole.token_ids == [5, 6] and "".join(whole.text) == "ab" and whole.logprobs == [-0.5, -0.25]
+    for c in (streamed, whole):
+        assert (c.finish_reason, c.prompt_tokens, c.completion_tokens, c.cached_tokens) == ("length", 3, 2, 1)

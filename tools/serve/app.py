@@ -135,8 +135,10 @@ class Group:
     """The engine requests of one OpenAI request, one per prompt with ``n`` choices each: started together,
     cancelled together if unfinished."""
 
-    def __init__(self, streams: Sequence[ServedStream], n: int, metrics: Metrics) -> None:
+    def __init__(self, streams: Sequence[ServedStream], n: int, metrics: Metrics, *, keep: bool = True) -> None:
         self.streams = list(streams)
+        self.keep = keep
+        """Keep every frame's content in ``choices`` (a whole answer); a stream keeps only finishes and usage."""
         self.n = n
         self.metrics = metrics
         self.started = 0
@@ -184,7 +186,7 @@ class Group:
                     nursery.start_soon(one, i, s, send.clone())
             async with receive:
                 async for i, out in receive:
-                    self.choices[i].add(out)
+                    self.choices[i].add(out, keep=self.keep)
                     if out.finished:
                         self.metrics.observe_finish(out.finish_reason, out.usage)
                     if on_frame is not None:
@@ -264,7 +266,7 @@ def build_app(state: ServerState) -> Starlette:
                        for k, prompt in enumerate(prompts)]
         except RequestRejected as exc:
             raise translate.rejected(exc, req) from None
-        group = Group(streams, req.n, state.metrics)
+        group = Group(streams, req.n, state.metrics, keep=not req.stream)
         created = int(time.time())
         writer = ChunkWriter(req, rid, created, state.model_name, state.token_text)
         try:

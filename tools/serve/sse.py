@@ -63,6 +63,7 @@ class EventSink:
         self.max_pending_bytes = max_pending_bytes
         self._pending: deque[bytes] = deque()
         self.pending_bytes = 0
+        self.sent_bytes = 0
         self._closed = False
         self._lot = trio.lowlevel.ParkingLot()
         self.started = False
@@ -98,6 +99,7 @@ class EventSink:
                 data = self._pending.popleft()
                 self.pending_bytes -= len(data)
                 await self._send({"type": "http.response.body", "body": data, "more_body": True})
+                self.sent_bytes += len(data)
             if self._closed:
                 break
             await self._lot.park()
@@ -111,7 +113,7 @@ class SSEResponse(Response):
     """``text/event-stream`` written by ``producer``; ``on_disconnect`` is called if the client leaves first.
 
     ``flush_timeout`` bounds the wait for a client to read the last events of a stream ended because it did not
-    read (``SlowClient``): after it the connection is dropped."""
+    read (``SlowClient``): once it reads nothing for that long, the connection is dropped."""
 
     media_type = "text/event-stream"
 
@@ -152,9 +154,14 @@ class SSEResponse(Response):
                     self.slow_client = True
                 finally:
                     sink.close_nowait()
-                if self.slow_client:
-                    nursery.cancel_scope.deadline = trio.current_time() + self._flush_timeout
-                await sender_done.wait()
+                while self.slow_client and not sender_done.is_set():
+                    sent = sink.sent_bytes
+                    with trio.move_on_after(self._flush_timeout):
+                        await sender_done.wait()
+                    if sink.sent_bytes == sent:  # nothing read for flush_timeout: drop the connection
+                        break
+                else:
+                    await sender_done.wait()
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):

@@ -157,12 +157,15 @@ class Choice:
     reasoning_tokens: int = 0
     error: str | None = None
 
-    def add(self, out: RequestOutput) -> None:
-        self.text.append(out.text_delta)
-        self.reasoning.append(out.reasoning_delta)
-        self.token_ids += out.token_ids
-        self.logprobs += frame_logprobs(out)
-        self.tops += frame_tops(out)
+    def add(self, out: RequestOutput, *, keep: bool = True) -> None:
+        """Take a frame; ``keep=False`` (a stream, whose frames go out as they come) keeps only its finish and
+        usage, so a long stream with logprobs costs nothing here."""
+        if keep:
+            self.text.append(out.text_delta)
+            self.reasoning.append(out.reasoning_delta)
+            self.token_ids += out.token_ids
+            self.logprobs += frame_logprobs(out)
+            self.tops += frame_tops(out)
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error = out.error
