@@ -151,7 +151,7 @@ async def test_a_reporter_with_a_delay_holds_each_report_back(autojump_clock: tr
     arrivals: list[float] = []
 
     async def collect() -> None:
-        async for envelope in receive:
+        async for _envelope in receive:
             arrivals.append(trio.current_time())
 
     async with trio.open_nursery() as nursery:
