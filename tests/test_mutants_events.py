@@ -264,7 +264,7 @@ def test_a_payload_naming_another_tick_is_named(tmp_path: Path) -> None:
         f.write(pack_frame("tick", t.inputs.tick, encode(wrong)))
     with pytest.raises(LogCorrupt) as info, LogReader(path) as reader:
         list(reader.records())
-    assert (info.value.offset, info.value.tick) == (offset, t.inputs.tick)
+    assert (info.value.path, info.value.offset, info.value.tick) == (str(path), offset, t.inputs.tick)
     assert info.value.reason == (f"the payload names tick {t.inputs.tick}, the frame header tick {t.inputs.tick}")
 
 
@@ -752,6 +752,8 @@ def test_file_bytes_reads_a_bounded_window(tmp_path: Path, monkeypatch: pytest.M
         assert reads == [(min(FileBytes.WINDOW, len(data) - 900_000), 900_000)]  # one read, one window
         assert bytes(buf[10:20]) == data[10:20]  # type: ignore[index]
         assert reads[-1] == (FileBytes.WINDOW, 10)
+        assert bytes(buf[300_000:300_010]) == data[300_000:300_010]  # type: ignore[index]
+        assert reads[-1] == (FileBytes.WINDOW, 300_000)  # a window, however far into the file
     finally:
         os.close(fd)
 
@@ -943,3 +945,29 @@ def test_framed_format_version_reads_any_version_of_a_checking_header() -> None:
     head = struct.pack("<4sIQ", b"TLh\x07", 0, 3)
     assert framed_format_version(head + struct.pack("<II", zlib.crc32(head) ^ 1, 0)) is None
     assert framed_format_version(b"x" * 40, 30) is None
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    import threading
+
+    from tickloom.events.log import check_log_file
+
+    fifo = tmp_path / "fifo.tlog"
+    os.mkfifo(fifo)
+    errors: list[BaseException] = []
+
+    def check() -> None:
+        try:
+            check_log_file(fifo)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():  # unblock the open, then fail
+        with open(fifo, "wb"):
+            pass
+        pytest.fail("opening a FIFO waited for a writer")
+    assert len(errors) == 1 and isinstance(errors[0], LogError)
+    assert str(errors[0]) == f"{fifo}: is not a regular file (nothing read, at byte offset 0)"
