@@ -234,6 +234,71 @@ engine.core.state.xǁCoreStateǁprune_running__mutmut_3	as mutant 2
 engine.core.state.xǁCoreStateǁprune_running__mutmut_4	as mutant 2
 engine.core.tick_end.x_reclaim_for_swap_in__mutmut_9	<= for <: with exactly enough free blocks the loop calls reclaim(0), which frees nothing and ends it
 engine.core.tick_end.x_swap_back_in__mutmut_12	first_planned left False: a swapped-in sequence has the KV of its whole history (spill_tokens is its prefill target), so it never reaches the prefill pass, the flag's only reader, and a later preemption resets it anyway
+events.log.x_known_schema_hashes__mutmut_2	read_text(encoding=None): the file is ASCII, which every locale encoding reads alike
+events.log.x_known_schema_hashes__mutmut_8	encoding "UTF-8" for "utf-8": the same codec
+events.log.x_known_schema_hashes__mutmut_13	split("#") without maxsplit: only the part before the first "#" is read
+events.log.x_known_schema_hashes__mutmut_16	as mutant 13 (maxsplit 2)
+events.log.xǁLogWriterǁ__init____mutmut_52	_identity = "" at first: overwritten before any read unless fstat raises, and then discard compares it with a (dev, ino) pair, unequal as None is treated
+events.log.xǁLogWriterǁflush__mutmut_10	<= for <: with everything written the loop's own test (written < len) is false at once
+events.log.xǁLogWriterǁdiscard__mutmut_10	same = None for False when lstat fails: falsy alike
+events.log.x_open_log_file__mutmut_7	O_RDONLY & O_CLOEXEC: O_RDONLY is 0, and Python makes every descriptor non-inheritable anyway (PEP 446)
+events.log.xǁLogReaderǁ_read_header__mutmut_5	framed_format_version without the offset: its default is 0
+events.log.xǁLogReaderǁframes__mutmut_7	<= for <: at the end of the file read_frame finds fewer than a header's bytes and returns None, leaving the same tail
+events.frames.xǁFileBytesǁ__init____mutmut_4	_start = 1 with an empty window: a cache hit would need stop <= 1 with start >= 1, an empty slice, returned before the cache is looked at
+events.frames.xǁFileBytesǁ__getitem____mutmut_9	< for <=: an empty slice (stop == start) then comes from the window, empty alike (at most one extra read)
+events.frames.xǁFileBytesǁ__getitem____mutmut_15	a slice starting at the window's start is read again instead of served from it: the same bytes (only an extra read)
+events.frames.xǁFileBytesǁ__getitem____mutmut_16	as mutant 15
+events.frames.xǁFileBytesǁ__getitem____mutmut_18	< for <=: a slice ending at the window's end is read again: the same bytes (only an extra read)
+events.frames.xǁFileBytesǁ_pread__mutmut_8	and for or: a full or empty first read then takes the loop, which adds nothing and returns the same bytes
+events.frames.xǁFileBytesǁ_pread__mutmut_13	<= for <: once complete, one more pread of 0 bytes returns b"" and ends the loop
+events.frames.xǁFileBytesǁ_pread__mutmut_21	asks for more than is missing: the extra bytes are the file's own, after the range, and every slice is clamped to the size at open
+events.frames.xǁFileBytesǁnext_data__mutmut_1	> for >=: lseek(SEEK_DATA) at the end of the file fails with ENXIO, which returns the size alike
+events.frames.x__next_data__mutmut_1	holes never skipped: the scans read their zeros instead, which hold no frame and strip to nothing (only slower)
+events.frames.x__valid_header_after__mutmut_3	<= for <: a chunk starting at the end is empty
+events.frames.x__valid_header_after__mutmut_5	_next_data(None): holes are read instead of skipped (only slower, as _next_data mutant 1)
+events.frames.x__valid_header_after__mutmut_9	> for >=: at the end (a hole to the end of the file) the chunk read is empty
+events.frames.x__valid_header_after__mutmut_10	return (None) for break (then False): every caller only tests its truth
+events.frames.x__valid_header_after__mutmut_17	a chunk overlapping the next by two bytes more: only positions below the chunk size are examined, so the same headers are found
+events.frames.x__valid_header_after__mutmut_30	<= for <: a header at exactly the chunk size is also the first position of the next chunk
+events.frames.x__valid_header_after__mutmut_46	find from pos + 2: "TL" at pos puts "L" at pos + 1, where no "TL" can begin
+events.frames.x__only_zeros_after__mutmut_3	as _valid_header_after mutant 3
+events.frames.x__only_zeros_after__mutmut_5	as _valid_header_after mutant 5
+events.frames.x__only_zeros_after__mutmut_9	as _valid_header_after mutant 9
+events.frames.x_read_frame__mutmut_9	size + offset: with fewer than a header's bytes left, no header can begin after the offset, so the scan says no anyway
+events.frames.x_read_frame__mutmut_10	> for >=: with exactly a header's bytes left, none can begin at offset + 1
+engine.params.x_checked__mutmut_5	unencodable without the path: its default is ""
+engine.params.x_unencodable__mutmut_5	"UTF-8" for "utf-8": the same codec
+engine.params.x_encodable__mutmut_3	as unencodable mutant 5
+engine.params.x_with_bounds__mutmut_13	with_bounds(Ellipsis) returns Ellipsis itself (no origin, no args)
+engine.params.xǁSamplingParamsǁvalidate__mutmut_16	encodable_all here never raises: checked() has already refused every string UTF-8 cannot encode, stop's included (dead code, not a bug)
+engine.params.xǁSamplingParamsǁvalidate__mutmut_19	as mutant 16
+engine.params.xǁSamplingParamsǁvalidate__mutmut_20	as mutant 16
+engine.params.xǁSamplingParamsǁvalidate__mutmut_21	as mutant 16
+engine.params.xǁSamplingParamsǁto_spec__mutmut_20	validate (at construction) has already made a str stop a one-element list, so self.stop is never a str here
+replay.verify.x__replay__mutmut_23	_diverged with out=None returns before it reads the core or the records
+replay.verify.x__replay__mutmut_24	as mutant 23
+replay.verify.x__replay__mutmut_39	as mutant 23
+replay.verify.x__replay__mutmut_40	as mutant 23
+replay.diff.x_value_diff__mutmut_30	zip(strict=None): falsy like strict=False
+replay.diff.x_value_diff__mutmut_33	zip without strict: the default is strict=False
+replay.diff.x_value_diff__mutmut_38	return for break: nothing follows the loop
+replay.diff.x_diff_commands__mutmut_5	autojunk=None: falsy like False
+replay.diff.x_diff_commands__mutmut_25	zip(strict=None) over two ranges of equal length (an equal block, or a replace of equal lengths)
+replay.diff.x_diff_commands__mutmut_28	as mutant 25
+replay.diff.x_diff_commands__mutmut_37	as mutant 25
+replay.diff.x_diff_state__mutmut_7	getattr's default: every snapshot sequence (a Seq) has a request_id
+replay.diff.x_diff_state__mutmut_10	as mutant 7
+replay.diff.x_diff_state__mutmut_13	as mutant 7
+replay.diff.x_diff_state__mutmut_18	as mutant 7
+replay.diff.x_diff_state__mutmut_21	as mutant 7
+replay.diff.x_diff_state__mutmut_24	as mutant 7
+replay.diff.x_diff_state__mutmut_36	& for |: both views are the attrs fields of one class, the same keys
+replay.diff.x_diff_state__mutmut_54	as mutant 7
+replay.diff.x_diff_state__mutmut_57	as mutant 7
+replay.diff.x_diff_state__mutmut_67	as mutant 7
+replay.diff.x_diff_state__mutmut_70	as mutant 7
+replay.diff.x_diff_state__mutmut_89	zip(strict=None): falsy like strict=False
+replay.diff.x_diff_state__mutmut_92	zip without strict: the default is strict=False
 EOF
 )
 
