@@ -299,6 +299,10 @@ replay.diff.x_diff_state__mutmut_67	as mutant 7
 replay.diff.x_diff_state__mutmut_70	as mutant 7
 replay.diff.x_diff_state__mutmut_89	zip(strict=None): falsy like strict=False
 replay.diff.x_diff_state__mutmut_92	zip without strict: the default is strict=False
+actors.mailbox.xǁOutboxǁ__init____mutmut_4	sequence numbers from 2: they are only compared with each other (the step actor sorts by source, then sequence)
+actors.mailbox.xǁOutboxǁ_stamp__mutmut_3	sequence numbers step by 2: as __init__ mutant 4
+actors.streams.xǁDetokenizerǁdecode__mutmut_1	a Protocol's declaration: never called
+actors.retire.x_merge_frames__mutmut_9	float("NAN") for float("nan"): the same value
 EOF
 )
 

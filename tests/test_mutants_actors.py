@@ -289,3 +289,27 @@ def test_top_dict_lists_the_alternatives_then_the_token() -> None:
     assert got == {3: -0.1, 4: -0.2} and list(got) == [3, 4]  # the token among them keeps its own logprob
     with pytest.raises(ValueError):
         _top_dict(7, -1.5, [3, 4], [-0.1])
+
+
+# --- stream assembly: what is held back -----------------------------------------------------------------------------
+
+from test_actors_retire import FakeDetokenizer, ids_of  # noqa: E402
+
+from tickloom.actors.streams import StreamAssembler  # noqa: E402
+from tickloom.events import SamplingSpec  # noqa: E402
+
+
+def _deltas(spec: SamplingSpec, text: str) -> list[str]:
+    assembler = StreamAssembler("r", spec, 3, FakeDetokenizer(), submitted_at=0.0)
+    out = []
+    for i, token in enumerate(ids_of(text)):
+        frames, _ = assembler.on_tokens([token], [i], [False], None, now=float(i))
+        out.append("".join(f.text_delta for f in frames))
+    return out
+
+
+def test_a_whole_stop_string_before_min_tokens_is_released_at_once() -> None:
+    """Before min_tokens a stop string does not stop the stream, and a whole one is no prefix to hold back."""
+    assert _deltas(SamplingSpec(stop=["ab"], min_tokens=3), "abc") == ["", "ab", "c"]
+    assert _deltas(SamplingSpec(stop=["abc"], min_tokens=5), "dabcd") == ["d", "", "", "abc", "d"]
+    assert _deltas(SamplingSpec(stop=["ab"]), "cab") == ["c", "", ""]  # from min_tokens on, it stops
