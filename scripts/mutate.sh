@@ -24,11 +24,15 @@
 #               __post_init__, _check_tensor_parallel, _normalise). Left out: config.py's configuration_table, _bound,
 #               _number and _json_value, which render the README's table (tests/test_engine_config.py compares it
 #               with README.md), not checks of any input.
-#   actors      actors/deadlines.py, log.py, mailbox.py, streams.py and retire.py: the timer heap, the fsync policy
-#               and group commit, stamping and bounded reporting, stream assembly (detokenization, stop strings, the
-#               reasoning split, logprobs, usage) and the client streams. Left out for now: step.py, device.py and
-#               spill.py, whose behaviour the engine-level tests (trio, a device thread, files) cover; too slow for
-#               each mutant's run, and over the two hours one core allows for this list.
+#   actors      actors/deadlines.py, log.py, mailbox.py, streams.py, and retire.py's merge_frames and _prompt_entry:
+#               the timer heap and its bound, the fsync policy and group commit, stamping and bounded reporting,
+#               stream assembly (detokenization, stop strings, the reasoning split, logprobs, usage) and the frames
+#               sent to clients. Left out for now: the rest of retire.py (the client stream classes and the actor's
+#               plumbing: 260 mutants, most run only by the engine-level tests), step.py, device.py and spill.py,
+#               whose behaviour the engine-level tests (trio, a device thread, files) cover; too slow for each
+#               mutant's run, and over the two hours one core allowed for this list.
+#   Everywhere: a Protocol's or a type's declaration has no behaviour of its own; what mutmut makes of one (a
+#   default in a Protocol method) is listed as equivalent below. __repr__s are none of these files' own.
 # Each area other than core is its table [tool.mutmut.areas.NAME] in pyproject.toml (files, tests, an optional
 # `mutants` list of name patterns that narrows what is run and scored). mutmut reads only [tool.mutmut], so the
 # script runs such an area in mutants/areas/NAME/: links to tickloom/, tests/ and what the area copies, and a
