@@ -313,3 +313,102 @@ def test_a_whole_stop_string_before_min_tokens_is_released_at_once() -> None:
     assert _deltas(SamplingSpec(stop=["ab"], min_tokens=3), "abc") == ["", "ab", "c"]
     assert _deltas(SamplingSpec(stop=["abc"], min_tokens=5), "dabcd") == ["d", "", "", "abc", "d"]
     assert _deltas(SamplingSpec(stop=["ab"]), "cab") == ["c", "", ""]  # from min_tokens on, it stops
+
+
+def _assembler(spec: SamplingSpec | None = None, prompt_len: int = 3, **kw: object) -> StreamAssembler:
+    return StreamAssembler("r", spec or SamplingSpec(), prompt_len, FakeDetokenizer(), submitted_at=0.0,
+                           **kw)  # type: ignore[arg-type]
+
+
+def test_the_assembler_refuses_columns_of_unequal_length() -> None:
+    from tickloom.actors.streams import StreamProtocolError
+
+    for args in (([0, 1], [0], [False, False], None), ([0, 1], [0, 1], [False], None),
+                 ([0, 1], [0, 1], [False, False], [-1.0])):
+        with pytest.raises(StreamProtocolError) as info:
+            _assembler().on_tokens(*args, now=0.0)  # type: ignore[arg-type]
+        assert str(info.value) == "'r': token columns differ in length"
+    a = _assembler()
+    assert a.on_tokens([], [], [], None, now=0.0) == ([], None)
+    a.on_tokens([0], [0], [False], None, now=0.0)
+    from tickloom.events import Finish, Usage
+
+    a.on_finish(Finish("r", "length", Usage(3, 0, 1)), now=1.0)
+    with pytest.raises(StreamProtocolError) as info:
+        a.on_tokens([0], [1], [False], None, now=2.0)
+    assert str(info.value) == "'r': tokens after the final frame"
+
+
+@pytest.mark.parametrize(("before", "indices", "message"), [
+    (0, [5], "expected token index 0, got 5"),
+    (0, [5, 1], "expected token index 0, got 5"),
+    (0, [0, 5], "expected token index 1, got 5"),
+    (0, [0, 0], "expected token index 1, got 0"),
+    (0, [0, 2], "expected token index 1, got 2"),
+    (0, [0, -2], "expected token index 1, got -2"),
+    (0, [0, 5, 2], "expected token index 1, got 5"),
+    (2, [2, 4], "expected token index 3, got 4"),
+    (2, [2, 3, 9, 5], "expected token index 4, got 9"),
+])
+def test_token_indices_must_continue_the_stream(before: int, indices: list[int], message: str) -> None:
+    from tickloom.actors.streams import StreamProtocolError
+
+    a = _assembler()
+    if before:
+        a.on_tokens([0] * before, list(range(before)), [False] * before, None, now=0.0)
+    n = len(indices)
+    with pytest.raises(StreamProtocolError) as info:
+        a.on_tokens([0] * n, indices, [False] * n, None, now=1.0)
+    assert str(info.value) == f"'r': {message}"
+
+
+def test_top_logprobs_come_with_logprobs_when_asked_for() -> None:
+    spec = SamplingSpec(logprobs=True, top_logprobs=2)
+    frames, _ = _assembler(spec).on_tokens([0, 1], [0, 1], [False, False], [-0.5, -1.5], now=0.0,
+                                           top=([[2, 0], [0, 2]], [[-0.1, -0.5], [-0.2, -0.3]]))
+    assert frames[0].logprobs == [-0.5, -1.5]
+    assert frames[0].top_logprobs == [{2: -0.1, 0: -0.5}, {0: -0.2, 2: -0.3, 1: -1.5}]
+    frames, _ = _assembler(spec).on_tokens([0], [0], [False], [-0.5], now=0.0)
+    assert frames[0].top_logprobs == [{0: -0.5}]
+    frames, _ = _assembler(SamplingSpec()).on_tokens([0], [0], [False], [-0.5], now=0.0)
+    assert frames[0].logprobs == [-0.5] and frames[0].top_logprobs is None
+    frames, _ = _assembler(spec).on_tokens([0], [0], [False], None, now=0.0)
+    assert frames[0].logprobs is None and frames[0].top_logprobs is None
+
+
+def test_prompt_logprobs_come_with_the_first_frame_only() -> None:
+    spec = SamplingSpec(prompt_logprobs=1)
+    a = _assembler(spec, prompt_len=3, prompt_token_ids=[4, 1, 2])
+    prompt = ([-0.25, -0.75], [[0], [1]], [[-0.1], [-0.75]])
+    frames, _ = a.on_tokens([0], [0], [False], None, now=0.0, prompt=prompt)
+    assert frames[0].prompt_logprobs == [None, {0: -0.1, 1: -0.25}, {1: -0.75, 2: -0.75}]
+    frames, _ = a.on_tokens([0], [1], [False], None, now=0.0, prompt=prompt)
+    assert frames[0].prompt_logprobs is None
+    no_tops = _assembler(spec, prompt_len=2, prompt_token_ids=[4, 1])
+    frames, _ = no_tops.on_tokens([0], [0], [False], None, now=0.0, prompt=([-0.5], [], []))
+    assert frames[0].prompt_logprobs == [None, {1: -0.5}]
+    # a one-token prompt has no logprobs to report but its None; a longer one without them reports none
+    frames, _ = _assembler(spec, prompt_len=1, prompt_token_ids=[4]).on_tokens([0], [0], [False], None, now=0.0)
+    assert frames[0].prompt_logprobs == [None]
+    frames, _ = _assembler(spec, prompt_len=2, prompt_token_ids=[4, 1]).on_tokens([0], [0], [False], None, now=0.0)
+    assert frames[0].prompt_logprobs is None
+    frames, _ = _assembler(SamplingSpec(), prompt_len=1, prompt_token_ids=[4]).on_tokens(
+        [0], [0], [False], None, now=0.0, prompt=([], [], []))
+    assert frames[0].prompt_logprobs is None
+
+
+def test_the_longest_held_prefix_is_found_past_a_false_start() -> None:
+    assert _deltas(SamplingSpec(stop=["aba"]), "aa") == ["", "a"]
+    assert _deltas(SamplingSpec(stop=["ab"]), "aab") == ["", "a", ""]
+    assert _deltas(SamplingSpec(stop=["abc"]), "abab") == ["", "", "ab", ""]
+
+
+def test_the_final_frame_decodes_held_special_tokens_as_asked() -> None:
+    from tickloom.events import Finish, Usage
+
+    for skip, text in [(False, "<eos>\ufffd"), (True, "\ufffd")]:
+        a = _assembler(SamplingSpec(skip_special_tokens=skip))
+        frames, _ = a.on_tokens([0], [0], [False], None, now=0.0)
+        frames, _ = a.on_tokens([11, 6], [1, 2], [False, False], None, now=0.0)
+        final = a.on_finish(Finish("r", "length", Usage(3, 0, 3)), now=1.0)
+        assert "".join(f.text_delta for f in frames) + final.text_delta == text, skip
