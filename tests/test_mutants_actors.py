@@ -412,3 +412,41 @@ def test_the_final_frame_decodes_held_special_tokens_as_asked() -> None:
         frames, _ = a.on_tokens([11, 6], [1, 2], [False, False], None, now=0.0)
         final = a.on_finish(Finish("r", "length", Usage(3, 0, 3)), now=1.0)
         assert "".join(f.text_delta for f in frames) + final.text_delta == text, skip
+
+
+def test_the_final_frame_rules() -> None:
+    from tickloom.actors.streams import StreamProtocolError
+    from tickloom.events import Finish, Usage
+
+    a = _assembler(SamplingSpec(stop=["b"]), index=2, output_id="o")
+    frames, match = a.on_tokens([0, 1], [0, 1], [False, False], None, now=1.0)
+    assert match == 1 and frames[0].request_id == "o" and frames[0].index == 2
+    final = a.on_finish(Finish("r", "stop", Usage(3, 0, 2, reasoning_tokens=7)), now=2.0)
+    assert (final.request_id, final.index, final.finish_reason) == ("o", 2, "stop")
+    assert final.usage is not None and final.usage.reasoning_tokens == 7  # the core's own stop at that token
+    assert a.finished
+    with pytest.raises(StreamProtocolError) as info:
+        a.on_finish(Finish("r", "stop", Usage(3, 0, 2)), now=3.0)
+    assert str(info.value) == "'r': a second finish"
+
+    early = _assembler(SamplingSpec(stop=["b"]))
+    early.on_tokens([0, 1], [0, 1], [False, False], None, now=1.0)
+    with pytest.raises(StreamProtocolError) as info:
+        early.on_finish(Finish("r", "length", Usage(3, 0, 1)), now=2.0)
+    assert str(info.value) == "'r': finished at token 0 before the stop match at 1 it delivered"
+    short = _assembler()
+    short.on_tokens([0, 1], [0, 1], [False, False], None, now=1.0)
+    with pytest.raises(StreamProtocolError) as info:
+        short.on_finish(Finish("r", "length", Usage(3, 0, 1)), now=2.0)
+    assert str(info.value) == "'r': finished after 1 tokens but 2 were delivered"
+
+
+def test_a_stop_string_inside_held_text_before_min_tokens_does_not_match_later() -> None:
+    """Before min_tokens nothing matches; once it is reached, only a match ending in the new text counts."""
+    assert _deltas(SamplingSpec(stop=["b", "abc"], min_tokens=3), "abd") == ["", "", "abd"]
+
+
+def test_the_earliest_ending_stop_string_wins() -> None:
+    spec = SamplingSpec(stop=["a", "ab"], include_stop_str_in_output=True)
+    frames, match = _assembler(spec).on_tokens([4], [0], [False], None, now=0.0)  # one token: "ab"
+    assert match == 0 and frames[0].text_delta == "a"
