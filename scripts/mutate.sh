@@ -307,6 +307,31 @@ actors.mailbox.xǁOutboxǁ__init____mutmut_4	sequence numbers from 2: they are o
 actors.mailbox.xǁOutboxǁ_stamp__mutmut_3	sequence numbers step by 2: as __init__ mutant 4
 actors.streams.xǁDetokenizerǁdecode__mutmut_1	a Protocol's declaration: never called
 actors.retire.x_merge_frames__mutmut_9	float("NAN") for float("nan"): the same value
+actors.streams.xǁStreamAssemblerǁ__init____mutmut_18	_prefix = None: ids[None:] and ids[None:read] slice from 0, as 0 does, until the first advance sets it
+actors.streams.xǁStreamAssemblerǁ__init____mutmut_22	_prefix_text = None at first: the first decode step computes it, the decode of no ids, ""
+actors.streams.xǁStreamAssemblerǁ__init____mutmut_24	_last_reasoning = None: falsy like False, and set by every token before it is read
+actors.streams.xǁStreamAssemblerǁ__init____mutmut_25	_last_reasoning = True: read only by _flush, and with no token at all it returns "" either way
+actors.streams.xǁStreamAssemblerǁ__init____mutmut_34	_last_time = "": read only once _first_time is set, which sets it too
+actors.streams.xǁStreamAssemblerǁ__init____mutmut_35	finished = None: falsy like False
+actors.streams.xǁStreamAssemblerǁon_tokens__mutmut_23	>= 2 for > 2: a two-token batch is then checked index by index, which refuses exactly what the first/last test refuses
+actors.streams.xǁStreamAssemblerǁon_finish__mutmut_42	and for or: a frame was delivered (first set) exactly when count >= 1 (a stop match counts k + 1, otherwise count must equal the tokens delivered)
+actors.streams.xǁStreamAssemblerǁon_finish__mutmut_51	first and last are set together
+actors.streams.xǁStreamAssemblerǁ_stop_prefix_len__mutmut_25	>= for >: a candidate as long as the best so far cannot change it
+actors.streams.xǁStreamAssemblerǁ_content__mutmut_29	<= for <: equal (end, start) keys are the same stop string
+actors.streams.xǁStreamAssemblerǁ_content__mutmut_34	_held = None after a match: nothing reads it again (no content after a match; _flush runs only without one)
+actors.streams.xǁStreamAssemblerǁ_content__mutmut_35	as mutant 34
+actors.streams.xǁStreamAssemblerǁ_content__mutmut_43	keep 0 gives buf[len(buf):], "" alike
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_3	<= for <: with nothing undecoded the tail is the decode of no new ids, ""
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_4	_prefix_text recomputed when it is set: the same decode of the same window
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_5	unreachable: _prefix_text is None only right after the window advanced, when _read == len(ids) and _flush skips the block
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_6	as mutant 5
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_7	as mutant 5
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_8	as mutant 5
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_9	as mutant 5
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_16	the window's indices after the final flush: nothing reads them again
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_17	as mutant 16 (_prefix_text)
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_19	_held after the final flush: nothing reads it again
+actors.streams.xǁStreamAssemblerǁ_flush__mutmut_20	as mutant 19
 EOF
 )
 
