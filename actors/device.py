@@ -40,7 +40,6 @@ from tickloom.engine.model.tables import BoundRequests
 from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import (
     NO_SAMPLE,
-    NOT_FED,
     BindRequest,
     Command,
     Input,
@@ -64,24 +63,11 @@ class Executor(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
-    def run_step(self, request_ids: list[str], positions: list[int], num_tokens: list[int], token_ids: list[int],
-                 sample_indices: list[int], block_starts: list[int], num_new_blocks: list[int],
-                 new_block_ids: list[int]) -> StepResult: ...
+    def run_step(self, step: RunStep) -> StepResult: ...
 
     def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV: ...
 
     def copy_in(self, request_id: str, block_ids: list[int], host_kv: HostKV) -> None: ...
-
-
-def executor_inputs(step: RunStep) -> list[int]:
-    """The step's token column as the executor takes it: -1 for "the token sampled for this position"."""
-    tokens = list(step.token_ids)
-    offset = 0
-    for i, fed in enumerate(step.fed_from):
-        if fed != NOT_FED:
-            tokens[offset] = -1
-        offset += step.num_tokens[i]
-    return tokens
 
 
 def without_requests(step: RunStep, dead: set[str]) -> RunStep:
@@ -199,9 +185,7 @@ class ThreadDevice:
                 step = without_requests(command, dead) if dead else command
                 result = None
                 if step.request_ids:
-                    result = ex.run_step(list(step.request_ids), list(step.positions), list(step.num_tokens),
-                                         executor_inputs(step), list(step.sample_indices), list(step.block_starts),
-                                         list(step.num_new_blocks), list(step.new_block_ids))
+                    result = ex.run_step(step)
                 if dead or result is None:
                     result = with_placeholders(command, dead, result)
             except Exception as exc:  # a fault reported as an input: only this step's requests fail
@@ -327,9 +311,7 @@ class StubDevice:
         try:
             if command.step_id in self.fail_steps:
                 raise RuntimeError("scripted device fault")
-            self.tables.start_step(list(step.request_ids), list(step.positions), list(step.num_tokens),
-                                   list(step.token_ids), list(step.sample_indices), list(step.block_starts),
-                                   list(step.num_new_blocks), list(step.new_block_ids))
+            self.tables.start_step(step)
         except (RuntimeError, ValueError) as exc:
             self._poisoned.update(command.request_ids)
             await self._outbox.send(StepFailed(command.step_id, f"{type(exc).__name__}: {exc}"))

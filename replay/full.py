@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from tickloom.events import (
-    NOT_FED,
     BindRequest,
     Command,
     DropSpill,
@@ -170,18 +169,8 @@ class ModelDevice:
         return results
 
     def run_step(self, step: RunStep) -> StepDone | StepFailed:
-        tokens = list(step.token_ids)
-        offset = 0
-        for i, fed in enumerate(step.fed_from):
-            if fed != NOT_FED:
-                tokens[offset] = -1
-            offset += step.num_tokens[i]
         try:
-            result = self.executor.run_step(
-                list(step.request_ids), list(step.positions), list(step.num_tokens), tokens,
-                list(step.sample_indices), list(step.block_starts), list(step.num_new_blocks),
-                list(step.new_block_ids),
-            )
+            result = self.executor.run_step(step)
         except Exception as exc:
             return StepFailed(step.step_id, f"{type(exc).__name__}: {exc}")
         ids = [rid for rid, k in zip(step.request_ids, step.sample_indices, strict=True) if k >= 0]

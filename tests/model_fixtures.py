@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tickloom.engine.model.executor import ModelExecutor
+from tickloom.engine.model.tables import step_of
 from tickloom.engine.model.types import StepResult
 from tickloom.events import SamplingSpec
 
@@ -66,9 +67,9 @@ class Driver:
             r.pos += n
             if samples:
                 sampled.append(rid)
-        res = self.ex.run_step(
+        res = self.ex.run_step(step_of(
             list(rids), cols["pos"], cols["n"], cols["tok"], cols["samp"], cols["bst"], cols["nnb"], cols["nb"]
-        )
+        ))
         for rid, t in zip(sampled, res.token_ids, strict=True):
             self.reqs[rid].out.append(t)
         return res

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import trio
 
-from tickloom.actors.device import ThreadDevice, executor_inputs, with_placeholders, without_requests
+from tickloom.actors.device import ThreadDevice, with_placeholders, without_requests
 from tickloom.actors.mailbox import Envelope, Outbox, Source
 from tickloom.actors.spill import SpillActor, SpillStore
 from tickloom.engine.model.stub import StubExecutor
+from tickloom.engine.model.tables import step_inputs, step_of
 from tickloom.engine.model.types import StepResult
 from tickloom.events import NO_SAMPLE, NOT_FED, BindRequest, RunStep, SamplingSpec, StepDone, SwapIn, SwapInFailed
 
@@ -26,7 +27,19 @@ def test_rows_of_dead_requests_are_cut_from_every_column() -> None:
     assert cut.token_ids == [5, 7, 8, 9] and cut.fed_from == [6, NOT_FED]
     assert cut.sample_indices == [4, NO_SAMPLE] and cut.block_starts == [1, 0] and cut.num_new_blocks == [0, 2]
     assert cut.new_block_ids == [41, 42], "the dead row's new block is dropped, the others keep theirs"
-    assert executor_inputs(cut) == [-1, 7, 8, 9], "a fed row takes the token sampled before it"
+    assert step_inputs(cut) == [-1, 7, 8, 9], "a fed row takes the token sampled before it"
+
+
+def test_a_step_from_columns_marks_fed_rows_and_reads_back_alike() -> None:
+    """``step_of`` (tests and benchmarks) and ``step_inputs`` (every executor) are each other's inverse: a fed row
+    is one whose first input is the token its request sampled, whatever step it was planned in."""
+    for step_id in (0, 1, 9):
+        step = step_of(["a", "b", "c"], [4, 0, 7], [1, 2, 1], [-1, 3, 4, -1], [1, 0, 2], [1, 0, 2], [0, 1, 0], [5],
+                       step_id=step_id)
+        assert step.step_id == step_id and step.token_ids == [0, 3, 4, 0]
+        assert [f != NOT_FED for f in step.fed_from] == [True, False, True]
+        assert step_inputs(step) == [-1, 3, 4, -1]
+    assert step_inputs(STEP) == [-1, -1, 7, 8, 9]
 
 
 def test_placeholders_fill_the_dead_rows_in_row_order() -> None:
@@ -64,7 +77,7 @@ async def test_a_failed_swap_in_poisons_its_request_and_spares_the_rest_of_the_n
         nursery.cancel_scope.cancel()
     assert isinstance(failed, SwapInFailed) and failed.request_id == "swapped"
     assert isinstance(done, StepDone), f"the step ran for the other request, not {done}"
-    fresh = executor.run_step(["fresh"], [2], [1], [9], [1], [1], [0], [])  # the fresh row's table was applied
+    fresh = executor.run_step(step_of(["fresh"], [2], [1], [9], [1], [1], [0], []))  # the fresh row's table was applied
     assert done.request_ids == ["swapped", "fresh"] and done.token_ids[0] == 0, "the poisoned row is a placeholder"
     assert fresh.token_ids and executor.block_table("fresh") == [5]
 
@@ -74,6 +87,6 @@ def test_an_executor_refuses_a_row_its_block_table_does_not_cover() -> None:
     soak's stale table): 32 tokens fill two blocks of 16, so position 32 needs a third."""
     executor = StubExecutor(block_size=16)
     executor.bind("r", SamplingSpec(max_tokens=4), 1, 32, [])
-    executor.run_step(["r"], [0], [32], list(range(32)), [NO_SAMPLE], [0], [2], [4, 9])
+    executor.run_step(step_of(["r"], [0], [32], list(range(32)), [NO_SAMPLE], [0], [2], [4, 9]))
     with pytest.raises(ValueError, match="row 0: positions up to 32 need 3 blocks, block table has 2"):
-        executor.run_step(["r"], [32], [1], [3], [0], [2], [0], [])
+        executor.run_step(step_of(["r"], [32], [1], [3], [0], [2], [0], []))

@@ -16,6 +16,7 @@ from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.quant import QUANT_SETTINGS, bf16_supported
 from tickloom.engine.model.registry import smollm2_gguf_path
+from tickloom.engine.model.tables import step_of
 
 pytestmark = [
     pytest.mark.slow,
@@ -76,12 +77,12 @@ def greedy_batch(model: LlamaModel, prompts: list[list[int]], n: int) -> list[li
     for rid, p in zip(rids, prompts, strict=True):
         ex.bind(rid, spec, 0, len(p), [])
     b = len(prompts)
-    res = ex.run_step(rids, [0] * b, [len(p) for p in prompts], [t for p in prompts for t in p], [0] * b,
-                      [0] * b, per, [x for t in tables for x in t])
+    res = ex.run_step(step_of(rids, [0] * b, [len(p) for p in prompts], [t for p in prompts for t in p], [0] * b,
+                      [0] * b, per, [x for t in tables for x in t]))
     outs = [[t] for t in res.token_ids]
     for k in range(1, n):
-        res = ex.run_step(rids, [len(p) + k - 1 for p in prompts], [1] * b, [o[-1] for o in outs], [k] * b, per,
-                          [0] * b, [])
+        res = ex.run_step(step_of(rids, [len(p) + k - 1 for p in prompts], [1] * b, [o[-1] for o in outs], [k] * b, per,
+                          [0] * b, []))
         for o, t in zip(outs, res.token_ids, strict=True):
             o.append(t)
     return outs

@@ -8,6 +8,7 @@ import pytest
 import torch
 from model_fixtures import Driver, Spec, make_executor, prompts
 
+from tickloom.engine.model.tables import step_of
 from tickloom.engine.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)
@@ -104,8 +105,8 @@ def test_step_rerun(tiny64: Path) -> None:
     need = -(-(pos + 1) // ex.block_size) - len(r.table)
     new = [drv.free.pop() for _ in range(need)]
     r.table.extend(new)
-    a = ex.run_step(["x"], [pos], [1], [tok], [len(r.out)], [len(r.table) - len(new)], [len(new)], new)
-    b = ex.run_step(["x"], [pos], [1], [tok], [len(r.out)], [len(r.table)], [0], [])
+    a = ex.run_step(step_of(["x"], [pos], [1], [tok], [len(r.out)], [len(r.table) - len(new)], [len(new)], new))
+    b = ex.run_step(step_of(["x"], [pos], [1], [tok], [len(r.out)], [len(r.table)], [0], []))
     assert a.token_ids == b.token_ids
     r.out.append(a.token_ids[0])
     r.pos += 1
@@ -121,7 +122,7 @@ def test_placeholder_input_uses_sampled_token(tiny64: Path) -> None:
     drv.add("x", p, SPEC, 8)
     drv.generate(["x"], 1)
     r = drv.reqs["x"]
-    res = ex.run_step(["x"], [r.pos], [1], [-1], [1], [len(r.table)], [0], [])
+    res = ex.run_step(step_of(["x"], [r.pos], [1], [-1], [1], [len(r.table)], [0], []))
     r.out.append(res.token_ids[0])
     r.pos += 1
     assert drv.generate(["x"], N_NEW)["x"] == expect

@@ -8,16 +8,17 @@ import sys
 from model_fixtures import Spec
 
 from tickloom.engine.model.stub import StubExecutor, token_for
+from tickloom.engine.model.tables import step_of
 
 
 def test_stub_tokens_follow_oracle() -> None:
     ex = StubExecutor(vocab_size=100)
     ex.bind("a", Spec(), 5, 3, [])
     ex.bind("b", Spec(), 6, 2, [])
-    res = ex.run_step(["a", "b"], [0, 0], [3, 2], [1, 2, 3, 4, 5], [0, -1], [0, 0], [1, 1], [7, 9])
+    res = ex.run_step(step_of(["a", "b"], [0, 0], [3, 2], [1, 2, 3, 4, 5], [0, -1], [0, 0], [1, 1], [7, 9]))
     assert res.token_ids == [token_for(5, 0, 100)]
     assert ex.block_table("a") == [7] and ex.block_table("b") == [9]
-    res = ex.run_step(["b", "a"], [2, 3], [1, 1], [9, -1], [0, 1], [1, 1], [0, 0], [])
+    res = ex.run_step(step_of(["b", "a"], [2, 3], [1, 1], [9, -1], [0, 1], [1, 1], [0, 0], []))
     assert res.token_ids == [token_for(6, 0, 100), token_for(5, 1, 100)]
     host = ex.copy_out("a", [7], 4)
     assert host.num_tokens == 4 and host.nbytes() == 0

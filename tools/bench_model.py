@@ -28,6 +28,7 @@ import torch
 from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.registry import resolve_model
+from tickloom.engine.model.tables import step_of
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import SamplingSpec
 
@@ -62,7 +63,7 @@ def _ours(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, block_size
     for rid in rids:
         ex.bind(rid, spec, 0, plen, [])
     t0 = time.perf_counter()
-    res = ex.run_step(
+    res = ex.run_step(step_of(
         rids,
         [0] * b,
         [plen] * b,
@@ -71,11 +72,11 @@ def _ours(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, block_size
         [0] * b,
         [per_req] * b,
         [x for t in tables for x in t],
-    )
+    ))
     t1 = time.perf_counter()
     last = res.token_ids
     for k in range(1, new_tokens):
-        res = ex.run_step(rids, [plen + k - 1] * b, [1] * b, last, [k] * b, [per_req] * b, [0] * b, [])
+        res = ex.run_step(step_of(rids, [plen + k - 1] * b, [1] * b, last, [k] * b, [per_req] * b, [0] * b, []))
         last = res.token_ids
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1

@@ -13,10 +13,10 @@ from tickloom.engine.model.host_pool import CopyEngine
 from tickloom.engine.model.kv_cache import HostKV, PagedKVCache
 from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.sampling import Sampler, SampleRow, has_penalties
-from tickloom.engine.model.tables import BoundRequests
+from tickloom.engine.model.tables import BoundRequests, step_inputs
 from tickloom.engine.model.types import StepResult
 from tickloom.events import SamplingSpec
-from tickloom.events.commands import PromptLogprobs
+from tickloom.events.commands import PromptLogprobs, RunStep
 
 
 @dataclass(slots=True)
@@ -69,22 +69,13 @@ class ModelExecutor(BoundRequests[_RequestState]):
             state.prompt = ([math.nan] * blanks, [[] for _ in range(blanks)], [[] for _ in range(blanks)])
         self._requests[request_id] = state
 
-    def run_step(
-        self,
-        request_ids: list[str],
-        positions: list[int],
-        num_tokens: list[int],
-        token_ids: list[int],
-        sample_indices: list[int],
-        block_starts: list[int],
-        num_new_blocks: list[int],
-        new_block_ids: list[int],
-    ) -> StepResult:
-        """Run one mixed step. A token id below 0 means "the token this request sampled for that
-        position" (rows fed from a step still in flight when the command was made)."""
-        states = self.start_step(request_ids, positions, num_tokens, token_ids, sample_indices, block_starts,
-                                 num_new_blocks, new_block_ids)
-        tokens = list(token_ids)
+    def run_step(self, step: RunStep) -> StepResult:
+        """Run one mixed step. A row fed from a step still in flight when the command was made (``fed_from``)
+        takes the token its request sampled for that position."""
+        states = self.start_step(step)
+        request_ids, positions, num_tokens, sample_indices = (step.request_ids, step.positions, step.num_tokens,
+                                                              step.sample_indices)
+        tokens = step_inputs(step)
         rows: list[RowSpec] = []
         off = 0
         for i, st in enumerate(states):

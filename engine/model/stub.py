@@ -15,6 +15,7 @@ from typing import Any
 from tickloom.engine.model.tables import BoundRequests
 from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import SamplingSpec
+from tickloom.events.commands import RunStep
 from tickloom.events.oracle import OracleRow, oracle_step, oracle_token
 
 
@@ -60,21 +61,10 @@ class StubExecutor(BoundRequests[_StubRequest]):
     ) -> None:
         self._requests[request_id] = _StubRequest(seed, prompt_len, params, list(prompt_token_ids))
 
-    def run_step(
-        self,
-        request_ids: list[str],
-        positions: list[int],
-        num_tokens: list[int],
-        token_ids: list[int],
-        sample_indices: list[int],
-        block_starts: list[int],
-        num_new_blocks: list[int],
-        new_block_ids: list[int],
-    ) -> StepResult:
-        states = self.start_step(request_ids, positions, num_tokens, token_ids, sample_indices, block_starts,
-                                 num_new_blocks, new_block_ids)
+    def run_step(self, step: RunStep) -> StepResult:
+        states = self.start_step(step)
         rows = [OracleRow(st.seed, k, st.spec, st.prompt)
-                for st, k in zip(states, sample_indices, strict=True) if k >= 0]
+                for st, k in zip(states, step.sample_indices, strict=True) if k >= 0]
         self.steps_run += 1
         out = oracle_step(rows, self.vocab_size, self.avoid)
         return StepResult(out.token_ids, *out.columns)

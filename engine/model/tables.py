@@ -1,11 +1,49 @@
-"""What every executor keeps per bound request: its block table, updated from ``RunStep``'s deltas.
+"""What every executor keeps per bound request: its block table, updated from ``RunStep``'s deltas; and the one
+reading of a ``RunStep``'s token column that executors compute with (``step_inputs``).
 
-Torch-free, shared by ``ModelExecutor`` and ``StubExecutor`` so the delta rules live in one place.
+Torch-free, shared by ``ModelExecutor`` and ``StubExecutor`` so the delta rules live in one place. Every executor
+(torch, stub, tensor parallel, the full replay's) takes the logged ``RunStep`` itself: ``run_step(step)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
+
+from tickloom.events.commands import NOT_FED, RunStep
+
+FED = -1
+"""In ``step_inputs``: "the token this request sampled for this position" (a row fed from a step in flight)."""
+
+
+def step_inputs(step: RunStep) -> list[int]:
+    """The step's token column as executors compute with it: ``FED`` in the slot of each row fed from another
+    step (``fed_from``), whose token was not known when the step was planned."""
+    tokens = list(step.token_ids)
+    offset = 0
+    for fed, count in zip(step.fed_from, step.num_tokens, strict=True):
+        if fed != NOT_FED:
+            tokens[offset] = FED
+        offset += count
+    return tokens
+
+
+def step_of(request_ids: Sequence[str], positions: Sequence[int], num_tokens: Sequence[int],
+            token_ids: Sequence[int], sample_indices: Sequence[int], block_starts: Sequence[int],
+            num_new_blocks: Sequence[int], new_block_ids: Sequence[int], step_id: int = 0) -> RunStep:
+    """A ``RunStep`` from columns, a row whose first token is ``FED`` being fed (for tests and benchmarks that drive
+    an executor directly; the core plans real steps)."""
+    fed_from: list[int] = []
+    tokens = list(token_ids)
+    offset = 0
+    for count in num_tokens:
+        fed = count > 0 and tokens[offset] == FED
+        fed_from.append(max(step_id - 1, 0) if fed else NOT_FED)  # any step id: only "fed or not" is read
+        if fed:
+            tokens[offset] = 0
+        offset += count
+    return RunStep(step_id, list(request_ids), list(positions), list(num_tokens), tokens, fed_from,
+                   list(sample_indices), list(block_starts), list(num_new_blocks), list(new_block_ids))
 
 
 class HasBlockTable(Protocol):
@@ -32,21 +70,14 @@ class BoundRequests(Generic[S]):
     def block_table(self, request_id: str) -> list[int]:
         return list(self._requests[request_id].block_table)
 
-    def start_step(
-        self,
-        request_ids: list[str],
-        positions: list[int],
-        num_tokens: list[int],
-        token_ids: list[int],
-        sample_indices: list[int],
-        block_starts: list[int],
-        num_new_blocks: list[int],
-        new_block_ids: list[int],
-    ) -> list[S]:
+    def start_step(self, step: RunStep) -> list[S]:
         """Check a ``RunStep``'s columns against each other, then apply its table deltas: each row's table is
         cut to ``block_starts[i]`` entries and its new ids appended. Returns the rows' states."""
+        request_ids, positions, num_tokens = step.request_ids, step.positions, step.num_tokens
+        token_ids, sample_indices, block_starts = step.token_ids, step.sample_indices, step.block_starts
+        num_new_blocks, new_block_ids = step.num_new_blocks, step.new_block_ids
         rows = len(request_ids)
-        columns = (positions, num_tokens, sample_indices, block_starts, num_new_blocks)
+        columns = (positions, num_tokens, step.fed_from, sample_indices, block_starts, num_new_blocks)
         if any(len(column) != rows for column in columns):
             raise ValueError(f"run_step columns of lengths {[len(c) for c in columns]} for {rows} rows")
         if sum(num_tokens) != len(token_ids):

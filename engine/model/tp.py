@@ -47,6 +47,7 @@ from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.quant import Linear, RawBlocks, Weight
 from tickloom.engine.model.types import StepResult
 from tickloom.events import SamplingSpec
+from tickloom.events.commands import RunStep
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +134,7 @@ class _Bind(msgspec.Struct, frozen=True, tag="bind", array_like=True):
 
 
 class _Step(msgspec.Struct, frozen=True, tag="step", array_like=True):
-    request_ids: list[str]
-    positions: list[int]
-    num_tokens: list[int]
-    token_ids: list[int]
-    sample_indices: list[int]
-    block_starts: list[int]
-    num_new_blocks: list[int]
-    new_block_ids: list[int]
+    step: RunStep
 
 
 class _Release(msgspec.Struct, frozen=True, tag="release", array_like=True):
@@ -177,8 +171,7 @@ def _apply(executor: ModelExecutor, call: _Call) -> StepResult | None:
         executor.bind(call.request_id, call.params, call.seed, call.prompt_len, call.masked_token_ids,
                       call.prompt_token_ids)
     elif isinstance(call, _Step):
-        return executor.run_step(call.request_ids, call.positions, call.num_tokens, call.token_ids,
-                                 call.sample_indices, call.block_starts, call.num_new_blocks, call.new_block_ids)
+        return executor.run_step(call.step)
     elif isinstance(call, _Release):
         executor.release(call.request_id)
     return None
@@ -210,11 +203,8 @@ class TensorParallelExecutor:
              prompt_token_ids: Sequence[int] = ()) -> None:
         self._call(_Bind(request_id, params, seed, prompt_len, list(masked_token_ids), list(prompt_token_ids)))
 
-    def run_step(self, request_ids: list[str], positions: list[int], num_tokens: list[int], token_ids: list[int],
-                 sample_indices: list[int], block_starts: list[int], num_new_blocks: list[int],
-                 new_block_ids: list[int]) -> StepResult:
-        result = self._call(_Step(request_ids, positions, num_tokens, token_ids, sample_indices, block_starts,
-                                  num_new_blocks, new_block_ids))
+    def run_step(self, step: RunStep) -> StepResult:
+        result = self._call(_Step(step))
         assert result is not None
         return result
 

@@ -41,6 +41,7 @@ from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.tp import TensorParallelExecutor, build_executors_together, shard_model
 from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import SamplingSpec
+from tickloom.events.commands import RunStep
 
 log = logging.getLogger(__name__)
 
@@ -386,11 +387,8 @@ class _RankZero:
     def release(self, request_id: str) -> None:
         self._ranks.call(functools.partial(self._tp.release, request_id))
 
-    def run_step(self, request_ids: list[str], positions: list[int], num_tokens: list[int], token_ids: list[int],
-                 sample_indices: list[int], block_starts: list[int], num_new_blocks: list[int],
-                 new_block_ids: list[int]) -> StepResult:
-        return self._ranks.call(functools.partial(self._tp.run_step, request_ids, positions, num_tokens, token_ids,
-                                                  sample_indices, block_starts, num_new_blocks, new_block_ids))
+    def run_step(self, step: RunStep) -> StepResult:
+        return self._ranks.call(functools.partial(self._tp.run_step, step))
 
     def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV:
         return self._tp.copy_out(request_id, block_ids, num_tokens)  # raises: EngineConfig refuses spill with TP
