@@ -232,6 +232,7 @@ def _diverged(
     if out is None:
         return
     # Keep feeding the logged inputs to the diverged core up to the next logged snapshot, then diff the states.
+    running = tick
     try:
         for later in records:
             if isinstance(later, SnapshotRecord):
@@ -242,9 +243,11 @@ def _diverged(
                 continue
             if later.inputs.tick - tick > 1024:
                 return
+            running = later.inputs.tick
             core.tick(later.inputs)
     except Exception as exc:
-        report.state_diff = [f"(no state diff: the diverged core raised at tick {core.state.tick + 1}: {exc})"]
+        # The tick that raised, as logged: a core that raises may have advanced its own tick already, or not.
+        report.state_diff = [f"(no state diff: the diverged core raised at tick {running}: {exc})"]
 
 
 def core_at(path: str | os.PathLike[str], tick: int) -> SchedulerCore:
