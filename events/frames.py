@@ -24,6 +24,7 @@ import errno
 import os
 import struct
 import zlib
+from collections.abc import Iterator
 from typing import Literal
 
 from tickloom.events.codec import FORMAT_VERSION
@@ -188,42 +189,38 @@ def framed_format_version(buf: Source, offset: int = 0) -> int | None:
 _SCAN_CHUNK = 1 << 20
 
 
-def _valid_header_after(buf: Source, start: int) -> bool:
-    """Whether any checking frame header begins at or after ``start`` (the corruption-versus-torn test).
-
-    Scans in chunks, so a damaged frame early in a large log never copies the rest of the file, and skips the holes
-    of a sparse file (a zero tail of any size costs nothing)."""
+def _data_chunks(buf: Source, start: int, overlap: int = 0) -> Iterator[bytes]:
+    """The bytes from ``start`` to the end, ``_SCAN_CHUNK`` at a time (each with ``overlap`` bytes of the next),
+    skipping the holes of a sparse file: a zero tail of any size costs nothing, and nothing is held but a chunk."""
     size = len(buf)
     chunk_start = start
     while chunk_start < size:
-        # A header that began before a hole was seen by the chunk before it (the overlap reads the hole's zeros).
+        # Anything that began before a hole was seen by the chunk before it (the overlap reads the hole's zeros).
         chunk_start = _next_data(buf, chunk_start)
         if chunk_start >= size:
-            break
-        # Each chunk overlaps the next by a header's length less one, so no header straddles unseen.
-        data = bytes(buf[chunk_start : min(size, chunk_start + _SCAN_CHUNK + HEADER_SIZE - 1)])
+            return
+        yield bytes(buf[chunk_start : min(size, chunk_start + _SCAN_CHUNK + overlap)])
+        chunk_start += _SCAN_CHUNK
+
+
+def _valid_header_after(buf: Source, start: int) -> bool:
+    """Whether any checking frame header begins at or after ``start`` (the corruption-versus-torn test).
+
+    Scans in chunks, so a damaged frame early in a large log never copies the rest of the file."""
+    # Each chunk overlaps the next by a header's length less one, so no header straddles unseen.
+    for data in _data_chunks(buf, start, HEADER_SIZE - 1):
         pos = data.find(b"TL")
         while pos != -1 and pos < _SCAN_CHUNK:
             if _parse_header(data, pos) is not None:
                 return True
             pos = data.find(b"TL", pos + 1)
-        chunk_start += _SCAN_CHUNK
     return False
 
 
 def _only_zeros_after(buf: Source, start: int) -> bool:
     """Whether every byte from ``start`` to the end is zero: space the file holds but nothing was written to (a
-    preallocated or zero-filled tail after a crash), in bounded memory."""
-    size = len(buf)
-    chunk_start = start
-    while chunk_start < size:
-        chunk_start = _next_data(buf, chunk_start)
-        if chunk_start >= size:
-            break
-        if bytes(buf[chunk_start : min(size, chunk_start + _SCAN_CHUNK)]).strip(b"\0"):
-            return False
-        chunk_start += _SCAN_CHUNK
-    return True
+    preallocated or zero-filled tail after a crash)."""
+    return not any(data.strip(b"\0") for data in _data_chunks(buf, start))
 
 
 def read_frame(
