@@ -32,7 +32,7 @@ from tickloom.tools.serve import translate
 from tickloom.tools.serve.backend import ServedEngine, ServedStream
 from tickloom.tools.serve.chunks import ChunkWriter
 from tickloom.tools.serve.ending import OpenRequests
-from tickloom.tools.serve.guard import BodyLimits, ClientGone, read_body, route_label
+from tickloom.tools.serve.guard import BodyAbandoned, BodyLimits, read_body, route_label
 from tickloom.tools.serve.metrics import Metrics
 from tickloom.tools.serve.openai_types import (
     ChatCompletionRequest,
@@ -228,7 +228,7 @@ def build_app(state: ServerState) -> Starlette:
         endpoint = request.url.path
         try:
             body = await read_body(request, state.body)
-        except ClientGone:
+        except BodyAbandoned:
             state.metrics.disconnects.inc()
             return Response(status_code=499)
         req: OpenAIRequest = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
@@ -279,6 +279,13 @@ def build_app(state: ServerState) -> Starlette:
             state.metrics.disconnects.inc()
             return Response(status_code=499)
         if req.stream:
+            async def end_stream(sink: EventSink, why: OpenAIError) -> None:
+                """Cancel what is unfinished; the stream's last events say ``why``."""
+                with trio.CancelScope(shield=True):
+                    await group.aclose()
+                sink.write_nowait(event(why.body_struct()), last=True)
+                sink.write_nowait(DONE, last=True)
+
             async def produce(sink: EventSink) -> None:
                 with state.requests.track() as tracked:
                     try:
@@ -287,18 +294,12 @@ def build_app(state: ServerState) -> Starlette:
                             await group.pump(lambda i, out: writer.frame(sink, group.choices[i], out))
                     except SlowClient as exc:
                         state.metrics.slow_clients.inc()
-                        with trio.CancelScope(shield=True):
-                            await group.aclose()
-                        sink.write_nowait(event(OpenAIError(429, str(exc), type="server_error",
-                                                            code="stream_buffer_full").body_struct()), last=True)
-                        sink.write_nowait(DONE, last=True)
+                        await end_stream(sink, OpenAIError(429, str(exc), type="server_error",
+                                                           code="stream_buffer_full"))
                         raise
                     ended = tracked.ended
                     if ended is not None:
-                        with trio.CancelScope(shield=True):
-                            await group.aclose()
-                        sink.write_nowait(event(ended.body_struct()), last=True)
-                        sink.write_nowait(DONE, last=True)
+                        await end_stream(sink, ended)
                         return
                     await writer.end(sink, group.choices, group.n, group.errors)
 

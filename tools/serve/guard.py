@@ -48,7 +48,7 @@ class BodyLimits:
             raise ValueError(f"body_timeout must be a positive number of seconds, got {self.timeout_s}")
 
 
-class ClientGone(Exception):
+class BodyAbandoned(Exception):
     """The client disconnected while its body was still arriving: there is nobody to answer."""
 
 
@@ -59,7 +59,7 @@ def _too_large(limits: BodyLimits) -> OpenAIError:
 
 async def read_body(request: Request, limits: BodyLimits) -> bytes:
     """The request's body, at most ``limits.max_bytes`` of it held at any time. Raises ``OpenAIError`` 413 (too
-    large), 408 (too slow) or 400 (a malformed ``Content-Length``), and ``ClientGone``."""
+    large), 408 (too slow) or 400 (a malformed ``Content-Length``), and ``BodyAbandoned``."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -78,7 +78,7 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
                     raise _too_large(limits)
                 chunks.append(chunk)
         except ClientDisconnect:
-            raise ClientGone() from None
+            raise BodyAbandoned() from None
     if scope.cancelled_caught:
         raise OpenAIError(408, f"the request body did not arrive within {limits.timeout_s:g} s (--body-timeout); "
                                f"{received} bytes came", code="request_timeout")
@@ -140,8 +140,8 @@ def route_label(path: str, routes: frozenset[str]) -> str:
 __all__ = [
     "API_KEY_ENV",
     "UNMATCHED",
+    "BodyAbandoned",
     "BodyLimits",
-    "ClientGone",
     "api_keys",
     "key_matches",
     "read_body",

@@ -125,11 +125,9 @@ async def serve_engine(engine: ServedEngine, options: ServeOptions, *, shutdown:
             await trio.sleep_forever()
         finally:
             failure = engine.failure
-            if served:
-                pass
-            elif failure is None:
+            if not served and failure is None:  # a plain cancel: stop serving at once
                 shield.cancel()
-            else:
+            elif not served and failure is not None:
                 state.failure = str(failure)
                 failed.set()
 
