@@ -52,6 +52,17 @@ async def _serve(config: EngineConfig, requests: int = 3) -> None:
             nursery.start_soon(one)
 
 
+
+def unprivileged(why_root_differs: str) -> list[str]:
+    """The command prefix that runs a child without root's file-permission override (none when not root)."""
+    if not ROOT:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip(f"{why_root_differs}, and there is no setpriv to drop that here")
+    drop = "-dac_override,-dac_read_search"
+    return [setpriv, f"--inh-caps={drop}", f"--bounding-set={drop}", "--"]
+
 def _open_fails(config: EngineConfig) -> BaseException:
     async def run() -> None:
         async with Engine.open(config):
@@ -126,13 +137,7 @@ def test_a_read_only_spill_dir_and_log_dir_are_config_errors(tmp_path: Path) -> 
     that lets it write anywhere)."""
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o555)
-    prefix: list[str] = []
-    if ROOT:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("root writes anywhere, and there is no setpriv to drop that here")
-        drop = "-dac_override,-dac_read_search"
-        prefix = [setpriv, f"--inh-caps={drop}", f"--bounding-set={drop}", "--"]
+    prefix = unprivileged("root writes anywhere")
     done = subprocess.run([*prefix, sys.executable, "-c", _READ_ONLY_SCRIPT, str(ro)], capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
@@ -368,13 +373,7 @@ def test_a_file_this_process_may_not_read_exits_2(argv: list[str], tmp_path: Pat
     path = tmp_path / "locked.tlog"
     trio.run(_serve, stub_config(path), 1)
     path.chmod(0)
-    prefix: list[str] = []
-    if ROOT:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("root reads anything, and there is no setpriv to drop that here")
-        drop = "-dac_override,-dac_read_search"
-        prefix = [setpriv, f"--inh-caps={drop}", f"--bounding-set={drop}", "--"]
+    prefix = unprivileged("root reads anything")
     done = subprocess.run([*prefix, sys.executable, "-m", "tickloom", *argv, str(path)], capture_output=True,
                           text=True, timeout=120, check=False)
     lines = (done.stdout + done.stderr).strip().splitlines()
