@@ -383,3 +383,19 @@ def test_a_streamed_choice_keeps_only_its_finish_and_usage() -> None:
     assert whole.token_ids == [5, 6] and "".join(whole.text) == "ab" and whole.logprobs == [-0.5, -0.25]
     for c in (streamed, whole):
         assert (c.finish_reason, c.prompt_tokens, c.completion_tokens, c.cached_tokens) == ("length", 3, 2, 1)
+
+
+async def test_a_client_that_hangs_up_after_done_is_no_disconnect(tmp_path: Path) -> None:
+    """The SDKs close the connection on ``[DONE]``, before the body's terminating chunk: that is not a client
+    leaving early, and it cancels nothing."""
+    async with running(stub(tmp_path / "s.tlog")) as srv:
+        def two(c: openai.OpenAI) -> list[str]:
+            return ["".join(ch.choices[0].text for ch in c.completions.create(
+                model="stub", prompt="x", max_tokens=20, seed=1, stream=True) if ch.choices) for _ in range(2)]
+
+        texts = await srv.call(two)
+        await trio.sleep(0.3)
+        metrics = await srv.http(lambda c: c.get("/metrics").text)
+    assert [len(t) for t in texts] == [20, 20]
+    assert "tickloom_client_disconnects_total 0.0" in metrics
+    assert 'finish_reason="cancelled"' not in metrics

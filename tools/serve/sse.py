@@ -135,9 +135,14 @@ class SSEResponse(Response):
         try:
             async with trio.open_nursery() as nursery:
 
+                produced = False
+
                 def gone() -> None:
-                    self.disconnected = True
-                    self._on_disconnect()
+                    # After the last event was written, a client that hangs up (the SDKs close on [DONE], before the
+                    # body's terminating chunk) has left nothing: only the sending stops.
+                    if not produced:
+                        self.disconnected = True
+                        self._on_disconnect()
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(watch_disconnect, receive, gone)
@@ -150,6 +155,7 @@ class SSEResponse(Response):
                 nursery.start_soon(sender)
                 try:
                     await self._producer(sink)
+                    produced = True
                 except SlowClient:
                     self.slow_client = True
                 finally:
