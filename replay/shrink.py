@@ -347,7 +347,11 @@ def describe(found: Found) -> str:
 
 # -- the command line ------------------------------------------------------------------------------------------------
 class UsageError(ValueError):
-    """A bad argument (variant, log, token): the command line reports it as a usage error."""
+    """A bad argument (variant, token): the command line reports it as a usage error."""
+
+
+class UnreadableLog(ValueError):
+    """The log to explore around cannot be read: the command line exits 2, as every log reader does."""
 
 
 @contextmanager
@@ -361,7 +365,8 @@ def _usage() -> Iterator[None]:
 def run_cli(*, log: str | None, seeds: Sequence[int], strategy: str, faults: bool, variant: str | None,
             out: Path | None, shrink: bool, verbose: bool, replay: str | None) -> int:
     """``tickloom explore [LOG]`` at the core level (and ``--replay`` of a core-level token): prints the report and
-    the summary line; 0 no violation, 1 a violation. Raises ``UsageError`` for bad arguments."""
+    the summary line; 0 no violation, 1 a violation. Raises ``UsageError`` for bad arguments and ``UnreadableLog``
+    for a log that cannot be read."""
     from tickloom.events import LogError
 
     if replay is not None:
@@ -385,7 +390,7 @@ def run_cli(*, log: str | None, seeds: Sequence[int], strategy: str, faults: boo
         try:
             log_workload(log)
         except (LogError, OSError, ValueError) as exc:
-            raise UsageError(f"cannot explore {log}: {exc}") from exc
+            raise UnreadableLog(f"cannot explore {log}: {exc}") from exc
 
     def progress(seed: int, violation: Violation | None, ticks: int) -> None:
         print(f"seed {seed}: {ticks} ticks: {violation or 'ok'}", flush=True)

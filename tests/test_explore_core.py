@@ -216,10 +216,11 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     match = SUMMARY.match(out.strip().splitlines()[-1])
     assert match is not None and match.groups()[1] == "1"
 
-    for argv, message in ((["explore", "--variant", "nope"], "unknown core variant"),
-                          (["explore", "--replay", "tlc1-!!!"], "not a replay token"),
-                          (["explore", str(tmp_path / "missing.tlog")], "cannot explore")):
-        assert cli_main(argv) == 64, argv
+    for argv, message, status in ((["explore", "--variant", "nope"], "unknown core variant", 64),
+                                  (["explore", "--replay", "tlc1-!!!"], "not a replay token", 64),
+                                  (["explore", str(tmp_path / "missing.tlog")], "cannot explore", 2),
+                                  (["explore", str(tmp_path)], "cannot explore", 2)):
+        assert cli_main(argv) == status, argv  # a log that cannot be read exits 2, as every log reader does
         assert message in capsys.readouterr().err, argv
 
 

@@ -10,7 +10,8 @@ through the simulator, optionally from a log's workload (``replay.explore``, ``r
 ``run_core_level``.
 
 On a violation: the shrunk script, its log (with ``--out DIR``), a replay token for ``--replay``, and a pytest
-regression test to paste. Exit status: 0 no violation; 1 a violation; 64 usage errors. The last line sums up the
+regression test to paste. Exit status: 0 no violation; 1 a violation; 2 an unreadable LOG;
+64 usage errors. The last line sums up the
 seeds run, seeds per second and violations.
 """
 
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_core_level(args: argparse.Namespace) -> int:
     """The core level's entry point (the simulator-driven explorer, ``replay.shrink.run_cli``)."""
-    from tickloom.replay.shrink import UsageError, run_cli
+    from tickloom.replay.shrink import UnreadableLog, UsageError, run_cli
     from tickloom.tools.cli import CliError
 
     try:
@@ -52,6 +53,8 @@ def run_core_level(args: argparse.Namespace) -> int:
                        shrink=not args.no_shrink, verbose=args.verbose, replay=args.replay)
     except UsageError as exc:
         raise CliError(str(exc)) from None
+    except UnreadableLog as exc:
+        raise CliError(str(exc), status=2) from None
 
 
 def run(args: argparse.Namespace) -> int:
