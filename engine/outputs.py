@@ -1,7 +1,7 @@
 """What a client's stream yields: ``RequestOutput`` and ``RequestUsage``, public types of the API room.
 
 A leaf: it imports only msgspec, so the retire actor, which builds the frames, uses it without reaching the API
-floor (``engine.api``, ``engine.asyncio``, ``engine.config``, ``engine.params``, ``engine.runtime``;
+floor (``tickloom.api``, ``tickloom.asyncio``, ``tickloom.config``, ``tickloom.params``, ``tickloom.runtime``;
 ``tests/test_rooms.py`` checks it)."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ MAX_BIAS = 100.0
 
 @dataclass(frozen=True, slots=True)
 class Bound:
-    """A field's bound, checked where the public API takes the value (``engine.params``), never when a log is read.
+    """A field's bound, checked where the public API takes the value (``tickloom.params``), never when a log is read.
 
     msgspec ignores this marker, so decoding a log accepts any value of the field's type: the core sees what was
     logged, refuses a bad request itself (with a logged ``Finish(error)``), and a log holding such a refusal still

@@ -24,9 +24,9 @@ from typing import Any
 import msgspec
 
 from tickloom import EngineConfig, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
-from tickloom.engine.prompts import tokenize
 from tickloom.fleet.router_replay import incarnation_log, replica_dir
 from tickloom.fleet.wire import Load, Pulled, ReplicaInfo, Submit, Submitted, decode, encode
+from tickloom.prompts import tokenize
 
 PULL_BUFFER = 64
 """Frames a replica holds for one request before its pump waits for the front end to pull."""

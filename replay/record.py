@@ -1,6 +1,6 @@
 """Record a log by driving a ``SchedulerCore`` with a scripted workload (a ``Scenario``): the engine's stand-in for
 tests, benches and what-if runs. The workloads themselves live with their users: the tests' fixed ones in
-``tests/scenarios.py``, ``bench replay``'s in ``tools/bench_replay.py``.
+``tests/scenarios.py``, ``bench replay``'s in ``tools/bench/replay.py``.
 
 ``record_core_run`` is the simulator (``replay/sim.py``) under a fixed policy, playing every actor as the engine
 does: the device (any ``Device``, e.g. ``OracleExecutor``, run in command order like the device thread's FIFO), the

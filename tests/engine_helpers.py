@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tickloom.engine import EngineConfig, RequestOutput
+from tickloom import EngineConfig, RequestOutput
 from tickloom.events import Finish, LogReader
 from tickloom.replay import verify
 

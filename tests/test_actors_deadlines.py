@@ -10,9 +10,9 @@ import trio
 import trio.testing
 from engine_helpers import assert_replays, core_finishes, stub_config
 
+from tickloom import Engine, SamplingParams
 from tickloom.actors.deadlines import DeadlineActor
 from tickloom.actors.mailbox import Envelope, Outbox, Source
-from tickloom.engine import Engine, SamplingParams
 from tickloom.events import DeadlineReached, UnwatchDeadline, WatchDeadline
 
 

@@ -13,9 +13,9 @@ import trio
 import trio.testing
 from engine_helpers import assert_replays, core_finishes, stub_config
 
-from tickloom.engine import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
-from tickloom.engine import asyncio as tl_asyncio
-from tickloom.engine.model import write_tiny_model
+from tickloom import Engine, EngineConfig, RequestOutput, RequestRejected, SamplingParams
+from tickloom import asyncio as tl_asyncio
+from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import LogReader, RequestArrived
 from tickloom.tools.cli import main
 

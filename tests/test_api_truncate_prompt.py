@@ -11,8 +11,8 @@ import trio
 import trio.testing
 from engine_helpers import assert_replays, stub_config
 
-from tickloom.engine import Engine, EngineConfig, RequestRejected, SamplingParams
-from tickloom.engine.model import write_tiny_model
+from tickloom import Engine, EngineConfig, RequestRejected, SamplingParams
+from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import LogReader, RequestArrived
 from tickloom.tools.cli import main
 

@@ -41,7 +41,7 @@ def _random_blast(seed: int) -> str:
 
 
 def _bench(batch: int, depth: int, ticks: int) -> str:
-    from tickloom.tools.bench_core import _Workload
+    from tickloom.tools.bench.core import _Workload
 
     work = _Workload(batch, depth, seed=7)
     outputs: list[TickOutputs] = []

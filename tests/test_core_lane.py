@@ -84,7 +84,7 @@ def test_lane_matches_the_general_plan_in_the_c26_blasts(
 @pytest.mark.parametrize("depth", [1, 2])
 def test_lane_matches_the_general_plan_in_the_steady_state(depth: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tickloom bench core``'s workload at a small N: the lane should plan nearly every step."""
-    from tickloom.tools.bench_core import _Workload
+    from tickloom.tools.bench.core import _Workload
 
     def workload() -> list[TickOutputs]:
         work = _Workload(24, depth, seed=random.Random(depth).randrange(1000))

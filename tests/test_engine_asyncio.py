@@ -1,4 +1,4 @@
-"""E06: the engine API inside ``asyncio.run``, through trio's guest mode (``engine.asyncio``).
+"""E06: the engine API inside ``asyncio.run``, through trio's guest mode (``tickloom.asyncio``).
 
 The stub model runs on trio's real clock here (asyncio has no virtual clock), with a small step time. A cancelled
 request is given far more tokens than the others, so it is still running when its cancel lands.
@@ -12,8 +12,8 @@ from typing import Literal
 
 import pytest
 
-from tickloom.engine import EngineConfig, EngineError, RequestOutput, RequestRejected, SamplingParams
-from tickloom.engine.asyncio import Engine, _hosts
+from tickloom import EngineConfig, EngineError, RequestOutput, RequestRejected, SamplingParams
+from tickloom.asyncio import Engine, _hosts
 from tickloom.events import Finish, LogReader
 from tickloom.replay import verify
 
@@ -126,7 +126,7 @@ def test_asyncio_complete_stream_and_two_engines_share_the_guest_run(tmp_path: P
 
 
 def test_asyncio_actor_crash_raises_engine_error(tmp_path: Path) -> None:
-    from tickloom.engine import FaultPlan
+    from tickloom import FaultPlan
 
     config = _config(tmp_path, faults=FaultPlan(crash_actor="deadlines", crash_after=0.05))
 

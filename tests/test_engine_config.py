@@ -13,11 +13,11 @@ import trio
 import trio.testing
 from engine_helpers import assert_replays, core_finishes, stub_config
 
-from tickloom.engine import ConfigError, Engine, EngineConfig, EngineOverloaded, SamplingParams
-from tickloom.engine.config import configuration_table
+from tickloom import ConfigError, Engine, EngineConfig, EngineOverloaded, SamplingParams
+from tickloom.config import configuration_table
 from tickloom.engine.core import CoreConfig
 from tickloom.engine.core.config import SchedulingKnobs
-from tickloom.engine.runtime import core_config_for
+from tickloom.runtime import core_config_for
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 KNOBS = SchedulingKnobs.__struct_fields__

@@ -17,9 +17,9 @@ import trio.testing
 from engine_helpers import assert_replays, stub_config
 from model_fixtures import Spec
 
-from tickloom.engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from tickloom.engine.model import write_tiny_model
+from tickloom import Engine, EngineConfig, RequestOutput, SamplingParams
 from tickloom.engine.model.sampling import Sampler, SampleRow
+from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import LogReader, SamplingSpec, StepDone, StepFailed
 
 TINY = 5e-324

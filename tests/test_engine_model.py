@@ -8,8 +8,8 @@ import pytest
 import trio
 from engine_helpers import assert_replays
 
-from tickloom.engine import Engine, EngineConfig, FaultPlan, RequestOutput, SamplingParams
-from tickloom.engine.model import write_tiny_model
+from tickloom import Engine, EngineConfig, FaultPlan, RequestOutput, SamplingParams
+from tickloom.engine.model.tiny import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import trio
 from engine_helpers import assert_replays, core_finishes, joined, stub_config
 
-from tickloom.engine import (
+from tickloom import (
     Engine,
     EngineError,
     EngineOverloaded,

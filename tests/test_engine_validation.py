@@ -24,7 +24,7 @@ from engine_helpers import assert_replays, stub_config
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tickloom.engine import ConfigError, Engine, EngineConfig, FaultPlan, RequestRejected, SamplingParams
+from tickloom import ConfigError, Engine, EngineConfig, FaultPlan, RequestRejected, SamplingParams
 from tickloom.events import LogReader, RequestArrived
 
 FIELDS = [f.name for f in msgspec.structs.fields(SamplingParams)]

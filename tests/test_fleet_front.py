@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tickloom.engine import EngineConfig
+from tickloom import EngineConfig
 from tickloom.fleet.front import Fleet, FleetConfig, _Replica
 from tickloom.fleet.wire import Load, ReplicaInfo, encode
 

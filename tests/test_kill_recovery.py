@@ -25,8 +25,8 @@ import trio
 import trio.testing
 from engine_helpers import assert_replays, stub_config
 
+from tickloom import Engine, EngineError, SamplingParams
 from tickloom.actors.step import Delivers
-from tickloom.engine import Engine, EngineError, SamplingParams
 from tickloom.events import Command, EmitTokens, Finish, LogReader, recover_log
 from tickloom.replay import verify
 

@@ -14,7 +14,7 @@ import pytest
 import trio
 from engine_helpers import stub_config
 
-from tickloom.engine import ConfigError, Engine
+from tickloom import ConfigError, Engine
 from tickloom.events import FORMAT_VERSION, SCHEMA_HASH, LogError, LogExists, LogHeader, LogReader, LogWriter
 from tickloom.events.digest import DIGEST_VERSION
 from tickloom.tools.cli import EX_USAGE, main
@@ -110,7 +110,7 @@ def test_engine_open_with_an_existing_log_path_is_a_config_error(tmp_path: Path)
 
 def test_the_writer_refuses_atomically_behind_the_early_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A log that appears after ``Engine.open``'s early check (a race) is still refused, by ``O_EXCL``."""
-    import tickloom.engine.runtime as runtime_module
+    import tickloom.runtime as runtime_module
 
     path = tmp_path / "late.tlog"
     monkeypatch.setattr(runtime_module, "_check_log_path", lambda _path: _precious(path))

@@ -38,7 +38,7 @@ import trio
 import trio.testing
 from engine_helpers import stub_config
 
-from tickloom.engine import Engine, SamplingParams
+from tickloom import Engine, SamplingParams
 from tickloom.engine.core.snapshot import decode_snapshot, encode_snapshot
 from tickloom.events import LogHeader, LogReader, SnapshotRecord, TickRecord, encode
 from tickloom.events.frames import HEADER, HEADER_SIZE, MAGIC, pack_frame

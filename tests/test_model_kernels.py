@@ -153,7 +153,7 @@ async def test_quantized_engine_run_replays_full(tmp_path: Path, capsys: pytest.
     ``replay --full`` gives the same tokens."""
     import trio
 
-    from tickloom.engine import Engine, EngineConfig, SamplingParams
+    from tickloom import Engine, EngineConfig, SamplingParams
     from tickloom.engine.model.tiny import write_tiny_model
     from tickloom.tools.cli import main
 

@@ -161,7 +161,7 @@ def test_quantized_tiny_model_tracks_float32(tmp_path: Path, quant: str) -> None
 async def test_quantized_engine_run_replays(tmp_path: Path) -> None:
     import trio
 
-    from tickloom.engine import Engine, EngineConfig, SamplingParams
+    from tickloom import Engine, EngineConfig, SamplingParams
 
     d = write_tiny_model(tmp_path / "m", seed=3, hidden_size=128, intermediate_size=256)
     log = tmp_path / "q.tlog"

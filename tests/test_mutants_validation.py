@@ -1,7 +1,7 @@
 """Behavioural tests that kill the mutants of the validation boundary (scripts/mutate.sh --area validation):
-``engine/params.py`` (SamplingParams and the helpers every public input goes through) and the checks of
-``engine/config.py``. A refusal is part of the API: its class, the name of the struct and field it starts with, and its
-bounds are pinned here, exactly at each boundary."""
+``tickloom/params.py`` (SamplingParams and the helpers every public input goes through) and the checks of
+``tickloom/config.py``. A refusal is part of the API: its class, the name of the struct and field it starts with,
+and its bounds are pinned here, exactly at each boundary."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import msgspec
 import pytest
 from msgspec import Meta
 
-from tickloom.engine.config import EngineConfig, FaultPlan
+from tickloom.config import EngineConfig, FaultPlan
 from tickloom.engine.core import ConfigError
 from tickloom.engine.errors import RequestRejected
-from tickloom.engine.params import (
+from tickloom.events import SamplingSpec
+from tickloom.events.types import Bound, TokenId
+from tickloom.params import (
     INT64_MAX,
     SamplingParams,
     _mentions_token_ids,
@@ -24,8 +26,6 @@ from tickloom.engine.params import (
     unencodable,
     with_bounds,
 )
-from tickloom.events import SamplingSpec
-from tickloom.events.types import Bound, TokenId
 
 BAD = "\ud800"  # a lone surrogate: UTF-8 cannot encode it
 

@@ -30,13 +30,35 @@ def test_nothing_imports_the_folders_as_top_level_names() -> None:
 
 def test_the_public_api_is_at_the_top() -> None:
     import tickloom
+    from tickloom.api import Engine
     from tickloom.asyncio import Engine as AsyncioEngine
-    from tickloom.engine.api import Engine
 
-    assert tickloom.Engine is Engine and AsyncioEngine.__module__ == "tickloom.engine.asyncio"
-    assert sorted(tickloom.__all__) == sorted(tickloom.engine.__all__)
+    assert tickloom.Engine is Engine and AsyncioEngine.__module__ == "tickloom.asyncio"
+    for name in tickloom.__all__:  # the one export table: every name resolves, to an object of that name
+        assert getattr(tickloom, name).__name__ == name
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = tickloom.Nope
+    # no second table below: the subpackages export nothing of their own
+    import tickloom.engine
+    import tickloom.engine.model
+
+    assert not hasattr(tickloom.engine, "Engine") and not hasattr(tickloom.engine.model, "StubExecutor")
+
+
+def test_a_checkout_without_links_is_told_how_to_fix_it(tmp_path: Path) -> None:
+    """git with core.symlinks=false writes each link as a text file holding its target: importing tickloom then
+    fails with the fix, instead of importing the repository root as the package."""
+    pkg = tmp_path / "tickloom"
+    pkg.mkdir()
+    shutil.copy(REPO / "tickloom" / "__init__.py", pkg / "__init__.py")
+    for name in OLD_TOP_LEVEL:
+        (pkg / name).write_text(f"../{name}")
+    (tmp_path / "engine").mkdir()  # the real folder beside it, as in such a checkout
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    run = subprocess.run([sys.executable, "-c", "import tickloom.engine"], cwd=tmp_path, capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 1
+    assert "holds its symbolic links as plain files" in run.stderr and "core.symlinks true" in run.stderr
 
 
 def _source_copy(dest: Path) -> Path:

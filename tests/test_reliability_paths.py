@@ -28,7 +28,7 @@ import pytest
 import trio
 from engine_helpers import stub_config
 
-from tickloom.engine import ConfigError, Engine, EngineConfig, SamplingParams
+from tickloom import ConfigError, Engine, EngineConfig, SamplingParams
 from tickloom.engine.core import SchedulerCore
 from tickloom.events import FORMAT_VERSION, SCHEMA_HASH, LogHeader, LogReader, LogWriter, TickRecord, recover_log
 from tickloom.events.digest import DIGEST_VERSION
@@ -114,7 +114,7 @@ def test_a_spill_dir_that_refuses_writes_is_a_config_error_naming_it(tmp_path: P
 
 _READ_ONLY_SCRIPT = """
 import json, os, sys, trio
-from tickloom.engine import ConfigError, Engine, EngineConfig
+from tickloom import ConfigError, Engine, EngineConfig
 ro = sys.argv[1]
 out = {}
 for field, value in (("spill_dir", os.path.join(ro, "spill")), ("spill_dir", ro),
@@ -177,20 +177,20 @@ def test_a_failure_after_the_log_was_created_removes_it_and_the_spill_dir(
     def failing_core(*_a: Any, **_kw: Any) -> Any:
         raise Boom("the core could not be built")
 
-    monkeypatch.setattr("tickloom.engine.runtime.SchedulerCore", failing_core)
+    monkeypatch.setattr("tickloom.runtime.SchedulerCore", failing_core)
     for spill_dir in (spill, kept):
         error = _open_fails(stub_config(log, spill_dir=str(spill_dir)))
         assert isinstance(error, Boom), repr(error)
         assert _tree(tmp_path) == ["kept"]
     # The same configuration starts once the fault is gone: nothing blocks the paths.
-    monkeypatch.setattr("tickloom.engine.runtime.SchedulerCore", SchedulerCore)
+    monkeypatch.setattr("tickloom.runtime.SchedulerCore", SchedulerCore)
     trio.run(_serve, stub_config(log, spill_dir=str(spill)))
     assert verify(log).status == "identical"
     assert spill.is_dir() and list(spill.iterdir()) == []
 
 
 def test_an_os_error_loading_the_model_is_a_config_error_naming_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tickloom.engine.model as model_module
+    import tickloom.engine.model.loaders as model_module
 
     def unreadable(path: str, *_a: Any, **_kw: Any) -> Any:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), f"{path}/config.json")

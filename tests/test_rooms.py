@@ -1,16 +1,22 @@
-"""Rooms that match the floors, checked on the source (AST) and in a fresh interpreter.
+"""Every production folder is one room on one floor, and imports only from the floors below it.
 
-``engine/`` holds two floors. The API floor (``API_FLOOR``) validates input, wires the actors and hosts the
-engine; below it lie the core, the model and the API's two leaf modules, ``engine.outputs`` (the frames a stream
-yields) and ``engine.errors``, which the actors use. So:
+The floors, from the bottom (ARCHITECTURE.md draws the same table):
 
-- no module of ``actors/`` imports the API floor, directly or through any module it imports;
-- the API's leaves import nothing of the engine above them;
-- no production module imports a test double (anything under ``tests/``);
-- in the rooms the engine's API and actors share (``engine/``, ``actors/``), no two classes have one name.
+    events        the typed events, the log and its reader              imports no other room
+    engine/core   the pure scheduler                                    events
+    engine/model  the device side                                       events
+    engine        outputs.py, errors.py: leaves the actors share        events, engine/core
+    replay        exact replay, verify, bisect, the simulator, what-if  events, engine/*
+    actors        the trio actors                                       events, engine/*
+    api           tickloom/*.py: Engine, AsyncEngine, the runtime,      events, engine/*, actors, replay
+                  configuration, validation, prompts
+    fleet         replicas and the router                               every room below it
+    tools         the command line, benchmarks, the server, explorer    every room below it
 
-``engine/__init__.py`` runs whenever ``engine.core`` or ``engine.model`` is imported, as their parent package; it
-imports nothing at run time (its names load lazily), which is checked here too, so that reaches no API code.
+A module's room is read from its name, its imports from its source (every import statement that runs, inside
+functions too, but not those under ``if TYPE_CHECKING:``). ``tickloom/__main__.py`` is the command's entry point
+and sits with ``tools``. Two more rules: no two modules import each other, directly or round a circle, and no
+production module imports a test double.
 """
 
 from __future__ import annotations
@@ -22,20 +28,44 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCTION = ("engine", "events", "actors", "replay", "tools")
-API_FLOOR = frozenset({"tickloom.engine.api", "tickloom.engine.asyncio", "tickloom.engine.config",
-                       "tickloom.engine.params", "tickloom.engine.runtime"})
-LEAVES = ("tickloom.engine.outputs", "tickloom.engine.errors")
+FOLDERS = ("engine", "events", "actors", "replay", "tools", "fleet")
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "events": frozenset(),
+    "engine/core": frozenset({"events"}),
+    "engine/model": frozenset({"events"}),
+    "engine": frozenset({"events", "engine/core"}),
+    "replay": frozenset({"events", "engine/core", "engine/model", "engine"}),
+    "actors": frozenset({"events", "engine/core", "engine/model", "engine"}),
+    "api": frozenset({"events", "engine/core", "engine/model", "engine", "actors", "replay"}),
+    "fleet": frozenset({"events", "engine/core", "engine/model", "engine", "actors", "replay", "api"}),
+    "tools": frozenset({"events", "engine/core", "engine/model", "engine", "actors", "replay", "api", "fleet"}),
+}
 TEST_DOUBLES = frozenset(p.stem for p in (ROOT / "tests").glob("*.py")) | {"tests", "conftest"}
+
+
+def room_of(module: str) -> str | None:
+    """The room of a ``tickloom`` module (None for the package itself, whose export table loads lazily)."""
+    parts = module.split(".")
+    if parts[0] != "tickloom" or len(parts) == 1:
+        return None
+    if parts[1] == "__main__":
+        return "tools"
+    if parts[1] == "engine" and len(parts) > 2 and parts[2] in ("core", "model"):
+        return f"engine/{parts[2]}"
+    return parts[1] if parts[1] in FOLDERS else "api"
 
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[0] == "tickloom":
+        parts = parts[1:]
     return ".".join(("tickloom", *parts[:-1])) if parts[-1] == "__init__" else ".".join(("tickloom", *parts))
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for room in PRODUCTION for p in (ROOT / room).rglob("*.py")}
+    files = [p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")]
+    files += [p for p in (ROOT / "tickloom").glob("*.py")]  # the API floor (the links are the folders above)
+    return {_module_name(p): p for p in files}
 
 
 def _type_checking_only(node: ast.If) -> bool:
@@ -62,63 +92,120 @@ def _imports(path: Path) -> Iterator[tuple[str, list[str]]]:
     return walk(ast.parse(path.read_text(), str(path)))
 
 
-def _reached(modules: dict[str, Path], name: str) -> list[str]:
-    """The tickloom modules an import of ``name`` (``from name import ...`` counted by the caller) loads."""
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(2, len(parts) + 1) if ".".join(parts[:i]) in modules]
+def _targets(modules: dict[str, Path], importer: str) -> set[str]:
+    """The tickloom modules ``importer`` imports by name (``from a.b import c`` names ``a.b``, and ``a.b.c`` if
+    that is a module). A package an import passes through on its way down is not counted: its ``__init__`` runs,
+    but it is the submodule that is used."""
+    found: set[str] = set()
+    for module, names in _imports(modules[importer]):
+        if module in modules:
+            found.add(module)
+        found.update(f"{module}.{n}" for n in names if f"{module}.{n}" in modules)
+    return {t for t in found if t != importer and not importer.startswith(t + ".")}
 
 
-def _closure(modules: dict[str, Path], start: str) -> dict[str, str]:
-    """Every tickloom module importing ``start`` loads, each with the module that imports it."""
-    seen: dict[str, str] = {start: ""}
-    todo = [start]
-    while todo:
-        current = todo.pop()
-        for module, names in _imports(modules[current]):
-            targets = _reached(modules, module)
-            targets += [f"{module}.{n}" for n in names if f"{module}.{n}" in modules]
-            for target in targets:
-                if target not in seen:
-                    seen[target] = current
-                    todo.append(target)
-    return seen
-
-
-def _chain(seen: dict[str, str], end: str) -> str:
-    chain = [end]
-    while seen[chain[-1]]:
-        chain.append(seen[chain[-1]])
-    return " <- ".join(chain)
-
-
-def test_no_actor_module_reaches_the_api_floor() -> None:
+def test_every_module_has_a_room_and_every_room_has_modules() -> None:
     modules = _modules()
-    actors = [m for m in modules if m.startswith("tickloom.actors.")]
-    assert "tickloom.actors.retire" in actors and "tickloom.actors.streams" in actors
-    for actor in actors:
-        for module, names in _imports(modules[actor]):
-            assert not (module == "tickloom.engine" and names), f"{actor} imports the API's names: {names}"
-        seen = _closure(modules, actor)
-        reached = sorted(API_FLOOR & set(seen))
-        assert not reached, f"{actor} reaches the API floor: {_chain(seen, reached[0])}"
+    rooms = {room_of(m) for m in modules} - {None}
+    assert rooms == set(MAY_IMPORT), rooms ^ set(MAY_IMPORT)
+    assert room_of("tickloom.api") == "api" and room_of("tickloom.engine.outputs") == "engine"
+    assert room_of("tickloom.engine.core.tick_end") == "engine/core" and room_of("tickloom.fleet.front") == "fleet"
 
 
-def test_the_engine_package_and_the_api_leaves_import_nothing_above_them() -> None:
+def test_each_room_imports_only_the_rooms_below_it() -> None:
     modules = _modules()
-    init = [m for m, _ in _imports(modules["tickloom.engine"]) if m.startswith("tickloom")]
-    assert init == [], f"engine/__init__.py imports {init} at run time: every engine.core import would run them"
-    for leaf in LEAVES:
-        direct = {m for m, _ in _imports(modules[leaf]) if m.startswith("tickloom")}
-        assert direct <= {"tickloom.engine.core.errors"}, f"{leaf} imports {sorted(direct)}"
-        assert not API_FLOOR & set(_closure(modules, leaf))
+    wrong = []
+    for importer in sorted(modules):
+        mine = room_of(importer)
+        assert mine is not None or importer == "tickloom", importer
+        for target in sorted(_targets(modules, importer)):
+            theirs = room_of(target)
+            if mine is not None and theirs is not None and theirs != mine and theirs not in MAY_IMPORT[mine]:
+                wrong.append(f"{importer} ({mine}) imports {target} ({theirs})")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_floor_rule_is_a_strict_order() -> None:
+    """No two rooms may import each other, so the floors can be drawn one above the other."""
+    for room, below in MAY_IMPORT.items():
+        assert room not in below
+        for other in below:
+            assert room not in MAY_IMPORT[other], (room, other)
+            assert MAY_IMPORT[other] <= below, f"{room} may import {other} but not all that {other} may"
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_between_modules() -> None:
+    modules = _modules()
+    graph = {m: _targets(modules, m) & set(modules) for m in modules}
+    assert _circles(graph) == []
+
+
+def test_the_package_roots_below_the_api_import_nothing_at_run_time() -> None:
+    """``engine/__init__.py`` runs whenever ``engine.core`` is imported; the one export table is the top
+    package's, and it loads lazily, so ``import tickloom.engine.core`` reaches no API code."""
+    modules = _modules()
+    for package in ("tickloom.engine", "tickloom.engine.model", "tickloom.actors"):
+        assert not [m for m, _ in _imports(modules[package]) if m.startswith("tickloom")], package
+    top = [m for m, _ in _imports(ROOT / "tickloom" / "__init__.py") if m.startswith("tickloom")]
+    assert top == [], top
 
 
 def test_importing_every_actor_loads_no_api_module() -> None:
-    """The same, as the interpreter sees it: a fresh process imports every actor and then looks at sys.modules."""
-    actors = sorted(m for m in _modules() if m.startswith("tickloom.actors."))
+    """The floor rule as the interpreter sees it: a fresh process imports every actor, then looks at sys.modules."""
+    modules = _modules()
+    actors = sorted(m for m in modules if room_of(m) == "actors")
+    api = sorted(m for m in modules if room_of(m) == "api")
+    assert "tickloom.actors.retire" in actors and "tickloom.runtime" in api
     code = ("import importlib, sys\n"
             f"for name in {actors!r}:\n    importlib.import_module(name)\n"
-            f"print(sorted(set({sorted(API_FLOOR)!r}) & set(sys.modules)))")
+            f"print(sorted(set({api!r}) & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -132,10 +219,10 @@ def test_no_production_module_imports_a_test_double() -> None:
                 f"{name} imports {module}, which lives under tests/")
 
 
-def test_each_class_name_in_the_engine_and_the_actors_means_one_thing() -> None:
+def test_each_class_name_below_the_tools_means_one_thing() -> None:
     where: dict[str, list[str]] = {}
     for name, path in _modules().items():
-        if name.startswith(("tickloom.engine", "tickloom.actors")):
+        if room_of(name) in ("engine", "engine/core", "engine/model", "actors", "api"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ClassDef):
                     where.setdefault(node.name, []).append(name)
@@ -147,7 +234,7 @@ def test_each_class_name_in_the_engine_and_the_actors_means_one_thing() -> None:
 def test_the_public_names_stay() -> None:
     import tickloom
     import tickloom.asyncio
-    from tickloom.engine import asyncio as engine_asyncio
+    from tickloom import asyncio as engine_asyncio
 
     assert tickloom.Engine.__name__ == "Engine" and tickloom.RequestStream.__name__ == "RequestStream"
     assert tickloom.asyncio.Engine is engine_asyncio.AsyncEngine

@@ -25,7 +25,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine_helpers import assert_replays, core_finishes
-from tickloom.engine import Engine, EngineConfig, FaultPlan, SamplingParams
+from tickloom import Engine, EngineConfig, FaultPlan, SamplingParams
 from tickloom.events import LogReader, RequestArrived
 from tickloom.tools.serve.openai_types import error_param
 from tickloom.tools.serve.server import ServeOptions, default_log_path, serve
@@ -277,7 +277,7 @@ async def test_logit_bias_through_the_sdk(tmp_path: Path) -> None:
 
 
 async def test_logprobs_on_a_real_model(tmp_path: Path) -> None:
-    from tickloom.engine.model import write_tiny_model
+    from tickloom.engine.model.tiny import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny", dtype="float64", seed=3)
     config = EngineConfig(model=str(model), dtype="float64", max_seq_len=128, num_blocks=64,

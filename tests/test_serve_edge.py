@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine_helpers import assert_replays, core_finishes
 from tests.test_serve import CHAT, Server, running, stub
-from tickloom.engine import Engine, EngineError
+from tickloom import Engine, EngineError
 from tickloom.events.log import LogWriter
 from tickloom.tools.serve.guard import API_KEY_ENV, UNMATCHED, api_keys, key_matches, route_label
 from tickloom.tools.serve.server import ServeOptions, serve, serve_engine
@@ -368,7 +368,7 @@ async def test_a_failed_log_ends_every_stream_with_the_error(tmp_path: Path,
 
 
 def test_a_streamed_choice_keeps_only_its_finish_and_usage() -> None:
-    from tickloom.engine import RequestOutput, RequestUsage
+    from tickloom import RequestOutput, RequestUsage
     from tickloom.tools.serve.translate import Choice
 
     usage = RequestUsage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=1, reasoning_tokens=0)

@@ -21,7 +21,7 @@ import trio
 
 from tests.engine_helpers import core_finishes
 from tests.test_serve import CHAT, Server, leave_after, running, stub
-from tickloom.engine import EngineConfig
+from tickloom import EngineConfig
 from tickloom.fleet.front import FleetConfig
 from tickloom.fleet.router_replay import replica_logs, verify_fleet
 from tickloom.tools.serve.fleet_backend import FleetBackend

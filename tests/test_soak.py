@@ -29,8 +29,8 @@ import trio
 import trio.testing
 from engine_helpers import assert_replays, stub_config
 
-from tickloom.engine import Engine, EngineConfig, FaultPlan, RequestOutput, SamplingParams
-from tickloom.engine.model import write_tiny_model
+from tickloom import Engine, EngineConfig, FaultPlan, RequestOutput, SamplingParams
+from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import Finish, LogReader, RunStep
 
 FATES = ("normal", "cancel", "disconnect", "deadline_short", "deadline_long")

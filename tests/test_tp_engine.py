@@ -14,8 +14,8 @@ import pytest
 import trio
 from engine_helpers import assert_replays
 
-from tickloom.engine import ConfigError, Engine, EngineConfig, EngineError, SamplingParams
-from tickloom.engine.model import write_tiny_model
+from tickloom import ConfigError, Engine, EngineConfig, EngineError, SamplingParams
+from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import LogReader
 
 

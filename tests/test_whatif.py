@@ -14,7 +14,7 @@ from engine_helpers import stub_config
 from replay_helpers import Records, rewrite
 from scenarios import everything_scenario
 
-from tickloom.engine import Engine, SamplingParams
+from tickloom import Engine, SamplingParams
 from tickloom.engine.core import CoreConfig
 from tickloom.events import (
     Input,
@@ -32,7 +32,7 @@ from tickloom.replay.record import Scenario, arrival
 from tickloom.replay.whatif import read_log, whatif
 from tickloom.replay.whatif_measure import StepSample, fit_step_model
 from tickloom.tools.cli import EX_USAGE, main
-from tickloom.tools.cmd_whatif import OverrideError, apply_overrides
+from tickloom.tools.commands.whatif import OverrideError, apply_overrides
 
 
 @attrs.define(slots=True, eq=False)

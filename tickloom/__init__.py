@@ -1,21 +1,24 @@
 """tickloom: an event-sourced LLM inference engine for async apps.
 
-The public API::
+The public API, and its one export table::
 
     from tickloom import Engine, EngineConfig, SamplingParams
 
-The rest is reached through subpackages: ``tickloom.events`` (the typed events and the log), ``tickloom.replay``
-(replay, bisect, the explorer), ``tickloom.engine.core`` (the pure scheduler), ``tickloom.actors`` (the trio
-actors) and ``tickloom.tools`` (the ``tickloom`` command).
+The modules of this folder are the API floor: ``api`` (``Engine``), ``asyncio`` (the same API for asyncio apps),
+``runtime`` (the actors wired together), ``config``, ``params`` (the validation boundary) and ``prompts``. Below it
+lie the subpackages: ``tickloom.actors`` (the trio actors), ``tickloom.replay`` (replay, bisect, what-if),
+``tickloom.engine`` (the pure scheduler core and the model) and ``tickloom.events`` (the typed events and the log).
+Above it: ``tickloom.fleet`` and ``tickloom.tools`` (the ``tickloom`` command). ARCHITECTURE.md draws the floors.
 
 Names load lazily, so ``import tickloom.engine.core`` (replay, the explorer) pulls in neither trio nor torch.
 
-Why the subpackages live outside this folder: the repository keeps the design card's top-level folders
-(``engine/``, ``events/``, ``actors/``, ``replay/``, ``tools/``), and the installed wheel nests them under
-``tickloom/`` (setuptools follows the links below when it builds), so only the name ``tickloom`` is ever
-installed. In a checkout this folder holds symbolic links to them, which Python, mypy, editors and setuptools all
-follow. A checkout made without links (git on a file system without symlinks writes each link as a small text
-file) has no ``engine/`` folder here; then the folder above, which holds the real ones, is searched instead.
+Why the subpackages are links: the repository keeps the design card's top-level folders (``engine/``, ``events/``,
+``actors/``, ``replay/``, ``tools/``, ``fleet/``), and this folder holds a symbolic link to each. Python, mypy,
+editors and setuptools follow them, and the installed wheel nests the folders under ``tickloom/``, so only the name
+``tickloom`` is ever installed. A checkout without links (git with ``core.symlinks=false`` writes each link as a
+small text file) cannot import them, and is told so at import, with the fix. It is never patched up by adding
+the repository root to this package's path: that would make ``tests/``, ``scripts/`` and everything else at the
+root ``tickloom`` subpackages.
 """
 
 from __future__ import annotations
@@ -24,20 +27,52 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if not (Path(__file__).parent / "engine").is_dir() and (Path(__file__).parent.parent / "engine" / "core").is_dir():
-    __path__.append(str(Path(__file__).parent.parent))
+if (Path(__file__).parent / "engine").is_file():
+    raise ImportError(
+        f"{Path(__file__).parent}: this checkout holds its symbolic links as plain files (git's core.symlinks is "
+        "false here); tickloom's subpackages are links to the top-level folders. Fix the checkout: "
+        "git config core.symlinks true && git checkout -- tickloom")
 
-from tickloom.engine import __all__ as _API  # the public API's one list of names (engine/__init__.py)
+_EXPORTS = {
+    "Engine": "tickloom.api",
+    "RequestStream": "tickloom.api",
+    "EngineConfig": "tickloom.config",
+    "FaultPlan": "tickloom.config",
+    "SamplingParams": "tickloom.params",
+    "RequestOutput": "tickloom.engine.outputs",
+    "RequestUsage": "tickloom.engine.outputs",
+    "EngineError": "tickloom.engine.errors",
+    "EngineOverloaded": "tickloom.engine.errors",
+    "RequestRejected": "tickloom.engine.errors",
+    "ConfigError": "tickloom.engine.errors",
+}
 
-__all__ = list(_API)
+__all__ = [
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineOverloaded",
+    "FaultPlan",
+    "RequestOutput",
+    "RequestRejected",
+    "RequestStream",
+    "RequestUsage",
+    "SamplingParams",
+]
 
 if TYPE_CHECKING:
-    from tickloom.engine import *  # noqa: F403  (the same names, for type checkers)
+    from tickloom.api import Engine, RequestStream
+    from tickloom.config import EngineConfig, FaultPlan
+    from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
+    from tickloom.engine.outputs import RequestOutput, RequestUsage
+    from tickloom.params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _API:
+    module = _EXPORTS.get(name)
+    if module is None:
         raise AttributeError(f"module 'tickloom' has no attribute {name!r}")
-    value = getattr(importlib.import_module("tickloom.engine"), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -32,17 +32,17 @@ EX_SOFTWARE = 70
 """Exit status of a failure inside tickloom, e.g. the engine failing under ``serve`` (sysexits.h)."""
 
 SUBCOMMANDS: tuple[str, ...] = (
-    "tickloom.tools.cmd_bench",
-    "tickloom.tools.cmd_log",
-    "tickloom.tools.cmd_replay",
-    "tickloom.tools.cmd_whatif",
-    "tickloom.tools.cmd_explore",
-    "tickloom.tools.cmd_inspect",
-    "tickloom.tools.cmd_generate",
-    "tickloom.tools.cmd_chat",
-    "tickloom.tools.cmd_models",
-    "tickloom.tools.cmd_serve",
-    "tickloom.tools.cmd_fleet",
+    "tickloom.tools.commands.bench",
+    "tickloom.tools.commands.log",
+    "tickloom.tools.commands.replay",
+    "tickloom.tools.commands.whatif",
+    "tickloom.tools.commands.explore",
+    "tickloom.tools.commands.inspect",
+    "tickloom.tools.commands.generate",
+    "tickloom.tools.commands.chat",
+    "tickloom.tools.commands.models",
+    "tickloom.tools.commands.serve",
+    "tickloom.tools.commands.fleet",
 )
 """Modules that each add one subcommand, in ``--help`` order. Add yours here."""
 

@@ -45,8 +45,8 @@ import msgspec
 import trio
 import trio.testing
 
-import tickloom.engine.runtime as runtime_module
-from tickloom.engine import Engine, EngineConfig, EngineError, EngineOverloaded, SamplingParams
+import tickloom.runtime as runtime_module
+from tickloom import Engine, EngineConfig, EngineError, EngineOverloaded, SamplingParams
 from tickloom.engine.core.errors import InvariantViolation
 from tickloom.events import RunStep
 from tickloom.replay.shrink import ddmin

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from tickloom.engine import Engine, EngineError, RequestOutput
+from tickloom import Engine, EngineError, RequestOutput
 from tickloom.events import EmitTokens, Finish, LogReader, RequestArrived
 from tickloom.replay import verify
 

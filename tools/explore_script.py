@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from tickloom.engine import EngineConfig, FaultPlan
+from tickloom import EngineConfig, FaultPlan
 from tickloom.tools.explore_checks import Expect, Monitor
 
 CRASHABLE = ("step", "device", "deadlines", "retire", "spill", "swap-in", "log")

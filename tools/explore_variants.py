@@ -1,6 +1,6 @@
 """Deliberately broken actor variants, for testing that the actor-level race explorer finds real races.
 
-Each variant is a context manager that swaps one actor class in ``engine.runtime`` (the module that builds the
+Each variant is a context manager that swaps one actor class in ``tickloom.runtime`` (the module that builds the
 actors) for a broken subclass and puts the real one back on exit. Nothing in the public API reaches them: they are
 enabled only by ``tickloom explore --variant NAME`` (a hidden flag) or by a test.
 
@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 import trio
 
-import tickloom.engine.runtime as runtime_module
+import tickloom.runtime as runtime_module
 from tickloom.actors.deadlines import DeadlineActor
 from tickloom.actors.mailbox import ChannelOverflow
 from tickloom.actors.spill import SpillActor

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tickloom.engine import EngineConfig, SamplingParams
+    from tickloom import EngineConfig, SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
 """The default model is an instruct model, so ``--chat`` is on by default for it."""
@@ -107,7 +107,7 @@ def check_model_options(model: str, device: str | None, dtype: str | None) -> No
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from tickloom.engine import ConfigError, EngineConfig
+    from tickloom import ConfigError, EngineConfig
     from tickloom.tools.cli import CliError
 
     check_model_options(args.model, args.device, args.dtype)
@@ -127,7 +127,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def sampling(args: argparse.Namespace, index: int = 0) -> SamplingParams:
-    from tickloom.engine import RequestRejected, SamplingParams
+    from tickloom import RequestRejected, SamplingParams
     from tickloom.tools.cli import CliError
 
     try:

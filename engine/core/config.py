@@ -3,7 +3,7 @@
 ``SchedulingKnobs`` is the one declaration of every knob that changes a scheduling decision: its default, its
 bound (a msgspec ``Meta``) and its one-line meaning (the ``Meta`` description). ``CoreConfig`` inherits the knobs
 and adds what the engine derives (the pool size, the model's vocabulary and EOS ids, whether spill is on);
-``engine.config.EngineConfig`` inherits the same knobs, so neither copies a default or a bound. The README's
+``tickloom.config.EngineConfig`` inherits the same knobs, so neither copies a default or a bound. The README's
 configuration table is generated from these declarations (``tests/test_engine_config_table.py`` checks it).
 
 The bounds are checked when a configuration is made (``msgspec.convert`` against the declared types), so

@@ -1,6 +1,6 @@
 """Tensor parallelism in the engine: rank 0 in the engine's process, ranks 1..W-1 in worker processes it starts.
 
-``Engine.open`` with ``EngineConfig.tensor_parallel_size = W > 1`` (``engine/runtime.py``) builds a
+``Engine.open`` with ``EngineConfig.tensor_parallel_size = W > 1`` (``tickloom/runtime.py``) builds a
 ``TensorParallelRanks``, which
 
 1. starts the rendezvous store on a free localhost port (port 0: the kernel picks, so no two engines race for one)

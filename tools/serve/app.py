@@ -26,8 +26,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tickloom.engine import EngineError, EngineOverloaded, RequestOutput, RequestRejected
-from tickloom.engine.api import Prompt
+from tickloom import EngineError, EngineOverloaded, RequestOutput, RequestRejected
+from tickloom.api import Prompt
 from tickloom.tools.serve import translate
 from tickloom.tools.serve.backend import ServedEngine, ServedStream
 from tickloom.tools.serve.chunks import ChunkWriter

@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from tickloom.engine import EngineConfig, EngineError, RequestOutput, SamplingParams
-from tickloom.engine.api import Prompt
+from tickloom import EngineConfig, EngineError, RequestOutput, SamplingParams
+from tickloom.api import Prompt
 
 
 class Decoder(Protocol):

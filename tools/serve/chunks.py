@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tickloom.engine import EngineError, RequestOutput
+from tickloom import EngineError, RequestOutput
 from tickloom.tools.serve import translate
 from tickloom.tools.serve.openai_types import (
     AssistantMessage,

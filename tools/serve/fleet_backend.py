@@ -32,10 +32,10 @@ from typing import Annotated, Any, Generic, NoReturn, TypeVar
 import trio
 from msgspec import Meta
 
-from tickloom.engine import EngineConfig, EngineError, EngineOverloaded, RequestOutput, RequestRejected
-from tickloom.engine.params import SamplingParams, checked
-from tickloom.engine.prompts import Prompt, text_prompt_ids
+from tickloom import EngineConfig, EngineError, EngineOverloaded, RequestOutput, RequestRejected
 from tickloom.fleet.front import Fleet, FleetConfig, FleetError, FleetStream, NoReplica, ReplicaDied
+from tickloom.params import SamplingParams, checked
+from tickloom.prompts import Prompt, text_prompt_ids
 from tickloom.tools.serve.backend import BackendRequestError, ReplicaUnavailable
 
 log = logging.getLogger("tickloom.serve")
@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
-    """The model's tokenizer, as ``engine.runtime.build_runtime`` loads it, without the weights."""
+    """The model's tokenizer, as ``tickloom.runtime.build_runtime`` loads it, without the weights."""
     if config.model == "stub":
         from tickloom.engine.model.stub import StubTokenizer
 
@@ -368,7 +368,7 @@ class FleetBackend:
         return FleetRequestStream(self, _Remote(self._prompt_ids(prompt), params, kw))
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Text and chat messages tokenized here, as the engine does (``engine.prompts``); token ids are passed on,
+        """Text and chat messages tokenized here, as the engine does (``tickloom.prompts``); token ids are passed on,
         and the replica's engine checks them."""
         ids = text_prompt_ids(self.runtime.tokenizer, prompt, self.config.max_seq_len)
         if ids is not None:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from tickloom.engine.params import MAX_N
+from tickloom.params import MAX_N
 
 MAX_TIMEOUT_S = 1e9
 

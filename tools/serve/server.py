@@ -28,7 +28,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from tickloom.engine import Engine, EngineConfig
+from tickloom import Engine, EngineConfig
 from tickloom.tools.serve.app import DEFAULT_MAX_ANSWER_ENTRIES, ServerState, build_app, with_status_counts
 from tickloom.tools.serve.backend import ServedEngine
 from tickloom.tools.serve.guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimits, require_api_key

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tickloom.engine import EngineError, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
+from tickloom import EngineError, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
 from tickloom.tools.serve.backend import ReplicaUnavailable
 from tickloom.tools.serve.openai_types import (
     ChatCompletionRequest,

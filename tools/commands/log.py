@@ -50,8 +50,8 @@ def _demo(args: argparse.Namespace) -> int:
     from tickloom.events.codec import encode_tick
     from tickloom.events.digest import DIGEST_VERSION
     from tickloom.events.frames import HEADER_SIZE
+    from tickloom.tools.bench.sample_ticks import make_ticks
     from tickloom.tools.cli import CliError
-    from tickloom.tools.sample_ticks import make_ticks
 
     if args.ticks < 1 or args.batch < 1:
         raise CliError("--ticks and --batch must be at least 1")

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return _emit(args, {"status": "unreadable", "error": problem}, f"unreadable: {problem}", 2)
     if os.path.isdir(args.log) or _is_router_log(args.log):  # a fleet directory or a router log: tickloom.fleet
-        from tickloom.fleet.cli_replay import run_fleet_replay
+        from tickloom.tools.commands.fleet_replay import run_fleet_replay
 
         return run_fleet_replay(args, _emit)
     if args.until is not None:
@@ -148,7 +148,7 @@ def _full_model(args: argparse.Namespace) -> str | None:
 
 
 def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int:
-    from tickloom.engine.model import ModelLoadError
+    from tickloom.engine.model.errors import ModelLoadError
     from tickloom.events import LogError, LogReader
     from tickloom.replay import ReplayConfigError, core_config_from_header
     from tickloom.replay.full import ModelDevice, load_device, verify_full

@@ -95,7 +95,7 @@ _CHILD = """
 import json, sys, time
 t = time.perf_counter()
 import llama_cpp
-from tickloom.tools.bench_llamacpp import LlamaCppRunner
+from tickloom.tools.bench.llamacpp import LlamaCppRunner
 r = LlamaCppRunner(sys.argv[1])
 import ctypes, llama_cpp as lc
 p = lc.llama_context_default_params(); p.n_ctx = 4096; p.n_threads = p.n_threads_batch = 1

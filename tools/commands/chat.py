@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tickloom.tools.cmd_generate import CtrlC, run_trio
+from tickloom.tools.commands.generate import CtrlC, run_trio
 from tickloom.tools.model_options import add_model_arguments, engine_config, sampling
 
 NAME = "chat"
@@ -63,8 +63,8 @@ def _terminal_restored() -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     import trio
 
-    from tickloom.engine import ConfigError, Engine, RequestRejected
-    from tickloom.engine.model import ModelLoadError
+    from tickloom import ConfigError, Engine, RequestRejected
+    from tickloom.engine.model.errors import ModelLoadError
     from tickloom.tools.cli import EX_DATAERR, CliError
 
     config = engine_config(args)

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--replicas, --repeat and --concurrency must be at least 1")
     config = engine_config(args)
     params = sampling(args)
-    from tickloom.engine import ConfigError
+    from tickloom import ConfigError
     from tickloom.fleet.front import FleetConfig
 
     try:

@@ -99,13 +99,13 @@ def run(args: argparse.Namespace) -> int:
     from tickloom.events import LogError
     from tickloom.replay.whatif import read_log, whatif
     from tickloom.tools.cli import CliError
-    from tickloom.tools.cmd_replay import log_input_problem
+    from tickloom.tools.commands.replay import log_input_problem
 
     problem = log_input_problem(args.log)  # missing, a directory that is not a fleet's, no permission: exit 2
     if problem is not None:
         return _unreadable(args, problem)
     if os.path.isdir(args.log) or _is_router_log(args.log):  # a fleet: re-routed (tickloom.fleet.whatif)
-        from tickloom.fleet.cli_replay import run_fleet_whatif
+        from tickloom.tools.commands.fleet_replay import run_fleet_whatif
 
         return run_fleet_whatif(args)
     try:

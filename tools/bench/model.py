@@ -201,7 +201,7 @@ def _median(xs: list[float]) -> float:
 def run_llamacpp(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every setting of every GGUF-backed model against llama.cpp, threads x batch, alternating runs."""
     from tickloom.engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
-    from tickloom.tools import bench_llamacpp
+    from tickloom.tools.bench import llamacpp as bench_llamacpp
 
     new_tokens = args.new_tokens or 128
     thread_counts = args.threads or [1, 2]

@@ -28,8 +28,8 @@ from tickloom.tools.model_options import DEFAULT_MODEL, add_model_arguments, eng
 if TYPE_CHECKING:
     import trio
 
-    from tickloom.engine import Engine, RequestOutput, RequestStream, SamplingParams
-    from tickloom.engine.api import Prompt
+    from tickloom import Engine, RequestOutput, RequestStream, SamplingParams
+    from tickloom.api import Prompt
 
 NAME = "generate"
 HELP = "stream completions of one or more prompts (concurrently), then summarise the run"
@@ -177,7 +177,7 @@ class CtrlC:
 
 def make_streams(engine: Engine, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[RequestStream]:
     """One (not yet submitted) stream per prompt; a prompt the engine refuses is a ``CliError`` naming it."""
-    from tickloom.engine import RequestRejected
+    from tickloom import RequestRejected
     from tickloom.tools.cli import CliError
 
     streams = []
@@ -340,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
             await run_prompts(streams, labels, concurrency, plain, reqs)
 
     async def main() -> None:
-        from tickloom.engine import Engine
+        from tickloom import Engine
 
         async with trio.open_nursery() as nursery:
             await nursery.start(ctrl_c.watch)
@@ -355,8 +355,8 @@ def run(args: argparse.Namespace) -> int:
                             result["seconds"] = time.monotonic() - result["started"]
             nursery.cancel_scope.cancel()
 
-    from tickloom.engine import ConfigError
-    from tickloom.engine.model import ModelLoadError
+    from tickloom import ConfigError
+    from tickloom.engine.model.errors import ModelLoadError
     from tickloom.tools.cli import EX_DATAERR
 
     try:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--all needs --prune")
     if args.cache:
         return _cache(args)
-    from tickloom.engine.model import available_models
+    from tickloom.engine.model.registry import available_models
 
     rows: list[dict[str, str | bool]] = [
         {"name": m.name, "available": m.available, "description": m.description, "source": m.source}

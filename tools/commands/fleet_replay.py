@@ -1,4 +1,4 @@
-"""``tickloom replay`` on a fleet directory or a router log (``tools/cmd_replay.py`` dispatches here).
+"""``tickloom replay`` on a fleet directory or a router log (``tools/commands/replay.py`` dispatches here).
 
 A fleet directory: the router log and every replica log are verified (``--bisect``: each is bisected). A router log:
 exact replay, ``--bisect``, or ``--until T [--dump]``; ``--full`` needs a model, which a router log has none of.

@@ -73,7 +73,7 @@ def run_engine(model: str, work: Workload, depth: int, args: argparse.Namespace,
     """One engine run of the whole workload; the figures of the measured interval."""
     import trio
 
-    from tickloom.engine import Engine, EngineConfig, SamplingParams
+    from tickloom import Engine, EngineConfig, SamplingParams
 
     config = EngineConfig(model=model, dtype=None if model == "stub" else "float32", threads=args.threads,
                           max_batch_size=args.batch, pipeline_depth=depth, log_path=str(log_path), fsync="never",
@@ -163,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             import torch
 
-            from tickloom.engine.model import write_tiny_model
-            from tickloom.engine.model.tiny import TinySpec
+            from tickloom.engine.model.tiny import TinySpec, write_tiny_model
 
             torch.set_num_threads(args.threads)
             spec = "tiny-bench" if args.model == "tiny-bench" else TinySpec()

@@ -17,10 +17,11 @@ import trio
 from msgspec import Meta
 
 from tickloom.actors.retire import ClientStream, GroupStream
-from tickloom.engine.config import EngineConfig
+from tickloom.config import EngineConfig
 from tickloom.engine.errors import EngineError, EngineOverloaded, RequestRejected
 from tickloom.engine.outputs import RequestOutput, RequestUsage
-from tickloom.engine.params import (
+from tickloom.events import RequestArrived, RequestCancelled
+from tickloom.params import (
     INT32_MAX,
     INT32_MIN,
     INT64_MAX,
@@ -30,9 +31,8 @@ from tickloom.engine.params import (
     encodable,
     with_bounds,
 )
-from tickloom.engine.prompts import Prompt, text_prompt_ids
-from tickloom.engine.runtime import Runtime, build_runtime
-from tickloom.events import RequestArrived, RequestCancelled
+from tickloom.prompts import Prompt, text_prompt_ids
+from tickloom.runtime import Runtime, build_runtime
 
 _PROMPT_IDS = with_bounds(list[TokenId])
 

@@ -1,6 +1,6 @@
 """``tickloom bench log``: what logging a tick costs, next to plain msgspec encoding and decoding of the same ticks.
 
-The tick mix is ``tools.sample_ticks``: at batch 64, a ``StepDone`` and a ``RunStep`` of 64 decode rows, an
+The tick mix is ``tools.bench.sample_ticks``: at batch 64, a ``StepDone`` and a ``RunStep`` of 64 decode rows, an
 ``EmitTokens`` of 64, and a few arrivals and finishes per tick. A *row* is one sequence's entry in a step.
 
 - append, sync never: ``LogWriter.append_tick`` (encoding included, the commands re-encoded as no core is there
@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from tickloom.events import FORMAT_VERSION, SCHEMA_HASH, LogHeader, LogReader, LogWriter, RunStep, TickRecord
     from tickloom.events.digest import DIGEST_VERSION
     from tickloom.events.frames import HEADER_SIZE
+    from tickloom.tools.bench.sample_ticks import make_ticks
     from tickloom.tools.cli import CliError
-    from tickloom.tools.sample_ticks import make_ticks
 
     if min(args.ticks, args.sync_ticks, args.batch, args.repeat) < 1:
         raise CliError("--ticks, --sync-ticks, --batch and --repeat must be at least 1")

@@ -23,7 +23,7 @@ from tickloom.actors.mailbox import Envelope, Outbox, Reporter, Source
 from tickloom.actors.retire import ClientStream, GroupStream, RetireActor
 from tickloom.actors.spill import SpillActor, SpillStore, SwapInActor
 from tickloom.actors.step import StepActor
-from tickloom.engine.config import EngineConfig
+from tickloom.config import EngineConfig
 from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.config import SchedulingKnobs
 from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded
@@ -358,7 +358,8 @@ async def build_runtime(config: EngineConfig) -> Runtime:
         core_config = core_config_for(config, num_blocks=num_blocks, vocab_size=config.stub_vocab_size,
                                       eos_token_ids=(tokenizer.eos_token_id,))
         return Runtime(config, core_config, tokenizer, "stub", None, ("", "stub", "", 0))
-    from tickloom.engine.model import ModelExecutor, load_model
+    from tickloom.engine.model.executor import ModelExecutor
+    from tickloom.engine.model.loaders import load_model
 
     ranks: TensorParallelRanks | None = None
     if config.tensor_parallel_size > 1:

@@ -103,7 +103,7 @@ def print_table(path: str, first: int | None, last: int | None, request: str | N
 
 
 def run_inspect(args: argparse.Namespace, first: int | None, last: int | None) -> int:
-    """``tickloom inspect`` on a router log (``tools/cmd_inspect.py`` dispatches here)."""
+    """``tickloom inspect`` on a router log (``tools/commands/inspect.py`` dispatches here)."""
     from tickloom.tools.cli import CliError
 
     if args.trace or args.plot:

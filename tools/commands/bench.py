@@ -21,19 +21,19 @@ NAME = "bench"
 HELP = "run a benchmark and print its figures"
 
 BENCHES: dict[str, str] = {
-    "core": "tickloom.tools.bench_core",
-    "log": "tickloom.tools.bench_log",
-    "replay": "tickloom.tools.bench_replay",
-    "engine": "tickloom.tools.bench_engine",
-    "serve": "tickloom.tools.bench_serve",
-    "fleet": "tickloom.tools.bench_fleet",
+    "core": "tickloom.tools.bench.core",
+    "log": "tickloom.tools.bench.log",
+    "replay": "tickloom.tools.bench.replay",
+    "engine": "tickloom.tools.bench.engine",
+    "serve": "tickloom.tools.bench.serve",
+    "fleet": "tickloom.tools.bench.fleet",
 }
 """Benchmark name -> module (imported when the parser is built). ``model`` is in ``ROW_BENCHES``."""
 
 
 ROW_BENCHES: dict[str, tuple[str, str]] = {
     "model": (
-        "tickloom.tools.bench_model",
+        "tickloom.tools.bench.model",
         "the model runner's prefill and decode throughput against transformers generate",
     ),
 }

@@ -43,8 +43,8 @@ def _live_run(tmp: str, batch: int, tokens: int, repeat: int) -> dict[str, objec
     """Live wall time of the engine on tiny-bench versus the exact replay of its log."""
     import trio
 
-    from tickloom.engine import Engine, EngineConfig, SamplingParams
-    from tickloom.engine.model import write_tiny_model
+    from tickloom import Engine, EngineConfig, SamplingParams
+    from tickloom.engine.model.tiny import write_tiny_model
     from tickloom.replay import verify
 
     model = write_tiny_model(os.path.join(tmp, "tiny-bench"), "tiny-bench")

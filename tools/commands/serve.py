@@ -18,7 +18,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tickloom.engine import EngineConfig
+    from tickloom import EngineConfig
     from tickloom.tools.serve.server import ServeOptions
 
 NAME = "serve"
@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tickloom.engine import ConfigError, EngineConfig, EngineError
+    from tickloom import ConfigError, EngineConfig, EngineError
     from tickloom.tools.cli import EX_DATAERR, EX_SOFTWARE, CliError
     from tickloom.tools.serve.server import ServeOptions, default_log_path
     from tickloom.tools.serve.server import run as serve_run
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                            max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                            max_stream_buffer_bytes=args.max_stream_buffer_bytes,
                            max_answer_entries=args.max_answer_entries)
-    from tickloom.engine.model import ModelLoadError
+    from tickloom.engine.model.errors import ModelLoadError
 
     try:
         if fleet:
@@ -162,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve_fleet(args: argparse.Namespace, config: EngineConfig, options: ServeOptions) -> None:
     """Serve a fleet: Ray started locally for the run (or joined at ``--address``), stopped after it."""
-    from tickloom.engine import ConfigError
+    from tickloom import ConfigError
     from tickloom.fleet.front import FleetConfig, FleetError
     from tickloom.tools.cli import CliError
-    from tickloom.tools.cmd_fleet import ray_for_command
+    from tickloom.tools.commands.fleet import ray_for_command
     from tickloom.tools.serve.server import default_log_path
     from tickloom.tools.serve.server import run as serve_run
 

@@ -50,7 +50,7 @@ def _summary(ttfts: list[float], tokens: int, seconds: float) -> dict[str, float
 async def _in_process(engine: Any, streams: int, max_tokens: int, seed: int) -> dict[str, float]:
     import trio
 
-    from tickloom.engine import SamplingParams
+    from tickloom import SamplingParams
 
     ttfts: list[float] = []
     tokens = [0]
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
     import trio
 
-    from tickloom.engine import Engine, EngineConfig
+    from tickloom import Engine, EngineConfig
     from tickloom.replay import verify
     from tickloom.tools.cli import CliError
     from tickloom.tools.serve.server import ServeOptions, serve_engine
@@ -185,7 +185,7 @@ async def _http_subprocess(url: str, streams: int, max_tokens: int, seed: int) -
     """One round from a client in its own process (``main`` below)."""
     import trio
 
-    argv = [sys.executable, "-m", "tickloom.tools.bench_serve", url, str(streams), str(max_tokens), str(seed)]
+    argv = [sys.executable, "-m", "tickloom.tools.bench.serve", url, str(streams), str(max_tokens), str(seed)]
     done = await trio.run_process(argv, capture_stdout=True)
     row: dict[str, float] = json.loads(done.stdout)
     return row
