@@ -19,8 +19,8 @@
 #               __init__.py (re-exports).
 #   replay      replay/verify.py and diff.py: exact replay, divergence reports, seek and bisect, field-level diffs.
 #               The rest of replay/ (the simulator, explorers, what-if, traces) is tooling over the same core.
-#   validation  tickloom/params.py (SamplingParams and the checked/unencodable/with_bounds helpers: the validation
-#               boundary of the public API) and the checks of tickloom/config.py (FaultPlan's and EngineConfig's
+#   validation  tickloom/validation.py (checked, unencodable, with_bounds: the validation boundary of the public
+#               API), tickloom/params.py (SamplingParams) and the checks of tickloom/config.py (FaultPlan's and EngineConfig's
 #               __post_init__, _check_tensor_parallel, _normalise). Left out: config.py's configuration_table, _bound,
 #               _number and _json_value, which render the README's table (tests/test_engine_config.py compares it
 #               with README.md), not checks of any input.
@@ -270,10 +270,10 @@ events.frames.x__only_zeros_after__mutmut_5	as _valid_header_after mutant 5
 events.frames.x__only_zeros_after__mutmut_9	as _valid_header_after mutant 9
 events.frames.x_read_frame__mutmut_9	size + offset: with fewer than a header's bytes left, no header can begin after the offset, so the scan says no anyway
 events.frames.x_read_frame__mutmut_10	> for >=: with exactly a header's bytes left, none can begin at offset + 1
-params.x_checked__mutmut_5	unencodable without the path: its default is ""
-params.x_unencodable__mutmut_5	"UTF-8" for "utf-8": the same codec
-params.x_encodable__mutmut_3	as unencodable mutant 5
-params.x_with_bounds__mutmut_13	with_bounds(Ellipsis) returns Ellipsis itself (no origin, no args)
+validation.x_checked__mutmut_5	unencodable without the path: its default is ""
+validation.x_unencodable__mutmut_5	"UTF-8" for "utf-8": the same codec
+validation.x_encodable__mutmut_3	as unencodable mutant 5
+validation.x_with_bounds__mutmut_13	with_bounds(Ellipsis) returns Ellipsis itself (no origin, no args)
 params.xǁSamplingParamsǁvalidate__mutmut_16	encodable_all here never raises: checked() has already refused every string UTF-8 cannot encode, stop's included (dead code, not a bug)
 params.xǁSamplingParamsǁvalidate__mutmut_19	as mutant 16
 params.xǁSamplingParamsǁvalidate__mutmut_20	as mutant 16

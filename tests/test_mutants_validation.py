@@ -15,17 +15,9 @@ from tickloom.config import EngineConfig, FaultPlan
 from tickloom.engine.core import ConfigError
 from tickloom.engine.errors import RequestRejected
 from tickloom.events import SamplingSpec
-from tickloom.events.types import Bound, TokenId
-from tickloom.params import (
-    INT64_MAX,
-    SamplingParams,
-    _mentions_token_ids,
-    checked,
-    encodable,
-    encodable_all,
-    unencodable,
-    with_bounds,
-)
+from tickloom.events.types import INT64_MAX, Bound, TokenId
+from tickloom.params import SamplingParams, _mentions_token_ids
+from tickloom.validation import checked, encodable, encodable_all, unencodable, with_bounds
 
 BAD = "\ud800"  # a lone surrogate: UTF-8 cannot encode it
 

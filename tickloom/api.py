@@ -21,18 +21,11 @@ from tickloom.config import EngineConfig
 from tickloom.engine.errors import EngineError, EngineOverloaded, RequestRejected
 from tickloom.engine.outputs import RequestOutput, RequestUsage
 from tickloom.events import RequestArrived, RequestCancelled
-from tickloom.params import (
-    INT32_MAX,
-    INT32_MIN,
-    INT64_MAX,
-    SamplingParams,
-    TokenId,
-    checked,
-    encodable,
-    with_bounds,
-)
+from tickloom.events.types import INT64_MAX, TokenId
+from tickloom.params import SamplingParams
 from tickloom.prompts import Prompt, text_prompt_ids
 from tickloom.runtime import Runtime, build_runtime
+from tickloom.validation import INT32_MAX, INT32_MIN, checked, encodable, with_bounds
 
 _PROMPT_IDS = with_bounds(list[TokenId])
 

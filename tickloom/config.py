@@ -10,7 +10,8 @@ from msgspec import Meta
 
 from tickloom.engine.core import ConfigError
 from tickloom.engine.core.config import BlockCount, SchedulingKnobs
-from tickloom.params import FLOAT_MAX, INT64_MAX, checked
+from tickloom.events.types import FLOAT_MAX, INT64_MAX
+from tickloom.validation import checked
 
 Bytes = Annotated[int, Meta(ge=0, le=2**48)]
 Seconds = Annotated[float, Meta(ge=0.0, le=FLOAT_MAX)]

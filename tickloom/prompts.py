@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from tickloom.engine.errors import RequestRejected
-from tickloom.params import checked, encodable, unencodable
+from tickloom.validation import checked, encodable, unencodable
 
 Prompt = str | list[int] | Sequence[dict[str, Any]]
 """Text, token ids (used as given: no BOS is added) or chat messages (rendered with the model's template)."""

@@ -34,9 +34,10 @@ from msgspec import Meta
 
 from tickloom import EngineConfig, EngineError, EngineOverloaded, RequestOutput, RequestRejected
 from tickloom.fleet.front import Fleet, FleetConfig, FleetError, FleetStream, NoReplica, ReplicaDied
-from tickloom.params import SamplingParams, checked
+from tickloom.params import SamplingParams
 from tickloom.prompts import Prompt, text_prompt_ids
 from tickloom.tools.serve.backend import BackendRequestError, ReplicaUnavailable
+from tickloom.validation import checked
 
 log = logging.getLogger("tickloom.serve")
 
