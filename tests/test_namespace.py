@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 from purity import REPO, imports_of
 
 OLD_TOP_LEVEL = {"engine", "events", "actors", "replay", "tools", "fleet"}
@@ -82,6 +83,16 @@ def test_the_wheel_runs_next_to_an_app_with_the_same_names(tmp_path: Path) -> No
         names = set(zf.namelist())
     assert tops == {"tickloom", next(t for t in tops if t.endswith(".dist-info"))}, tops
     assert {"tickloom/engine/core/scheduler.py", "tickloom/events/known_schemas.txt", "tickloom/py.typed"} <= names
+    with zipfile.ZipFile(wheel) as zf:
+        (metadata,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = [line.split(": ", 1)[1] for line in zf.read(metadata).decode().splitlines()
+                    if line.startswith("Requires-Dist: trio")]
+    # An app pinned to the trio release before the one the actor-level explorer is checked against installs
+    # tickloom; only the `explore` extra asks for that exact release.
+    plain = [Requirement(r) for r in requires if "extra ==" not in r]
+    assert len(plain) == 1 and plain[0].specifier.contains("0.34.0") and plain[0].specifier.contains("0.35.0"), plain
+    extra = [Requirement(r) for r in requires if 'extra == "explore"' in r]
+    assert len(extra) == 1 and str(extra[0].specifier) == "==0.35.0", extra
 
     # A fresh venv that borrows this one's third-party packages (a .pth line adds the directory but runs none of
     # its own .pth files, so this checkout's editable install does not come along) and gets tickloom only from
