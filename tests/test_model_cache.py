@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from test_model_loaders import write_gguf
 
-from tickloom.engine.model import loaders, registry
+from tickloom.engine.model import convert, loaders, registry
+from tickloom.engine.model.convert import resolve_model
 from tickloom.engine.model.loaders import load_model
-from tickloom.engine.model.registry import cache_dir, cache_entries, entry_name, prune_cache, resolve_model
+from tickloom.engine.model.registry import cache_dir, cache_entries, entry_name, prune_cache
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.tools.cli import main
 
@@ -55,7 +56,7 @@ def test_the_cache_key_is_the_content(cache: Path, tiny_gguf: Path, tmp_path: Pa
     copy.parent.mkdir()
     shutil.copyfile(tiny_gguf, copy)
     with monkeypatch.context() as m:
-        m.setattr(registry, "convert_gguf", _no_conversion)
+        m.setattr(convert, "convert_gguf", _no_conversion)
         assert resolve_model(copy) == first  # another path, another name, the same bytes: the same entry
         assert resolve_model(tiny_gguf) == first
     _flip_last_byte(copy)

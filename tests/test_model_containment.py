@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tickloom.engine.model.checkpoint import CHECKPOINT_FILES, contained
 from tickloom.engine.model.errors import ModelLoadError
-from tickloom.engine.model.loaders import CHECKPOINT_FILES, contained, load_model
+from tickloom.engine.model.loaders import load_model
 from tickloom.engine.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)

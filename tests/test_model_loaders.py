@@ -14,9 +14,10 @@ from model_fixtures import make_executor
 from safetensors.torch import load_file, save_file
 
 from tickloom.engine.model.batch import RowSpec, build_step_batch
+from tickloom.engine.model.convert import resolve_model
 from tickloom.engine.model.errors import ModelLoadError
 from tickloom.engine.model.loaders import LoadedModel, load_model
-from tickloom.engine.model.registry import available_models, cache_dir, resolve_model
+from tickloom.engine.model.registry import available_models, cache_dir
 from tickloom.engine.model.tiny import write_tiny_model
 
 torch.set_num_threads(1)

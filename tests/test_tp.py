@@ -62,7 +62,7 @@ def test_two_gloo_ranks_give_the_tokens_of_one(tmp_path: Path, architecture: str
 
 def test_a_rank_keeps_its_heads_and_channels(tiny: Path) -> None:
     cfg = ModelConfig.from_file(tiny / "config.json")
-    from tickloom.engine.model.loaders import read_safetensors
+    from tickloom.engine.model.checkpoint import read_safetensors
 
     tensors, _ = read_safetensors(tiny)
     rank1 = shard_tensors(cfg, tensors, 1, 2)

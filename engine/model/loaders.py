@@ -1,31 +1,45 @@
-"""Loading a Hugging Face-format model directory: config, safetensors (sharded or not), tokenizer.
+"""Loading a model: a name, a Hugging Face-format directory or a ``.gguf`` file (``convert.resolve_model``), as
+config, weights (float, or quantized straight from the GGUF's blocks), tokenizer and weight fingerprint.
 
-Loading is contained: it reads only files inside the model directory (an index's shard names and every symlink
-are checked, see ``contained``), and it never runs code from a checkpoint: weights are safetensors only (no
-pickle, no ``torch.load``), the tokenizer is ``tokenizer.json``, the chat template runs in jinja's sandbox, and
-``auto_map`` / remote code in ``config.json`` is never imported.
+Loading is contained: every file is read through ``checkpoint`` (see ``checkpoint.contained``), and it never runs
+code from a checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from tickloom.engine.model.checkpoint import (
+    CHECKPOINT_FILES,
+    check_tensors,
+    contained,
+    fingerprint,
+    fingerprint_files,
+    read_safetensors,
+)
 from tickloom.engine.model.config import ModelConfig
+from tickloom.engine.model.convert import resolve_model
 from tickloom.engine.model.errors import ModelLoadError
 from tickloom.engine.model.llama import LlamaModel, expected_shapes
 from tickloom.engine.model.quant import Weight, bf16_supported
+from tickloom.engine.model.registry import (
+    DEFAULT_MODEL,
+    cache_dir,
+    file_identity,
+    locked_index,
+    read_index,
+    read_meta,
+    smollm2_gguf_path,
+)
 from tickloom.engine.model.tokenizer import TokenizerWrapper
 
 log = logging.getLogger(__name__)
@@ -61,131 +75,7 @@ class LoadedModel:
     path: Path
 
 
-CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                    "chat_template.jinja")
-"""The files besides the weights that loading reads; each must stay inside the model directory too."""
-
-
-def _allowed_roots(root: Path) -> list[Path]:
-    """Where a model directory's files may live: the directory itself and, for a Hugging Face hub cache snapshot
-    (``models--org--name/snapshots/<rev>/``, whose files are symlinks to ``../../blobs/<hash>``), that repo's
-    ``blobs`` directory."""
-    roots = [root]
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        roots.append(root.parent.parent / "blobs")
-    return roots
-
-
-def contained(model_dir: Path, name: object, source: Path | None = None) -> Path:
-    """``model_dir / name``, refused (``ModelLoadError``) unless it stays inside the model directory.
-
-    ``name`` must be a relative path without ``..`` (so an index cannot name ``/etc/passwd`` or ``../other``),
-    and the file it resolves to, through any symlinks, must lie inside the directory (or its hub cache's
-    ``blobs``). ``source`` is the file that named it, for the message.
-    """
-    where = source or model_dir
-    if not isinstance(name, str) or not name:
-        raise ModelLoadError(where, f"file name {name!r} must be a non-empty string")
-    if "\x00" in name:
-        raise ModelLoadError(where, f"file name {name!r} contains a NUL byte")
-    posix, windows = PurePosixPath(name), PureWindowsPath(name)
-    if posix.is_absolute() or windows.is_absolute() or windows.drive or windows.root:
-        raise ModelLoadError(where, f"file {name!r} is an absolute path; it must be inside the model directory")
-    if ".." in posix.parts or ".." in windows.parts:
-        raise ModelLoadError(where, f"file {name!r} leaves the model directory ('..')")
-    root = model_dir.resolve()
-    path = model_dir / name
-    target = path.resolve()
-    if not any(target.is_relative_to(r) for r in _allowed_roots(root)):
-        raise ModelLoadError(where, f"file {name!r} resolves to {target}, outside the model directory {root} "
-                                    "(a symlink escapes it)")
-    return path
-
-
-def _shard_files(model_dir: Path) -> list[Path]:
-    index = contained(model_dir, "model.safetensors.index.json")
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ModelLoadError(index, f"bad safetensors index: {exc!r}") from exc
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ModelLoadError(index, "bad safetensors index: weight_map must be a non-empty object")
-        names = set(weight_map.values())
-        for name in names:
-            if not isinstance(name, str) or not name.endswith(".safetensors"):
-                raise ModelLoadError(index, f"shard {name!r} in weight_map is not a .safetensors file name")
-        files = sorted(contained(model_dir, name, index) for name in names)
-        for f in files:
-            if not f.is_file():
-                raise ModelLoadError(f, "shard named in model.safetensors.index.json is missing")
-        return files
-    files = sorted(contained(model_dir, f.name) for f in model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(model_dir, "no *.safetensors weights found")
-    return files
-
-
-def read_safetensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """All tensors of a checkpoint directory and, per tensor, the file it came from."""
-    tensors: dict[str, torch.Tensor] = {}
-    origin: dict[str, Path] = {}
-    for f in _shard_files(model_dir):
-        size = f.stat().st_size
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    tensors[name] = sf.get_tensor(name)
-                    origin[name] = f
-        except ModelLoadError:
-            raise
-        except Exception as exc:
-            raise ModelLoadError(f, f"truncated or corrupt safetensors file ({size} bytes): {exc}") from exc
-    return tensors, origin
-
-
-def check_tensors(
-    cfg: ModelConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path], where: Path
-) -> dict[str, torch.Tensor]:
-    """The tensors the architecture needs, checked for presence and shape."""
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in expected_shapes(cfg).items():
-        t = tensors.get(name)
-        if t is None:
-            raise ModelLoadError(where, f"missing tensor {name!r}")
-        if tuple(t.shape) != shape:
-            raise ModelLoadError(
-                origin.get(name, where), f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}"
-            )
-        if not t.is_floating_point():
-            raise ModelLoadError(origin.get(name, where), f"tensor {name!r} has non-float dtype {t.dtype}")
-        out[name] = t
-    return out
-
-
-def fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> str:
-    """blake2b over the canonical config and every weight's name, dtype, shape and bytes."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).reshape(-1).numpy().data if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _fingerprint_files(model_dir: Path) -> list[str]:
-    """The files a weight fingerprint depends on, relative to the directory: config.json, the shard index and
-    the shards."""
-    names = ["config.json", *(str(f.relative_to(model_dir)) for f in _shard_files(model_dir))]
-    if (model_dir / "model.safetensors.index.json").is_file():
-        names.append("model.safetensors.index.json")
-    return names
-
-
 def _identities(model_dir: Path, names: list[str]) -> dict[str, list[int]]:
-    from tickloom.engine.model.registry import file_identity
-
     out = {}
     for n in names:
         try:
@@ -199,8 +89,6 @@ def stored_fingerprint(model_dir: Path) -> str | None:
     """The weight fingerprint recorded for this directory, if it still holds: a converted cache entry's
     ``tickloom.json`` (its files' sizes unchanged), else the cache index's record for the directory (every
     file's identity unchanged). None if there is none, so the caller computes it."""
-    from tickloom.engine.model.registry import cache_dir, read_index, read_meta
-
     real = model_dir.resolve()
     if real.is_relative_to((cache_dir() / "models").resolve()):  # a user's directory cannot vouch for itself
         meta = read_meta(real)
@@ -213,15 +101,13 @@ def stored_fingerprint(model_dir: Path) -> str | None:
     record = read_index()["dirs"].get(str(real))
     if not isinstance(record, dict) or not isinstance(record.get("fingerprint"), str):
         return None
-    names = _fingerprint_files(model_dir)
+    names = fingerprint_files(model_dir)
     if record.get("files") != _identities(model_dir, names):
         return None
     return str(record["fingerprint"])
 
 
 def _remember_fingerprint(model_dir: Path, identities: dict[str, list[int]], fp: str) -> None:
-    from tickloom.engine.model.registry import locked_index
-
     if _identities(model_dir, list(identities)) != identities:
         return  # the files changed while they were read: remember nothing
     try:
@@ -251,7 +137,7 @@ def load_hf_dir(
         contained(model_dir, name)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     fp = stored_fingerprint(model_dir)
-    identities = _identities(model_dir, _fingerprint_files(model_dir)) if fp is None else {}
+    identities = _identities(model_dir, fingerprint_files(model_dir)) if fp is None else {}
     needed: dict[str, Weight]
     if gguf is not None and quant != "none" and fp is not None:
         needed = _gguf_weights(gguf, cfg)
@@ -309,8 +195,6 @@ def default_setting(path_or_name: str | os.PathLike[str], device: torch.device) 
     """(dtype, quant) when neither is given: for the bundled model on a CPU with native bfloat16, bfloat16
     activations and int4 weights packed from its Q4_1 blocks (the fastest setting that passes
     tests/test_model_agreement.py); for every other model, float32 on CPU (bfloat16 on CUDA), unquantized."""
-    from tickloom.engine.model.registry import DEFAULT_MODEL
-
     if str(path_or_name) == DEFAULT_MODEL and device.type == "cpu" and bf16_supported():
         return DEFAULT_SETTING
     return None, "none"
@@ -321,8 +205,6 @@ DEFAULT_SETTING = ("bfloat16", "int4")
 
 
 def _source_gguf(path_or_name: str | os.PathLike[str]) -> Path | None:
-    from tickloom.engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
-
     if str(path_or_name) == DEFAULT_MODEL:
         return smollm2_gguf_path()
     p = Path(path_or_name).expanduser()
@@ -385,8 +267,6 @@ def load_model(
 
     Progress goes to the ``engine.model`` logger at INFO ("loading ...", a first run's conversion, "loaded ...
     in X s"); the command line shows it on stderr."""
-    from tickloom.engine.model.registry import resolve_model
-
     _use_cores(num_threads)
     started = time.monotonic()
     dtype, quant = split_setting(dtype, quant)

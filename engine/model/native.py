@@ -46,6 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tickloom.engine.model.registry import cache_dir
+
 TILE_ROWS = 16
 TILE_BYTES = 320
 Q8_TILE_BYTES = 576
@@ -137,9 +139,7 @@ def _cpu_flags() -> set[str] | None:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
-    from tickloom.engine.model.registry import cache_dir  # the model cache's root; kernels/ beside models/
-
-    root = cache_dir() / "kernels"
+    root = cache_dir() / "kernels"  # the model cache's root: kernels/ beside models/
     out = root / f"cpu_kernels-{key}.so"
     if out.exists():
         return out

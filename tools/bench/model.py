@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from tickloom.engine.model.convert import resolve_model
 from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.loaders import LoadedModel, load_model
-from tickloom.engine.model.registry import resolve_model
 from tickloom.engine.model.tables import step_of
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import SamplingSpec
