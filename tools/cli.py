@@ -1,6 +1,7 @@
 """The ``tickloom`` command line.
 
-One module per subcommand. Each is listed in ``SUBCOMMANDS`` and provides::
+One module per subcommand, in ``tools/commands/`` (a module whose name starts with ``_`` is a helper of those).
+Adding a subcommand is adding its module there; each provides::
 
     NAME: str                                   # the subcommand's name
     HELP: str                                   # one line for ``tickloom --help``
@@ -18,6 +19,7 @@ import argparse
 import importlib
 import logging
 import os
+import pkgutil
 import sys
 from collections.abc import Sequence
 from typing import NoReturn, Protocol, cast
@@ -31,20 +33,13 @@ EX_DATAERR = 65
 EX_SOFTWARE = 70
 """Exit status of a failure inside tickloom, e.g. the engine failing under ``serve`` (sysexits.h)."""
 
-SUBCOMMANDS: tuple[str, ...] = (
-    "tickloom.tools.commands.bench",
-    "tickloom.tools.commands.log",
-    "tickloom.tools.commands.replay",
-    "tickloom.tools.commands.whatif",
-    "tickloom.tools.commands.explore",
-    "tickloom.tools.commands.inspect",
-    "tickloom.tools.commands.generate",
-    "tickloom.tools.commands.chat",
-    "tickloom.tools.commands.models",
-    "tickloom.tools.commands.serve",
-    "tickloom.tools.commands.fleet",
-)
-"""Modules that each add one subcommand, in ``--help`` order. Add yours here."""
+def subcommand_modules() -> list[str]:
+    """The modules of ``tools/commands/`` that each add one subcommand, in ``--help`` order (by name)."""
+    from tickloom.tools import commands
+
+    return [f"{commands.__name__}.{info.name}" for info in sorted(pkgutil.iter_modules(commands.__path__),
+                                                                  key=lambda info: info.name)
+            if not info.name.startswith("_")]
 
 
 class CliError(Exception):
@@ -78,7 +73,7 @@ def build_parser() -> ArgumentParser:
         description="tickloom: an LLM inference engine core whose every tick is logged and replayable.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module_name in SUBCOMMANDS:
+    for module_name in subcommand_modules():
         module = cast(Subcommand, importlib.import_module(module_name))
         sp = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(sp)

@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc), status=2) from None
     from tickloom.fleet.router_log import is_router_log
 
-    if is_router_log(args.log):  # a fleet's router log: its own table (tickloom.tools.commands.fleet_inspect)
-        from tickloom.tools.commands.fleet_inspect import run_inspect
+    if is_router_log(args.log):  # a fleet's router log: its own table (tickloom.tools.commands._fleet_inspect)
+        from tickloom.tools.commands._fleet_inspect import run_inspect
 
         return run_inspect(args, first, last)
     try:

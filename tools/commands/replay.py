@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return _emit(args, {"status": "unreadable", "error": problem}, f"unreadable: {problem}", 2)
     if os.path.isdir(args.log) or _is_router_log(args.log):  # a fleet directory or a router log: tickloom.fleet
-        from tickloom.tools.commands.fleet_replay import run_fleet_replay
+        from tickloom.tools.commands._fleet_replay import run_fleet_replay
 
         return run_fleet_replay(args, _emit)
     if args.until is not None:

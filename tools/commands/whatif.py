@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return _unreadable(args, problem)
     if os.path.isdir(args.log) or _is_router_log(args.log):  # a fleet: re-routed (tickloom.fleet.whatif)
-        from tickloom.tools.commands.fleet_replay import run_fleet_whatif
+        from tickloom.tools.commands._fleet_replay import run_fleet_whatif
 
         return run_fleet_whatif(args)
     try:

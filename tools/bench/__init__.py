@@ -1,0 +1,1 @@
+"""``tickloom bench``: one module per benchmark (``tools/commands/bench.py`` dispatches to them)."""

@@ -1,0 +1,1 @@
+"""The ``tickloom`` subcommands, one module each (``tools/cli.py`` finds them here); ``_``-modules are their helpers."""
