@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 
 from tickloom import ConfigError, Engine, EngineConfig, FaultPlan, RequestRejected, SamplingParams
 from tickloom.events import LogReader, RequestArrived
+from tickloom.request import Request
 
 FIELDS = [f.name for f in msgspec.structs.fields(SamplingParams)]
-KWARGS = ["deadline", "request_id", "priority", "cache_salt"]
+KWARGS = [f.name for f in msgspec.structs.fields(Request) if f.name not in ("prompt", "params")]
 NORMAL_TOKENS = 5
 MAX_SEQ_LEN = 64
 
@@ -293,7 +294,9 @@ async def test_request_arguments_are_checked(tmp_path: Path, autojump_clock: tri
         out = await engine.complete("hi", SamplingParams(max_tokens=3), deadline=1e-300)
         assert out.finish_reason == "timeout"
         # A caller's own id that looks like a generated one does not make a generated one collide.
-        async with engine.stream("hi", SamplingParams(max_tokens=50), request_id=f"req-{engine._next_id}") as s1:
+        probe = engine.generate("hi", SamplingParams(max_tokens=2))  # never started: takes the next req-N
+        upcoming = f"req-{int(probe.request_id.removeprefix('req-')) + 1}"
+        async with engine.stream("hi", SamplingParams(max_tokens=50), request_id=upcoming) as s1:
             await s1.start()
             s2 = engine.generate("hi", SamplingParams(max_tokens=2))
             assert s2.request_id != s1.request_id

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Unpack
 
 import msgspec
 import trio
@@ -18,24 +18,34 @@ from msgspec import Meta
 
 from tickloom.actors.retire import ClientStream, GroupStream
 from tickloom.config import EngineConfig
+from tickloom.engine.core.config import CoreConfig
 from tickloom.engine.errors import EngineError, EngineOverloaded, RequestRejected
 from tickloom.engine.outputs import RequestOutput, RequestUsage
 from tickloom.events import RequestArrived, RequestCancelled
-from tickloom.events.types import INT64_MAX, TokenId
+from tickloom.events.types import INT64_MAX
 from tickloom.params import SamplingParams
 from tickloom.prompts import Prompt, text_prompt_ids
+from tickloom.request import (
+    PROMPT_TOKEN_IDS,
+    Completing,
+    Request,
+    RequestId,
+    RequestIds,
+    RequestOptions,
+    checked_request,
+    request_of,
+)
 from tickloom.runtime import Runtime, build_runtime
-from tickloom.validation import INT32_MAX, INT32_MIN, checked, encodable, with_bounds
+from tickloom.validation import checked
 
-_PROMPT_IDS = with_bounds(list[TokenId])
 
-class Engine:
+class Engine(Completing):
     """Use ``Engine.open(config)``; the constructor only stores the configuration."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._rt: Runtime | None = None
-        self._next_id = 0
+        self._ids = RequestIds()
         self._draining = False
         self._groups: dict[str, list[str]] = {}
         """request id -> its choices' core ids, for ``n > 1`` requests (pruned once none is live)."""
@@ -82,21 +92,25 @@ class Engine:
             raise EngineError("engine", "the engine is not open: use `async with Engine.open(config)`")
         return self._rt
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (``decode`` turns token ids into text)."""
+        return self.runtime.tokenizer
+
+    @property
+    def core_config(self) -> CoreConfig:
+        """The scheduler's configuration as the engine derived it when it opened: KV blocks, block size, vocabulary,
+        ``max_seq_len``."""
+        return self.runtime.core_config
+
     # -- requests --------------------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        deadline: float | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str = "",
-    ) -> RequestStream:
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                 **options: Unpack[RequestOptions]) -> RequestStream:
         """Stream a completion. Bad input raises ``RequestRejected`` here, before any stream opens.
 
-        ``deadline`` is seconds from submit. Leaving the ``async for`` early cancels the request; use
-        ``async with engine.stream(...)`` for cleanup at a known point.
+        The keywords are ``RequestOptions`` (``deadline`` in seconds from submit, ``request_id``, ``priority``,
+        ``cache_salt``); ``generate_request`` takes them as one ``Request``. Leaving the ``async for`` early cancels
+        the request; use ``async with engine.stream(...)`` for cleanup at a known point.
 
         With ``params.n > 1`` the one stream yields the frames of all ``n`` choices as they come, each with its
         ``index`` (and the request's id); it ends once every choice has finished, and leaving it early cancels
@@ -104,17 +118,18 @@ class Engine:
         ``seed + i`` when ``params.seed`` is given (else the core derives a seed from each id), arriving together
         so that they share the prompt's KV through the prefix cache.
         """
-        rid, arrivals, seconds = self._arrivals(prompt, SamplingParams() if params is None else params, deadline,
-                                                request_id, priority, cache_salt)
+        return self.generate_request(request_of(prompt, params, **options))
+
+    def generate_request(self, request: Request) -> RequestStream:
+        """``generate`` for a request given as one ``Request``."""
+        rid, arrivals, seconds = self._arrivals(checked_request(request))
         return RequestStream(self, rid, arrivals, seconds)
 
     @asynccontextmanager
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
-                     request_id: str | None = None, priority: int = 0,
-                     cache_salt: str = "") -> AsyncIterator[RequestStream]:
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                     **options: Unpack[RequestOptions]) -> AsyncIterator[RequestStream]:
         """Like ``generate``, but the request is cancelled (if unfinished) when the block exits."""
-        stream = self.generate(prompt, params, deadline=deadline, request_id=request_id, priority=priority,
-                               cache_salt=cache_salt)
+        stream = self.generate(prompt, params, **options)
         await stream.start()
         try:
             yield stream
@@ -122,29 +137,10 @@ class Engine:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def complete(self, prompt: Prompt, params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
-        """Run a request to the end; one ``RequestOutput`` with every token id, the whole text, and the logprobs,
-        top logprobs and prompt logprobs asked for. For ``n > 1`` use ``complete_n``."""
-        if params is not None and isinstance(params, SamplingParams) and params.n != 1:
-            raise RequestRejected(f"SamplingParams.n={params.n}: complete() returns one output; use "
-                                  "Engine.complete_n() for n > 1")
-        [out] = await self.complete_n(prompt, params, **kw)
-        return out
-
-    async def complete_n(self, prompt: Prompt, params: SamplingParams | None = None,
-                         **kw: Any) -> list[RequestOutput]:
-        """Run a request's ``params.n`` choices to the end; one whole ``RequestOutput`` per choice (as ``complete``
-        returns), ordered by ``index``."""
-        choices: dict[int, Collected] = {}
-        async with self.stream(prompt, params, **kw) as stream:
-            async for out in stream:
-                choices.setdefault(out.index, Collected()).add(out)
-        return [choices[i].output() for i in sorted(choices)]
-
     async def cancel(self, request_id: str) -> None:
         """Cancel a request: it finishes ``cancelled`` with the tokens delivered so far (every choice of an ``n > 1``
         request when given its id; one choice when given ``<id>/<i>``)."""
-        rid = _request_id(request_id, "request_id")
+        rid: str = checked(request_id, RequestId, "request_id")
         for core_id in self._live_group(rid) or [rid]:
             await self.runtime.client.send(RequestCancelled(core_id))
 
@@ -176,45 +172,30 @@ class Engine:
         live = self.runtime.live
         return self._live_group(rid) is not None or any(i in live or self._live_group(i) for i in ids)
 
-    def _arrivals(self, prompt: Prompt, params: SamplingParams, deadline: float | None, request_id: str | None,
-                  priority: int, cache_salt: str) -> tuple[str, list[RequestArrived], float | None]:
-        """The one validation boundary of a request: every argument is checked, or ``RequestRejected`` names it.
+    def _arrivals(self, request: Request) -> tuple[str, list[RequestArrived], float | None]:
+        """What the engine itself checks of a checked ``request`` (``RequestRejected`` names it): the params against
+        the vocabulary, ``n`` against the open slots, the prompt.
 
         Returns the request's id, its arrivals (one per choice, without ``deadline_ns``, which is measured at
         submit) and the deadline in seconds.
         """
         rt = self.runtime
         limits = rt.core_config
-        args: _RequestArgs = checked({"deadline": deadline, "request_id": request_id, "priority": priority,
-                        "cache_salt": cache_salt}, _RequestArgs, "request")
-        encodable(args.cache_salt, "cache_salt")
-        if args.request_id is not None:
-            encodable(args.request_id, "request_id")
-        if not isinstance(params, SamplingParams):
-            raise RequestRejected(f"params must be SamplingParams, not {type(params).__name__}")
-        params.validate()  # again: its lists are mutable, and a subclass may skip __post_init__
+        params = request.params
         params.check_vocabulary(limits.vocab_size)
         n = params.n
         if n > rt.max_slots:
             raise RequestRejected(f"SamplingParams.n={n} is more than the engine holds open at once "
                                   f"({rt.max_slots}: max_waiting)")
-        ids = self._prompt_ids(prompt, _kept_tokens(params.truncate_prompt_tokens, limits.max_seq_len))
+        ids = self._prompt_ids(request.prompt, _kept_tokens(params.truncate_prompt_tokens, limits.max_seq_len))
         if len(ids) >= limits.max_seq_len:
             raise RequestRejected(f"the prompt has {len(ids)} tokens; max_seq_len={limits.max_seq_len}")
-        rid = args.request_id
-        if rid is None:
-            rid = f"req-{self._next_id}"
-            self._next_id += 1
-            while self._taken(rid, choice_ids(rid, n)):  # a caller's own id may look like ours
-                rid = f"req-{self._next_id}"
-                self._next_id += 1
-        elif self._taken(rid, choice_ids(rid, n)):
-            raise RequestRejected(f"request_id={rid!r} is already in use")
+        rid = self._ids.assign(request.request_id, lambda i: self._taken(i, choice_ids(i, n)))
         spec = params.to_spec()
         arrivals = [RequestArrived(core_id, ids, spec, None if params.seed is None else params.seed + i,
-                                   args.priority, None, args.cache_salt)
+                                   request.priority, None, request.cache_salt)
                     for i, core_id in enumerate(choice_ids(rid, n))]
-        return rid, arrivals, args.deadline
+        return rid, arrivals, request.deadline
 
     def _prompt_ids(self, prompt: Prompt, keep: int | None = None) -> list[int]:
         """The prompt's token ids: text is tokenized, chat messages rendered first, token ids checked; only the last
@@ -228,7 +209,7 @@ class Engine:
                 prompt = prompt[-keep:]
             if len(prompt) >= limits.max_seq_len:
                 raise RequestRejected(f"the prompt has {len(prompt)} tokens; max_seq_len={limits.max_seq_len}")
-            ids = checked(prompt, _PROMPT_IDS, "prompt")
+            ids = checked(prompt, PROMPT_TOKEN_IDS, "prompt")
             bad = next((i for i, t in enumerate(ids) if t >= limits.vocab_size), None)
             if bad is not None:
                 raise RequestRejected(f"prompt token id {ids[bad]} at position {bad} is outside "
@@ -283,34 +264,12 @@ class Engine:
         return stream
 
 
-MAX_REQUEST_ID_CHARS = 256
-MAX_CACHE_SALT_CHARS = 1024
-MAX_DEADLINE_S = 1e9
-"""About 31 years: ``deadline_ns`` (submit time plus the deadline) stays far inside int64."""
-
-
-class _RequestArgs(msgspec.Struct, frozen=True, kw_only=True):
-    """The keyword arguments of ``generate``, ``stream`` and ``complete``, with their bounds."""
-
-    deadline: Annotated[float, Meta(gt=0.0, le=MAX_DEADLINE_S)] | None = None
-    request_id: Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = None
-    priority: Annotated[int, Meta(ge=INT32_MIN, le=INT32_MAX)] = 0
-    """Lower is more important, as in vLLM; an int32."""
-    cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] = ""
-
-
 def _kept_tokens(truncate: int | None, max_seq_len: int) -> int | None:
     """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: all that leave room for one more)."""
     if truncate == 0:
         raise RequestRejected("SamplingParams.truncate_prompt_tokens=0 would keep no prompt token: give k >= 1, or -1 "
                               "for the last max_seq_len - 1")
     return max_seq_len - 1 if truncate == -1 else truncate
-
-
-def _request_id(request_id: object, what: str) -> str:
-    rid: str = checked(request_id, Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)], what)
-    encodable(rid, what)
-    return rid
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
@@ -323,35 +282,6 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 def choice_ids(request_id: str, n: int) -> list[str]:
     """The core request ids of a request's ``n`` choices: the id itself for one, ``<id>/<i>`` for several."""
     return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
-
-
-class Collected:
-    """One choice's frames gathered into the single ``RequestOutput`` that ``complete`` returns."""
-
-    def __init__(self) -> None:
-        self.frames: list[RequestOutput] = []
-
-    def add(self, out: RequestOutput) -> None:
-        self.frames.append(out)
-
-    def output(self) -> RequestOutput:
-        frames = self.frames
-        last = frames[-1]
-        assert last.finished
-        logprobs: list[float] | None = None
-        if any(f.logprobs is not None for f in frames):
-            logprobs = [x for f in frames for x in (f.logprobs or [math.nan] * len(f.token_ids))]
-        tops: list[dict[int, float]] | None = None
-        if any(f.top_logprobs is not None for f in frames):
-            tops = [d for f in frames for d in (f.top_logprobs or [{} for _ in f.token_ids])]
-        prompt = next((f.prompt_logprobs for f in frames if f.prompt_logprobs is not None), None)
-        return RequestOutput(
-            request_id=last.request_id, index=last.index, token_ids=[t for f in frames for t in f.token_ids],
-            text_delta="".join(f.text_delta for f in frames),
-            reasoning_delta="".join(f.reasoning_delta for f in frames), finished=True,
-            finish_reason=last.finish_reason, usage=last.usage, error=last.error, logprobs=logprobs,
-            top_logprobs=tops, prompt_logprobs=prompt,
-        )
 
 
 class RequestStream:
@@ -404,4 +334,4 @@ class RequestStream:
             inner.close_nowait()
 
 
-__all__ = ["Collected", "Engine", "Prompt", "RequestOutput", "RequestStream", "RequestUsage", "choice_ids"]
+__all__ = ["Engine", "Prompt", "Request", "RequestOutput", "RequestStream", "RequestUsage", "choice_ids"]

@@ -40,15 +40,17 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import outcome
 import trio
 
 from tickloom import api
 from tickloom.config import EngineConfig
+from tickloom.engine.core.config import CoreConfig
 from tickloom.engine.outputs import RequestOutput
 from tickloom.params import SamplingParams
+from tickloom.request import Request, RequestOptions
 from tickloom.runtime import Runtime
 
 __all__ = ["MAX_PENDING_CALLS", "AsyncEngine", "AsyncRequestStream", "Engine", "GuestRunError"]
@@ -269,21 +271,31 @@ class AsyncEngine:
         """The trio-side runtime (for stats and tests); touch its trio objects only from the guest run."""
         return self._inner.runtime
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, as ``engine.Engine.tokenizer``."""
+        return self._inner.tokenizer
+
+    @property
+    def core_config(self) -> CoreConfig:
+        """The scheduler's configuration as the engine derived it, as ``engine.Engine.core_config``."""
+        return self._inner.core_config
+
     # -- requests --------------------------------------------------------------------------------------------
-    def generate(self, prompt: api.Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
-                 request_id: str | None = None, priority: int = 0, cache_salt: str = "") -> AsyncRequestStream:
+    def generate(self, prompt: api.Prompt, params: SamplingParams | None = None,
+                 **options: Unpack[RequestOptions]) -> AsyncRequestStream:
         """Stream a completion, as ``engine.Engine.generate``. Leaving the ``async for`` early cancels it."""
-        inner = self._inner.generate(prompt, params, deadline=deadline, request_id=request_id, priority=priority,
-                                     cache_salt=cache_salt)
-        return AsyncRequestStream(inner, self._host)
+        return AsyncRequestStream(self._inner.generate(prompt, params, **options), self._host)
+
+    def generate_request(self, request: Request) -> AsyncRequestStream:
+        """``generate`` for a request given as one ``Request``."""
+        return AsyncRequestStream(self._inner.generate_request(request), self._host)
 
     @asynccontextmanager
-    async def stream(self, prompt: api.Prompt, params: SamplingParams | None = None, *,
-                     deadline: float | None = None, request_id: str | None = None, priority: int = 0,
-                     cache_salt: str = "") -> AsyncIterator[AsyncRequestStream]:
+    async def stream(self, prompt: api.Prompt, params: SamplingParams | None = None,
+                     **options: Unpack[RequestOptions]) -> AsyncIterator[AsyncRequestStream]:
         """Like ``generate``, but the request is cancelled (if unfinished) when the block exits."""
-        stream = self.generate(prompt, params, deadline=deadline, request_id=request_id, priority=priority,
-                               cache_salt=cache_salt)
+        stream = self.generate(prompt, params, **options)
         try:
             await stream.start()
             yield stream
@@ -293,14 +305,15 @@ class AsyncEngine:
         else:
             await stream.aclose()
 
-    async def complete(self, prompt: api.Prompt, params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
+    async def complete(self, prompt: api.Prompt, params: SamplingParams | None = None,
+                       **options: Unpack[RequestOptions]) -> RequestOutput:
         """Run a request to the end; one ``RequestOutput`` with every token id and the whole text."""
-        return await self._host.call(functools.partial(self._inner.complete, prompt, params, **kw))
+        return await self._host.call(functools.partial(self._inner.complete, prompt, params, **options))
 
     async def complete_n(self, prompt: api.Prompt, params: SamplingParams | None = None,
-                         **kw: Any) -> list[RequestOutput]:
+                         **options: Unpack[RequestOptions]) -> list[RequestOutput]:
         """Run a request's ``params.n`` choices to the end; one ``RequestOutput`` per choice, ordered by ``index``."""
-        return await self._host.call(functools.partial(self._inner.complete_n, prompt, params, **kw))
+        return await self._host.call(functools.partial(self._inner.complete_n, prompt, params, **options))
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request: it finishes ``cancelled`` with the tokens delivered so far."""
