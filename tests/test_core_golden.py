@@ -1,4 +1,4 @@
-"""C23 and C24: the golden swap-out/swap-in and requeue runs, after the seed's trace harness."""
+"""C23 and C24: the golden swap-out/swap-in and requeue runs, after the reference scheduler's trace harness."""
 
 from __future__ import annotations
 

@@ -273,7 +273,7 @@ def test_a_request_without_a_seed_gets_a_stable_one_from_its_arrival_and_id() ->
     assert [(c.request_id, c.seed) for c in commands_of(out, BindRequest)] == [("first", 7), ("second", expected)]
 
 
-# -- The tick applies its inputs grouped by kind, in the seed's order -----------------------------------------
+# -- The tick applies its inputs grouped by kind, in the reference scheduler's order -------------------------
 
 
 @pytest.mark.parametrize("kind", [RequestCancelled, ClientGone])

@@ -1,4 +1,4 @@
-"""Phase 1 of a tick: apply the inputs, in the seed's order.
+"""Phase 1 of a tick: apply the inputs, in the reference scheduler's order (ARCHITECTURE.md, "The tick").
 
 Arrivals, then cancellations, then step results, then spill and swap-in completions, then stop-string matches,
 then deadline notices, then shutdown. Within a kind, inputs apply in the order the step actor logged them.
@@ -55,7 +55,8 @@ _ORDER: dict[type, int] = {
 
 
 def apply_inputs(state: CoreState, ctx: TickContext, inputs: Sequence[Input]) -> None:
-    """Apply every input of the tick, grouped by kind in the seed's order (a stable sort keeps log order)."""
+    """Apply every input of the tick, grouped by kind in the reference scheduler's order (a stable sort keeps
+    log order)."""
     ordered = inputs if len(inputs) <= 1 else sorted(inputs, key=lambda msg: _ORDER[type(msg)])
     for msg in ordered:
         if isinstance(msg, StepDone):

@@ -8,7 +8,7 @@ A block is in exactly one of three places:
 * **cached**: hashed but unreferenced, in ``cached``, in LRU order (the first entry is evicted first).
 
 Allocation takes only free blocks. Turning cached blocks into free ones is an explicit decision of the core
-(``reclaim``), because the seed system's tick reclaims at named points (admission, exhaustion, swap-in and
+(``reclaim``), because the reference scheduler's tick reclaims at named points (admission, exhaustion, swap-in and
 resume) and the scenarios count "free" and "reclaimable" separately.
 
 Block hashes chain over (parent hash, cache salt, the block's tokens) with blake2b, never Python's ``hash()``,

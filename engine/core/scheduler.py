@@ -2,14 +2,15 @@
 
 ``tick(TickInputs) -> TickOutputs`` is the only way in. It reads no clock (time arrives as ``now_ns``), does no
 I/O and draws no randomness, so the same inputs always give byte-identical outputs. One tick runs these phases,
-in the seed system's order; each is a function named after what it does:
+in the reference scheduler's order (ARCHITECTURE.md, "The tick"); each is a function named after what it does:
 
 1. ``apply_inputs``: arrivals, cancellations, step results, spill and swap-in completions, stop matches,
    deadline notices, shutdown;
-2. ``sweep_deadlines``: the seed sweeps at the end of the tick, after planning, so a request already past its
-   deadline was admitted and given a row (a wasted prefill, and blocks a live head could not have). Here it runs
-   before admission. Nothing between it and retirement commits a token or reads the clock, so it times out the
-   same requests, at the same token, as the seed's sweep; they are merely never planned;
+2. ``sweep_deadlines``: the reference scheduler sweeps at the end of the tick, after planning, so a request
+   already past its deadline was admitted and given a row (a wasted prefill, and blocks a live head could not
+   have). Here it runs before admission. Nothing between it and retirement commits a token or reads the clock,
+   so it times out the same requests, at the same token, as the reference scheduler's sweep; they are merely
+   never planned;
 3. ``admit``: the KV gate, FCFS by (priority, arrival);
 4. ``plan_step``: decode rows, prefill chunks, KV exhaustion;
 5. ``take_finished``, ``retire_finished``, ``swap_in``, ``resume_preempted``, then the planned ``RunStep`` is

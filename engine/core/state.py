@@ -259,8 +259,9 @@ class CoreState:
     waiting: WaitingQueue = attrs.Factory(WaitingQueue)
     """By (priority, arrival); only the head may be admitted (no overtaking)."""
     running: list[Seq] = attrs.Factory(list)
-    """Admitted sequences in admission order. Finished ones linger until ``plan_step`` prunes them (the seed's
-    order, which ``_needs_tick`` observes), so the active count is ``len(running) - len(finished_in_running)``."""
+    """Admitted sequences in admission order. Finished ones linger until ``plan_step`` prunes them (the
+    reference scheduler's order, which ``_needs_tick`` observes), so the active count is
+    ``len(running) - len(finished_in_running)``."""
     finished_in_running: list[Seq] = attrs.Factory(list)
     """The finished sequences still in ``running`` (added by ``mark_finish``, removed by the prune)."""
     reserving: list[Seq] = attrs.Factory(list)

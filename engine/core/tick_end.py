@@ -1,4 +1,4 @@
-"""The end of a tick, in the seed's order: take the finished sequences, retire them, swap in, resume.
+"""The end of a tick, in the reference scheduler's order: take the finished sequences, retire them, swap in, resume.
 
 Swap-in and resume run on every tick, including ticks with nothing active, so a parked sequence never waits
 for an unrelated arrival (C11).
@@ -61,7 +61,7 @@ def _reasoning_tokens(state: CoreState, seq: Seq) -> int:
 
 
 def swap_in(state: CoreState, ctx: TickContext) -> None:
-    """Bring swapped sequences back, the seed's loop.
+    """Bring swapped sequences back, the reference scheduler's loop.
 
     Candidates are swapped sequences whose KV is in the host tier. While there are candidates and the batch
     has room: if the smallest does not fit in the free blocks, reclaim prefix-cache blocks pass by pass until
