@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Unpack
 
 import msgspec
 from msgspec import Meta
@@ -46,6 +46,17 @@ from tickloom.fleet.replica import ReplicaActor
 from tickloom.fleet.router_events import MAX_REPLICAS, LoadReport, Lost, Policy, Refuse, Route, RouterConfig
 from tickloom.fleet.router_replay import ROUTER_LOG
 from tickloom.fleet.wire import Load, Pulled, ReplicaInfo, Submit, Submitted, decode, encode
+from tickloom.prompts import Prompt
+from tickloom.request import (
+    PROMPT_TOKEN_IDS,
+    Completing,
+    Request,
+    RequestIds,
+    RequestOptions,
+    checked_request,
+    request_of,
+)
+from tickloom.validation import checked, encodable
 
 CLOSE_TIMEOUT = 60.0
 """Seconds a replica gets to close its engine (and its log) before its actor is killed."""
@@ -97,23 +108,6 @@ _FleetFields = msgspec.defstruct(
     kw_only=True, forbid_unknown_fields=True)
 
 
-class _RequestArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What the front end itself reads of a request (to route it); the replica's engine checks everything again."""
-
-    prompt: list[Annotated[int, Meta(ge=0, le=2**31 - 1)]] | Annotated[str, Meta(min_length=1)]
-    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
-    cache_salt: Annotated[str, Meta(max_length=1024)] = ""
-    deadline: Annotated[float, Meta(gt=0.0, le=1e9)] | None = None
-    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
-
-
-def _checked_request(**fields: Any) -> _RequestArgs:
-    try:
-        return msgspec.convert(fields, _RequestArgs)
-    except msgspec.ValidationError as exc:
-        raise RequestRejected(f"request: {exc}") from None
-
-
 def replica_class(max_restarts: int) -> Any:
     import ray
 
@@ -138,8 +132,8 @@ class _Replica:
         self.last_load: Load | None = None
 
 
-class Fleet:
-    """Use ``Fleet.open(engine_config, fleet_config)``."""
+class Fleet(Completing):
+    """Use ``Fleet.open(engine_config, fleet_config)``. ``complete`` and ``complete_n`` are ``Engine``'s."""
 
     def __init__(self, engine: EngineConfig, config: FleetConfig) -> None:
         self.engine_config = engine
@@ -148,7 +142,7 @@ class Fleet:
         self.router: LoggedRouter | None = None
         self._streams: weakref.WeakValueDictionary[str, FleetStream] = weakref.WeakValueDictionary()
         """Open streams; weak, so that a stream its client dropped unfinished is collected and cancels itself."""
-        self._next_id = 0
+        self._ids = RequestIds()
         self._watcher: asyncio.Task[None] | None = None
         self._closing = False
         self.deaths: list[tuple[int, int, str]] = []
@@ -209,53 +203,40 @@ class Fleet:
             ray.kill(h, no_restart=True)
 
     # -- requests --------------------------------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 deadline: float | None = None, request_id: str | None = None, priority: int = 0,
-                 cache_salt: str = "") -> FleetStream:
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                 **options: Unpack[RequestOptions]) -> FleetStream:
         """Stream a completion from the replica the router picks. Bad input raises ``RequestRejected`` here."""
-        args = _checked_request(prompt=prompt if isinstance(prompt, str) else list(prompt), deadline=deadline,
-                                request_id=request_id, priority=priority, cache_salt=cache_salt)
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise RequestRejected(f"params must be SamplingParams, not {type(params).__name__}")
-        params.validate()
-        text = args.prompt if isinstance(args.prompt, str) else None
-        ids = [] if isinstance(args.prompt, str) else args.prompt
-        if not args.prompt:
+        return self.generate_request(request_of(prompt, params, **options))
+
+    def generate_request(self, request: Request) -> FleetStream:
+        """``generate`` for a request given as one ``Request``: its prompt is text or token ids (the replica's engine
+        tokenizes the text, and checks the token ids against its vocabulary)."""
+        request = checked_request(request)
+        prompt = request.prompt
+        ids: list[int] = []
+        if isinstance(prompt, str):
+            encodable(prompt, "prompt")
+        elif isinstance(prompt, list | tuple) and not any(isinstance(m, dict) for m in prompt):
+            prompt = ids = checked(prompt, PROMPT_TOKEN_IDS, "prompt")
+        else:
+            raise RequestRejected(f"a fleet's prompt is a str or a list of token ids, not {type(prompt).__name__}")
+        if not prompt:
             raise RequestRejected("the prompt is empty")
-        rid = args.request_id
-        if rid is None:
-            while f"req-{self._next_id}" in self._streams:
-                self._next_id += 1
-            rid = f"req-{self._next_id}"
-            self._next_id += 1
-        elif rid in self._streams:
-            raise RequestRejected(f"request_id={rid!r} is already in use")
-        stream = FleetStream(self, rid, text, ids, params, args)
+        rid = self._ids.assign(request.request_id, lambda i: i in self._streams)
+        stream = FleetStream(self, msgspec.structs.replace(request, prompt=prompt, request_id=rid), ids)
         self._streams[rid] = stream
         return stream
 
     @contextlib.asynccontextmanager
-    async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     **kw: Any) -> AsyncIterator[FleetStream]:
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                     **options: Unpack[RequestOptions]) -> AsyncIterator[FleetStream]:
         """Like ``generate``; the request is cancelled (if unfinished) when the block exits."""
-        stream = self.generate(prompt, params, **kw)
+        stream = self.generate(prompt, params, **options)
         try:
             await stream.start()
             yield stream
         finally:
             await stream.aclose()
-
-    async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       **kw: Any) -> RequestOutput:
-        """Run a request to the end: one ``RequestOutput`` (as ``Engine.complete``)."""
-        frames: list[RequestOutput] = []
-        async with self.stream(prompt, params, **kw) as stream:
-            async for out in stream:
-                frames.append(out)
-        return msgspec.structs.replace(frames[-1], token_ids=[t for f in frames for t in f.token_ids],
-                                       text_delta="".join(f.text_delta for f in frames),
-                                       reasoning_delta="".join(f.reasoning_delta for f in frames))
 
     def kill_replica(self, index: int) -> None:
         """Kill replica ``index``'s actor process (chaos, tests); Ray restarts it if restarts are left."""
@@ -304,7 +285,7 @@ class Fleet:
     def route(self, stream: FleetStream) -> int:
         """Route ``stream``'s request; the replica index. Raises ``NoReplica`` when none is live."""
         router = self._router()
-        commands = router.route(router.arrival(stream.request_id, stream.prompt, stream.args.cache_salt))
+        commands = router.route(router.arrival(stream.request_id, stream.prompt, stream.request.cache_salt))
         self._apply_lost(commands)
         for command in commands:
             if isinstance(command, Route) and command.request_id == stream.request_id:
@@ -364,14 +345,14 @@ class Fleet:
 class FleetStream:
     """An async iterator of ``RequestOutput`` frames of one request, from the replica the router chose."""
 
-    def __init__(self, fleet: Fleet, request_id: str, text: str | None, prompt: list[int], params: SamplingParams,
-                 args: _RequestArgs) -> None:
+    def __init__(self, fleet: Fleet, request: Request, prompt: list[int]) -> None:
+        assert request.request_id is not None
         self.fleet = fleet
-        self.request_id = request_id
-        self.text = text
+        self.request_id = request.request_id
+        self.request = request
+        """The checked request, its id given; a text prompt becomes token ids at ``start``."""
         self.prompt = prompt
-        self.params = params
-        self.args = args
+        """The prompt's token ids (empty until a text prompt is tokenized)."""
         self.replica: int | None = None
         self.incarnation = -1
         self.frames_received = 0
@@ -387,8 +368,9 @@ class FleetStream:
             return
         self._started = True
         try:
-            if self.text is not None:
-                self.prompt = await self.fleet.tokenize(self.text)
+            if isinstance(self.request.prompt, str):
+                self.prompt = await self.fleet.tokenize(self.request.prompt)
+                self.request = msgspec.structs.replace(self.request, prompt=self.prompt)
             await self._submit()
         except BaseException:
             self._finish(routed=self.replica is not None)
@@ -401,10 +383,9 @@ class FleetStream:
         index = fleet.route(self)
         replica = fleet.replicas[index]
         self.replica, self.incarnation = index, replica.incarnation
-        request = Submit(self.request_id, self.prompt, msgspec.json.encode(self.params),
-                         replica.incarnation, self.args.deadline, self.args.priority, self.args.cache_salt)
         try:
-            answer = decode(await replica.handle.submit.remote(encode(request)), Submitted)
+            answer = decode(await replica.handle.submit.remote(encode(Submit(self.request, replica.incarnation))),
+                            Submitted)
         except ray.exceptions.RayActorError as exc:
             fleet.replica_failed(index, self.incarnation, f"the actor failed: {exc}")
             raise self._lost_error() from None
@@ -468,7 +449,7 @@ class FleetStream:
         out = self._ready.popleft()
         if out.finished:
             self._final_frames += 1
-            if self._final_frames == self.params.n:
+            if self._final_frames == self.request.params.n:
                 self._finish(routed=True)
         return out
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from tickloom import EngineConfig, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
+from tickloom import EngineConfig, EngineOverloaded, RequestOutput, RequestRejected
 from tickloom.fleet.router_replay import incarnation_log, replica_dir
 from tickloom.fleet.wire import Load, Pulled, ReplicaInfo, Submit, Submitted, decode, encode
 from tickloom.prompts import tokenize
@@ -89,13 +89,13 @@ class ReplicaActor:
                 stack = contextlib.AsyncExitStack()
                 self._engine = await stack.enter_async_context(Engine.open(self.config))
                 self._opened = stack
-        core = self._engine.runtime.core_config
+        core = self._engine.core_config
         return encode(ReplicaInfo(self.index, self.incarnation, os.getpid(), socket.gethostname(), self.log_path,
                                   core.block_size, core.num_blocks))
 
     async def tokenize(self, prompt: str) -> list[int]:
         await self.start()
-        return tokenize(self._engine.runtime.tokenizer, prompt)
+        return tokenize(self._engine.tokenizer, prompt)
 
     async def load(self) -> bytes:
         await self.start()
@@ -108,18 +108,15 @@ class ReplicaActor:
             return encode(Submitted(self.incarnation, stale=True))
         await self.start()
         try:
-            params = msgspec.json.decode(request.params, type=SamplingParams)
-            stream = self._engine.generate(request.prompt, params, deadline=request.deadline,
-                                           request_id=request.request_id, priority=request.priority,
-                                           cache_salt=request.cache_salt)
+            stream = self._engine.generate_request(request.request)
             await stream.start()
         except RequestRejected as exc:
             return encode(Submitted(self.incarnation, rejected=str(exc)))
         except EngineOverloaded as exc:
             return encode(Submitted(self.incarnation, overloaded=str(exc)))
-        pump = _Pump(stream, params.n)
+        pump = _Pump(stream, request.request.params.n)
         pump.task = asyncio.get_running_loop().create_task(pump.run())
-        self._pumps[request.request_id] = pump
+        self._pumps[stream.request_id] = pump
         return encode(Submitted(self.incarnation))
 
     async def pull(self, request_id: str, max_frames: int) -> bytes:

@@ -12,6 +12,7 @@ from typing import TypeVar
 import msgspec
 
 from tickloom import RequestOutput
+from tickloom.request import Request
 
 
 class ReplicaInfo(msgspec.Struct, frozen=True):
@@ -34,16 +35,11 @@ class Load(msgspec.Struct, frozen=True):
 
 
 class Submit(msgspec.Struct, frozen=True):
-    """One request for a replica's ``Engine.generate``; ``params`` is ``SamplingParams`` as JSON."""
+    """One request for a replica's engine (``generate_request``): its prompt token ids, its id given."""
 
-    request_id: str
-    prompt: list[int]
-    params: bytes
+    request: Request
     incarnation: int
     """The incarnation the router chose: a replica that restarted since refuses the request (``Submitted.stale``)."""
-    deadline: float | None = None
-    priority: int = 0
-    cache_salt: str = ""
 
 
 class Submitted(msgspec.Struct, frozen=True):
