@@ -27,7 +27,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tickloom import EngineError, EngineOverloaded, RequestOutput, RequestRejected
-from tickloom.api import Prompt
+from tickloom.prompts import Prompt
+from tickloom.request import Request as EngineRequest
 from tickloom.tools.serve import translate
 from tickloom.tools.serve.backend import ServedEngine, ServedStream
 from tickloom.tools.serve.chunks import ChunkWriter
@@ -92,7 +93,7 @@ class ServerState:
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.engine.runtime.tokenizer.decode([token_id], False)
+            text = self._token_text[token_id] = self.engine.tokenizer.decode([token_id], False)
         return text
 
 
@@ -261,8 +262,8 @@ def build_app(state: ServerState) -> Starlette:
         deadline = req.timeout if req.timeout is not None else state.request_timeout
         try:
             params = translate.sampling_params(req, default_max)
-            streams = [engine.generate(prompt, params, deadline=deadline, request_id=f"{rid}-{k}",
-                                       priority=req.priority)
+            streams = [engine.generate_request(EngineRequest(prompt=prompt, params=params, deadline=deadline,
+                                                             request_id=f"{rid}-{k}", priority=req.priority))
                        for k, prompt in enumerate(prompts)]
         except RequestRejected as exc:
             raise translate.rejected(exc, req) from None

@@ -1,6 +1,7 @@
 """What the server needs of what it serves, as Protocols: ``Engine`` has it, and so does
 ``fleet_backend.FleetBackend`` (N replicas on Ray behind the logged router). ``app`` and ``server`` are typed
-against these alone.
+against these alone: the configuration, the tokenizer, a ``Request``'s stream (``generate_request``; its ``aclose``
+cancels it), stats, drain and failure; never an engine's runtime.
 
 Also the two errors a backend other than the engine raises for one request: both are ``EngineError``s, so the
 server's paths for an engine's failure carry them to the client (``translate.engine_error``).
@@ -12,17 +13,12 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from tickloom import EngineConfig, EngineError, RequestOutput, SamplingParams
-from tickloom.api import Prompt
+from tickloom import EngineConfig, EngineError, RequestOutput
+from tickloom.request import Request
 
 
 class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
-
-
-class HasTokenizer(Protocol):
-    @property
-    def tokenizer(self) -> Decoder: ...
 
 
 class ServedStream(Protocol):
@@ -42,7 +38,7 @@ class ServedEngine(Protocol):
     def config(self) -> EngineConfig: ...
 
     @property
-    def runtime(self) -> HasTokenizer: ...
+    def tokenizer(self) -> Decoder: ...
 
     @property
     def failure(self) -> EngineError | None:
@@ -51,8 +47,9 @@ class ServedEngine(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
-                 request_id: str | None = None, priority: int = 0, cache_salt: str = "") -> ServedStream: ...
+    def generate_request(self, request: Request) -> ServedStream:
+        """The request's stream, not yet started; a bad request raises ``RequestRejected`` here."""
+        ...
 
     async def drain(self, timeout: float = math.inf) -> bool: ...
 
@@ -69,4 +66,4 @@ class ReplicaUnavailable(BackendRequestError):
     """The replica serving the request died, or no replica is live: a 503 (the message names the replica)."""
 
 
-__all__ = ["BackendRequestError", "Decoder", "HasTokenizer", "ReplicaUnavailable", "ServedEngine", "ServedStream"]
+__all__ = ["BackendRequestError", "Decoder", "ReplicaUnavailable", "ServedEngine", "ServedStream"]

@@ -1,5 +1,5 @@
 """``FleetBackend``: a ``fleet.front.Fleet`` (asyncio) behind the trio server, with the engine's surface
-(``backend.ServedEngine``): ``config``, ``runtime.tokenizer``, ``stats()``, ``generate()`` and ``drain()``.
+(``backend.ServedEngine``): ``config``, ``tokenizer``, ``stats()``, ``generate_request()`` and ``drain()``.
 
     async with FleetBackend.open(EngineConfig(model="stub"), FleetConfig(replicas=2, fleet_dir="run")) as backend:
         await serve_engine(backend, ServeOptions(port=8000))
@@ -26,16 +26,16 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Annotated, Any, Generic, NoReturn, TypeVar
 
+import msgspec
 import trio
 from msgspec import Meta
 
 from tickloom import EngineConfig, EngineError, EngineOverloaded, RequestOutput, RequestRejected
 from tickloom.fleet.front import Fleet, FleetConfig, FleetError, FleetStream, NoReplica, ReplicaDied
-from tickloom.params import SamplingParams
 from tickloom.prompts import Prompt, text_prompt_ids
+from tickloom.request import Request, checked_request
 from tickloom.tools.serve.backend import BackendRequestError, ReplicaUnavailable
 from tickloom.validation import checked
 
@@ -50,17 +50,10 @@ def load_tokenizer(config: EngineConfig) -> Any:
         from tickloom.engine.model.stub import StubTokenizer
 
         return StubTokenizer(config.stub_vocab_size)
-    from tickloom.engine.model.registry import resolve_model
+    from tickloom.engine.model.convert import resolve_model
     from tickloom.engine.model.tokenizer import TokenizerWrapper
 
     return TokenizerWrapper.from_dir(resolve_model(config.model))
-
-
-@dataclass
-class Tokenizing:
-    """What the server reads of ``runtime``: the tokenizer (for ``token_text``)."""
-
-    tokenizer: Any = None
 
 
 class _Pending(Generic[T]):
@@ -106,17 +99,15 @@ def _raise(exc: BaseException) -> NoReturn:
 class _Remote:
     """A request's side on the fleet's loop. Every method runs on that loop, so its fields need no lock."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, kw: dict[str, Any]) -> None:
-        self.prompt = prompt
-        self.params = params
-        self.kw = kw
+    def __init__(self, request: Request) -> None:
+        self.request = request
         self.stream: FleetStream | None = None
         self.starting: asyncio.Task[Any] | None = None
         self.pulling: asyncio.Task[Any] | None = None
 
     async def start(self, fleet: Fleet) -> None:
         self.starting = asyncio.current_task()
-        self.stream = fleet.generate(self.prompt, self.params, **self.kw)
+        self.stream = fleet.generate_request(self.request)
         await self.stream.start()
 
     async def next(self) -> RequestOutput | None:
@@ -156,7 +147,7 @@ class FleetRequestStream:
     def __init__(self, backend: FleetBackend, remote: _Remote) -> None:
         self._backend = backend
         self._remote = remote
-        self._choices = remote.params.n
+        self._choices = remote.request.params.n
         self._starting: _Pending[None] | None = None
         self._pulling: _Pending[RequestOutput | None] | None = None
         self._finals = 0
@@ -248,7 +239,8 @@ class FleetBackend:
     def __init__(self, config: EngineConfig, fleet_config: FleetConfig) -> None:
         self.config = config
         self.fleet_config = fleet_config
-        self.runtime = Tokenizing()
+        self.tokenizer: Any = None
+        """The model's tokenizer, loaded here at open (``load_tokenizer``)."""
         self.draining = False
         self._fleet: Fleet | None = None
         self._loop = asyncio.new_event_loop()
@@ -281,7 +273,7 @@ class FleetBackend:
             ready = _Pending(opened, backend._token)
             await ready.done.wait()
             backend._fleet = opened.result()
-            backend.runtime.tokenizer = await trio.to_thread.run_sync(load_tokenizer, config)
+            backend.tokenizer = await trio.to_thread.run_sync(load_tokenizer, config)
             yield backend
         finally:
             with trio.CancelScope(shield=True):
@@ -356,22 +348,17 @@ class FleetBackend:
             raise EngineError("fleet", "the fleet is not open: use `async with FleetBackend.open(...)`")
         return self._fleet
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, deadline: float | None = None,
-                 request_id: str | None = None, priority: int = 0, cache_salt: str = "") -> FleetRequestStream:
-        """A stream of one request on the replica the router picks. The prompt is tokenized and the params checked
-        here (``RequestRejected``); the rest is checked at ``start``, where the fleet and then the replica's engine
-        take the request."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise RequestRejected(f"params must be SamplingParams, not {type(params).__name__}")
-        params.validate()
-        kw = {"deadline": deadline, "request_id": request_id, "priority": priority, "cache_salt": cache_salt}
-        return FleetRequestStream(self, _Remote(self._prompt_ids(prompt), params, kw))
+    def generate_request(self, request: Request) -> FleetRequestStream:
+        """A stream of one request on the replica the router picks. The request is checked and its prompt tokenized
+        here (``RequestRejected``); the fleet, then the replica's engine, check it again when they take it."""
+        request = checked_request(request)
+        ids = self._prompt_ids(request.prompt)
+        return FleetRequestStream(self, _Remote(msgspec.structs.replace(request, prompt=ids)))
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """Text and chat messages tokenized here, as the engine does (``tickloom.prompts``); token ids are passed on,
         and the replica's engine checks them."""
-        ids = text_prompt_ids(self.runtime.tokenizer, prompt, self.config.max_seq_len)
+        ids = text_prompt_ids(self.tokenizer, prompt, self.config.max_seq_len)
         if ids is not None:
             return ids
         assert isinstance(prompt, list | tuple)  # text_prompt_ids refuses anything else
