@@ -39,7 +39,7 @@
 # pyproject.toml that is the real one with [tool.mutmut] replaced by the area's table. Everything under mutants/ is
 # ignored by git.
 #
-# Mutants are named after their file's path under tickloom/ (tickloom.engine.core.lane.x_plan_lane_decode__mutmut_3);
+# Mutants are named after their file's path under tickloom/ (tickloom.engine.core.decode_lane.x_plan_lane_decode__mutmut_3);
 # the list of equivalent mutants below leaves out the "tickloom." prefix.
 #
 # Each mutant runs, in a fork, only the area's tests that call the mutated function (fastest first, stopping at the
@@ -176,17 +176,17 @@ engine.core.context.xǁTickContextǁemit__mutmut_21	as mutant 13
 engine.core.deadlines.x_sweep_deadlines__mutmut_25	the timeout at len-2, not len-1: every other reason recorded in the tick names the last output at the sweep (a stop match truncates to its token; a finished sequence takes no more tokens), so timeout, first in precedence, wins at len-1 or len-2 alike; the finish index decides only precedence, not the usage
 engine.core.deadlines.x_live_deadlines__mutmut_14	no de-duplication: a second entry comes only from DeadlineReached, due at once, and the same tick's sweep pops it and ends the request, so no request has two live entries when live_deadlines runs (compaction at a tick's end, snapshots between ticks)
 engine.core.tick_end.x_retire_finished__mutmut_31	has_spill left True on a retired sequence: it leaves state.seqs in the same iteration and nothing reads it again
-engine.core.lane.x__join__mutmut_6	an empty lane's last run order +1 for -1: a joiner with run order 0 or 1 makes the lane stand down; only speed, as the general plan it falls back to plans the same step (the lane's contract, tests/test_core_lane.py)
-engine.core.lane.x__join__mutmut_7	-2 for -1: joiners have run orders >= 0 (join_running numbers them), so the comparison is the same
-engine.core.lane.x__join__mutmut_8	stop_rule without the config: the rule was computed and cached at arrival (track_stops), and again at restore
-engine.core.lane.x__join__mutmut_23	as mutant 8
-engine.core.lane.x__join__mutmut_11	(incomplete and partly sent) for (incomplete or partly sent): joiners are the sequences advance_lane lists as completed by the lane's step, with their whole table sent by that step; a preemption in between stands the lane down, so neither test is ever true for one
-engine.core.lane.x__join__mutmut_15	< for <=: run orders are unique among running sequences except for restored ones (all -1), which a restored core never has in a lane (state.lane is not snapshotted)
-engine.core.lane.x__join__mutmut_48	joining = None for []: only tested for truth before advance_lane assigns it its next list, in the same plan
-engine.core.lane.x_plan_lane_decode__mutmut_4	and for or: a lane exists only right after the step it describes was planned (every plan either advances it or drops it), so both tests are always false together
-engine.core.lane.x_plan_lane_decode__mutmut_31	fed inverted: with a step in flight the lane stands down instead of leaving the member out (only speed, as mutant _join 6); without one the member has finished, as the comment says, so the branch is never taken
-engine.core.lane.x_plan_lane_decode__mutmut_55	joiners expected with 2 tokens in flight when fed: they have 1, so the lane stands down (only speed, as _join mutant 6)
-engine.core.lane.x_plan_lane_decode__mutmut_59	>= for >: at exactly max_batch_tokens rows the lane stands down (only speed, as _join mutant 6)
+engine.core.decode_lane.x__join__mutmut_6	an empty lane's last run order +1 for -1: a joiner with run order 0 or 1 makes the lane stand down; only speed, as the general plan it falls back to plans the same step (the lane's contract, tests/test_core_decode_lane.py)
+engine.core.decode_lane.x__join__mutmut_7	-2 for -1: joiners have run orders >= 0 (join_running numbers them), so the comparison is the same
+engine.core.decode_lane.x__join__mutmut_8	stop_rule without the config: the rule was computed and cached at arrival (track_stops), and again at restore
+engine.core.decode_lane.x__join__mutmut_23	as mutant 8
+engine.core.decode_lane.x__join__mutmut_11	(incomplete and partly sent) for (incomplete or partly sent): joiners are the sequences advance_lane lists as completed by the lane's step, with their whole table sent by that step; a preemption in between stands the lane down, so neither test is ever true for one
+engine.core.decode_lane.x__join__mutmut_15	< for <=: run orders are unique among running sequences except for restored ones (all -1), which a restored core never has in a lane (state.lane is not snapshotted)
+engine.core.decode_lane.x__join__mutmut_48	joining = None for []: only tested for truth before advance_lane assigns it its next list, in the same plan
+engine.core.decode_lane.x_plan_lane_decode__mutmut_4	and for or: a lane exists only right after the step it describes was planned (every plan either advances it or drops it), so both tests are always false together
+engine.core.decode_lane.x_plan_lane_decode__mutmut_31	fed inverted: with a step in flight the lane stands down instead of leaving the member out (only speed, as mutant _join 6); without one the member has finished, as the comment says, so the branch is never taken
+engine.core.decode_lane.x_plan_lane_decode__mutmut_55	joiners expected with 2 tokens in flight when fed: they have 1, so the lane stands down (only speed, as _join mutant 6)
+engine.core.decode_lane.x_plan_lane_decode__mutmut_59	>= for >: at exactly max_batch_tokens rows the lane stands down (only speed, as _join mutant 6)
 engine.core.finish.x_mark_finish__mutmut_7	> for >=: the same reason at the same index again only overwrites the same values: no two sources give one request different error texts at one index in a tick (a failed step skips finished rows, shutdown and swap-in failure skip finished requests)
 engine.core.finish.x_mark_finish__mutmut_8	True for False when the finish does not stand: the only caller that reads it (stop_matched) then truncates after the match, a no-op, as the match is at or after the standing finish's index, which is the last output
 engine.core.finish.x_stop_rule__mutmut_1	the cache never read: the rule is recomputed, the same, on each call (only slower)
@@ -207,26 +207,26 @@ engine.core.state.xǁWaitingQueueǁdiscard__mutmut_2	the assert's message: the a
 engine.core.state.xǁWaitingQueueǁdiscard__mutmut_3	as mutant 2
 engine.core.state.x_find_in_run_order__mutmut_17	-2 for -1 when absent: the only caller that may miss tests i >= 0
 engine.core.fences.x_release_fences__mutmut_13	unblocked not set when fences are released: they are released while applying a settled or failed step, before this tick's own admission, swap-in and resume run; as apply_inputs mutant 47
-engine.core.lane.x_plan_lane_decode__mutmut_83	>= for >: with exactly enough free and cached blocks the lane stands down (only speed, as _join mutant 6)
-engine.core.lane.x_plan_lane_decode__mutmut_94	>= for >: when the rows need exactly the free blocks, reclaim(0) frees nothing
-engine.core.lane.x_plan_lane_decode__mutmut_98	popitem(last=None): falsy like False
-engine.core.lane.x_plan_lane_decode__mutmut_121	zip(strict=None): the positions are computed from the members, one each
-engine.core.lane.x_plan_lane_decode__mutmut_124	as mutant 121
-engine.core.lane.x_plan_lane_decode__mutmut_125	as mutant 121
+engine.core.decode_lane.x_plan_lane_decode__mutmut_83	>= for >: with exactly enough free and cached blocks the lane stands down (only speed, as _join mutant 6)
+engine.core.decode_lane.x_plan_lane_decode__mutmut_94	>= for >: when the rows need exactly the free blocks, reclaim(0) frees nothing
+engine.core.decode_lane.x_plan_lane_decode__mutmut_98	popitem(last=None): falsy like False
+engine.core.decode_lane.x_plan_lane_decode__mutmut_121	zip(strict=None): the positions are computed from the members, one each
+engine.core.decode_lane.x_plan_lane_decode__mutmut_124	as mutant 121
+engine.core.decode_lane.x_plan_lane_decode__mutmut_125	as mutant 121
 engine.core.blocks.xǁBlockPoolǁallocate__mutmut_6	popitem(last=None): falsy like False
 engine.core.blocks.xǁBlockPoolǁrelease__mutmut_9	as reclaim mutant 20 (the ordered sets' values are never read)
 engine.core.blocks.xǁBlockPoolǁrelease__mutmut_10	as reclaim mutant 20
 engine.core.blocks.xǁBlockPoolǁrelease__mutmut_11	<= 0 for < 0 in the elif: a count of 0 took the branch before it
 engine.core.blocks.xǁBlockPoolǁrelease__mutmut_12	as mutant 11 (< 1)
-engine.core.lane.x_plan_lane_decode__mutmut_135	tokens = None for []: the lane's tokens are read only when tokens_step names its step, and hand_tokens assigns a new list first
-engine.core.lane.x_start_lane__mutmut_2	stop_rule without the config: cached at arrival, as _join mutant 8
-engine.core.lane.x_start_lane__mutmut_7	as mutant 2
-engine.core.lane.x_start_lane__mutmut_19	zip(strict=None): the limits are computed from the members, one each
-engine.core.lane.x_start_lane__mutmut_23	as mutant 19
-engine.core.lane.x_start_lane__mutmut_24	as mutant 19
-engine.core.lane.x_start_lane__mutmut_40	tokens=None: as plan_lane_decode mutant 135
-engine.core.lane.x_start_lane__mutmut_41	tokens_step=None: it is only compared with step ids (>= 0), which -1 never equals either
-engine.core.lane.x_start_lane__mutmut_58	tokens_step=-2: as mutant 41
+engine.core.decode_lane.x_plan_lane_decode__mutmut_135	tokens = None for []: the lane's tokens are read only when tokens_step names its step, and hand_tokens assigns a new list first
+engine.core.decode_lane.x_start_lane__mutmut_2	stop_rule without the config: cached at arrival, as _join mutant 8
+engine.core.decode_lane.x_start_lane__mutmut_7	as mutant 2
+engine.core.decode_lane.x_start_lane__mutmut_19	zip(strict=None): the limits are computed from the members, one each
+engine.core.decode_lane.x_start_lane__mutmut_23	as mutant 19
+engine.core.decode_lane.x_start_lane__mutmut_24	as mutant 19
+engine.core.decode_lane.x_start_lane__mutmut_40	tokens=None: as plan_lane_decode mutant 135
+engine.core.decode_lane.x_start_lane__mutmut_41	tokens_step=None: it is only compared with step ids (>= 0), which -1 never equals either
+engine.core.decode_lane.x_start_lane__mutmut_58	tokens_step=-2: as mutant 41
 engine.core.state.x_ends_in_thinking__mutmut_2	True when no markers are configured: the flag it sets at arrival is then never acted on (same steps and outputs with a zero budget while running ahead: tests/test_core_cache.py)
 engine.core.state.xǁSeqǁtokens__mutmut_2	< for <=: at end == prompt_len the general branch returns the same slice (prompt[start:] plus no outputs)
 engine.core.state.xǁSeqǁtokens__mutmut_3	> for >=: at start == prompt_len the general branch returns the same slice (no prompt plus the outputs)

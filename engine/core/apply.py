@@ -12,10 +12,10 @@ import math
 from collections.abc import Sequence, Sized
 
 from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.decode_lane import hand_tokens
 from tickloom.engine.core.errors import InvariantViolation
 from tickloom.engine.core.fences import release_fences
 from tickloom.engine.core.finish import mark_finish, track_stops
-from tickloom.engine.core.lane import hand_tokens
 from tickloom.engine.core.state import CoreState, InflightStep, Seq, WaitingQueue, ends_in_thinking
 from tickloom.engine.core.status import Status, StatusEvent, change_status
 from tickloom.events import (

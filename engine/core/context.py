@@ -52,7 +52,7 @@ class TickContext:
     unblocked: bool = False
     """Something this tick may let parked work run next tick (blocks freed, a resume, an admission)."""
     lane_broken: bool = False
-    """A preemption happened this tick: the plan must not leave a decode lane behind (``engine.core.lane``)."""
+    """A preemption happened this tick: the plan must not leave a decode lane behind (``engine.core.decode_lane``)."""
 
     @property
     def plain(self) -> bool:

@@ -19,7 +19,7 @@ Anything else stands it down: a preemption or swap (the preempting code clears `
 a sequence that joins ``running`` already decoding (``CoreState.join_running``), a member that would need a
 block the free list cannot give, a decode sequence that got no row and is still running, more decode rows than
 the token budget, or thinking markers (whose budget forces tokens). The differential test
-(``tests/test_core_lane.py``) runs random workloads with and without the lane and compares every output byte.
+(``tests/test_core_decode_lane.py``) runs random workloads with and without the lane and compares every output byte.
 """
 
 from __future__ import annotations

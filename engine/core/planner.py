@@ -10,7 +10,7 @@ row is an over-run: ``settle_step`` discards it, and the blocks it references st
 KV exhaustion: reclaim prefix-cache blocks first, then preempt a victim (``preemption.choose_victim``). Rows of
 unsettled steps are never victims; if only they could give blocks, the row waits for the next step instead.
 
-This module is the general plan, and the specification: ``engine.core.lane`` derives most steady-state steps
+This module is the general plan, and the specification: ``engine.core.decode_lane`` derives most steady-state steps
 from the previous one in bulk, and must plan exactly what this would.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from tickloom.engine.core.columns import StepColumns
 from tickloom.engine.core.context import TickContext
+from tickloom.engine.core.decode_lane import advance_lane, plan_lane_decode, start_lane
 from tickloom.engine.core.finish import stop_rule
-from tickloom.engine.core.lane import advance_lane, plan_lane_decode, start_lane
 from tickloom.engine.core.preemption import choose_victim, preempt
 from tickloom.engine.core.prefix_cache import cache_full_blocks, full_block_hashes, may_hit_cache
 from tickloom.engine.core.state import CoreState, InflightStep, Seq

@@ -16,7 +16,7 @@ in the reference scheduler's order (ARCHITECTURE.md, "The tick"); each is a func
 5. ``take_finished``, ``retire_finished``, ``swap_in``, ``resume_preempted``, then the planned ``RunStep`` is
    emitted last.
 
-In the steady state most steps are planned by ``lane.plan_lane_decode``, which derives the decode rows from
+In the steady state most steps are planned by ``decode_lane.plan_lane_decode``, which derives the decode rows from
 the previous step's in bulk; ``planner`` is the general plan and the specification it must match.
 """
 

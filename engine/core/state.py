@@ -220,7 +220,7 @@ class InflightStep:
 class DecodeLane:
     """The newest step's decode rows as columns, so the next step's can be derived from them in bulk.
 
-    ``engine.core.lane`` explains when it holds; the columns are parallel, one entry per member.
+    ``engine.core.decode_lane`` explains when it holds; the columns are parallel, one entry per member.
     """
 
     step_id: int
@@ -295,7 +295,7 @@ class CoreState:
     stop_refs: dict[int, int] = attrs.Factory(dict)
     """Token -> how many live requests it may stop (the keys are ``stop_tokens``)."""
     lane: DecodeLane | None = None
-    """The steady-state fast path's view of the newest step (``engine.core.lane``); None when it must stand
+    """The steady-state fast path's view of the newest step (``engine.core.decode_lane``); None when it must stand
     down. Derived state, never snapshotted: a restored core plans its first step the general way."""
     next_run_order: int = 0
 
