@@ -225,15 +225,15 @@ class ThreadDevice:
 
 
 @dataclass(slots=True)
-class _Table:
+class _BlockTable:
     block_table: list[int] = field(default_factory=list)
 
 
-class BlockTables(BoundRequests[_Table]):
+class BlockTables(BoundRequests[_BlockTable]):
     """Block tables alone, for a device with no executor: the stub device checks its steps against them."""
 
     def bind(self, request_id: str) -> None:
-        self._requests[request_id] = _Table()
+        self._requests[request_id] = _BlockTable()
 
     def swap_in(self, request_id: str, block_ids: list[int]) -> None:
         self._requests[request_id].block_table[:] = block_ids

@@ -75,7 +75,7 @@ class _Stream:
                  "request_id")
 
     def __init__(self, request_id: str, assembler: StreamAssembler | None, max_frames: int,
-                 group: _Group | None = None, member: int = 0) -> None:
+                 group: _ChoiceGroup | None = None, member: int = 0) -> None:
         self.request_id = request_id
         self.assembler = assembler
         self.max_frames = max_frames
@@ -109,7 +109,7 @@ class _Stream:
         self.lot.unpark_all()
 
 
-class _Group:
+class _ChoiceGroup:
     """The streams of one request's ``n`` parallel choices, read as one: a shared wake-up and the order in which
     their frames arrived (one entry per frame queued, so at most ``n * max_buffered_frames``)."""
 
@@ -189,7 +189,7 @@ class GroupStream(_LeftOnExit):
     not finished (each reports ``ClientGone``). A fatal error raises as soon as any choice holds it.
     """
 
-    def __init__(self, actor: RetireActor, request_id: str, group: _Group) -> None:
+    def __init__(self, actor: RetireActor, request_id: str, group: _ChoiceGroup) -> None:
         self.request_id = request_id
         self._actor = actor
         self._group = group
@@ -261,14 +261,14 @@ class RetireActor:
         taken = next((rid for rid in choice_ids if rid in self._streams), None)
         if taken is not None:
             raise ValueError(f"a stream for request {taken!r} is already open")
-        group = _Group()
+        group = _ChoiceGroup()
         for i, rid in enumerate(choice_ids):
             group.streams.append(self._open(rid, spec, prompt_len, submitted_at, request_id, i, prompt_token_ids,
                                             group))
         return GroupStream(self, request_id, group)
 
     def _open(self, request_id: str, spec: SamplingSpec, prompt_len: int, submitted_at: float, output_id: str,
-              index: int, prompt_token_ids: Sequence[int], group: _Group | None) -> _Stream:
+              index: int, prompt_token_ids: Sequence[int], group: _ChoiceGroup | None) -> _Stream:
         if request_id in self._streams:
             raise ValueError(f"a stream for request {request_id!r} is already open")
         if self._fatal is not None:

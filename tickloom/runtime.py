@@ -50,8 +50,9 @@ INBOX_SIZE = 4096
 ENGINE_VERSION = "0.1.0"
 
 
-class _RetireTap:
-    """Sees each tick's finishes before the retire actor does, to free submit slots."""
+class _FreeSlotsThenRetire:
+    """The step actor's retire target: frees the submit slots of each tick's finished requests, then hands the
+    commands on to the retire actor."""
 
     def __init__(self, runtime: Runtime) -> None:
         self._rt = runtime
@@ -143,7 +144,7 @@ class Runtime:
             self.log = LogActor(self._new_writer, config.fsync)
         self.core = SchedulerCore(core_config)
         self.step = StepActor(self.core, self._inbox, device=self.device, deadlines=self.deadlines,
-                              retire=_RetireTap(self), spill=self.spill, swap_in=self.swap_in, log=self.log,
+                              retire=_FreeSlotsThenRetire(self), spill=self.spill, swap_in=self.swap_in, log=self.log,
                               fsync=config.fsync, snapshot_every=config.snapshot_every)
 
     # -- supervision -----------------------------------------------------------------------------------------
