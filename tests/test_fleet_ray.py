@@ -144,9 +144,14 @@ def test_affinity_routing_hits_the_prefix_cache_more_than_round_robin(ray_cluste
 def test_the_front_end_has_the_engines_api(ray_cluster: None, tmp_path: Path) -> None:
     async def main() -> None:
         async with Fleet.open(STUB, FleetConfig(replicas=2, fleet_dir=str(tmp_path / "f"))) as fleet:
-            text = await fleet.complete("Hello there", SamplingParams(max_tokens=5, temperature=0.0))
+            text = await fleet.complete("Hello there", SamplingParams(max_tokens=5, temperature=0.0, logprobs=1))
             assert text.finished and len(text.token_ids) == 5 and text.usage is not None
             assert text.usage.prompt_tokens == len("Hello there")
+            assert text.logprobs is not None and len(text.logprobs) == 5, "every frame's logprobs, as Engine's"
+            with pytest.raises(RequestRejected, match=r"use Fleet\.complete_n\(\) for n > 1"):
+                await fleet.complete([5] * 20, SamplingParams(max_tokens=3, n=2))
+            pair = await fleet.complete_n([5] * 20, SamplingParams(max_tokens=3, n=2, seed=1))
+            assert [(out.index, len(out.token_ids)) for out in pair] == [(0, 3), (1, 3)]
             choices = [out async for out in fleet.generate([5] * 20, SamplingParams(max_tokens=3, n=2, seed=1))]
             assert sorted(out.index for out in choices if out.finished) == [0, 1]
             async with fleet.stream([5] * 20, SamplingParams(max_tokens=200, ignore_eos=True),
