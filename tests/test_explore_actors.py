@@ -1,9 +1,10 @@
-"""The actor-level race explorer (``tools.explore_actors``, ``tickloom explore --actors``).
+"""The race explorer's actor level (``tools.explore.actors`` through the driver; ``tickloom explore --actors``).
 
-* trio still has the deterministic-scheduling hook the explorer seeds, at the pinned version;
+* trio still has the deterministic-scheduling hook the explorer seeds, at the version ``tickloom[explore]`` pins;
+  without the hook, importing the actor level fails with an ``ImportError`` that names that trio;
 * one seed gives one run: the same seed twice writes byte-identical logs, whatever the strategy, and whatever
   ``PYTHONHASHSEED`` is;
-* each deliberately broken actor variant (``tools.explore_variants``) is found within 2,000 seeds by the
+* each deliberately broken actor variant (``tools.explore.variants``) is found within 2,000 seeds by the
   explorer's own loop and shrunk; its replay token re-runs it, its log is kept, and the printed pytest test fails
   on the variant and passes on the real code;
 * the real code, with faults, shows no violation (a few seeds here; 500 per strategy in the slow test).
@@ -25,19 +26,20 @@ import trio
 
 from tickloom.replay import verify
 from tickloom.tools.cli import main as cli_main
-from tickloom.tools.explore_actors import (
-    LEVEL,
+from tickloom.tools.explore.actors import ACTORS, LEVEL, run_script
+from tickloom.tools.explore.driver import (
+    STRATEGIES,
+    Edit,
     Token,
-    ddmin,
     decode_token,
     encode_token,
     explore,
-    replay_scenario,
-    run_script,
+    regression_test,
 )
-from tickloom.tools.explore_schedule import STRATEGIES, deterministic_trio, trio_hook_present
-from tickloom.tools.explore_script import make_script
-from tickloom.tools.explore_variants import VARIANTS, enabled
+from tickloom.tools.explore.levels import replay_token
+from tickloom.tools.explore.schedule import EXPLORE_TRIO, deterministic_trio, trio_hook_present
+from tickloom.tools.explore.script import make_script
+from tickloom.tools.explore.variants import VARIANTS, enabled
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"^explored (\d+) seeds \(actors\) in [0-9.]+ s: [0-9.]+ seeds/s, (\d+) violations$")
@@ -52,9 +54,9 @@ KNOWN = {
 
 def test_trio_has_the_deterministic_scheduling_hook_at_the_pinned_version() -> None:
     assert trio_hook_present(), "trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING and _r are gone"
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = [d for d in deps if re.fullmatch(r"trio\s*==.*", d)]
-    assert pins == [f"trio=={trio.__version__}"], (pins, trio.__version__)
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["explore"]
+    pins = [d for d in extra if re.fullmatch(r"trio\s*==.*", d)]
+    assert pins == [EXPLORE_TRIO] == [f"trio=={trio.__version__}"], (pins, EXPLORE_TRIO, trio.__version__)
 
     async def order() -> list[int]:
         ran: list[int] = []
@@ -96,8 +98,8 @@ def test_the_same_seed_twice_writes_byte_identical_logs(tmp_path: Path, strategy
 def test_the_log_does_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    code = ("import hashlib, sys; from pathlib import Path; from tools.explore_actors import run_script; "
-            "from tools.explore_script import make_script; p = Path(sys.argv[1]) / 'run.tlog'; "
+    code = ("import hashlib, sys; from pathlib import Path; from tickloom.tools.explore.actors import run_script; "
+            "from tickloom.tools.explore.script import make_script; p = Path(sys.argv[1]) / 'run.tlog'; "
             "r = run_script(make_script(165, True), 'random', p); assert r.violation is None, r.violation; "
             "print(hashlib.sha256(p.read_bytes()).hexdigest())")
     digests = set()
@@ -109,13 +111,17 @@ def test_the_log_does_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
     assert len(digests) == 1, digests
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_variant_is_listed() -> None:
+    assert set(KNOWN) == set(VARIANTS["actors"])
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS["actors"]))
 def test_each_broken_variant_is_found_shrunk_and_reproduced(tmp_path: Path, variant: str) -> None:
     seed, kind = KNOWN[variant]
-    quick = explore([seed], variant=variant, shrink=False)
+    quick = explore(ACTORS, [seed], variant=variant, shrink=False)
     assert quick.found is not None and quick.found.violation.kind == kind, quick.found
 
-    exploration = explore(range(2000), variant=variant, out=tmp_path)
+    exploration = explore(ACTORS, range(2000), variant=variant, out=tmp_path)
     found = exploration.found
     assert found is not None, f"{variant}: not found in 2,000 seeds"
     assert exploration.seeds == found.seed + 1 <= 2000, "stops at the first violation"
@@ -125,10 +131,10 @@ def test_each_broken_variant_is_found_shrunk_and_reproduced(tmp_path: Path, vari
 
     assert found.log is not None and found.log.parent == tmp_path
     assert verify(found.log).status == "identical", "the kept log replays"
-    assert decode_token(found.token) == Token(LEVEL, found.seed, "random", False, variant, found.keep)
+    assert decode_token(found.token) == Token(LEVEL, found.seed, "random", False, variant, None, found.keep, [])
     assert cli_main(["explore", "--replay", found.token]) == 1, "the token re-runs the violation"
 
-    text = found.regression_test()
+    text = regression_test(found)
     test_name = f"test_explore_actors_seed_{found.seed}_random"
     namespace: dict[str, object] = {}
     exec(compile(text, "<regression>", "exec"), namespace)
@@ -141,45 +147,55 @@ def test_each_broken_variant_is_found_shrunk_and_reproduced(tmp_path: Path, vari
 
 def test_the_real_code_with_faults_shows_no_violation() -> None:
     for strategy in STRATEGIES:
-        exploration = explore(range(25), strategy, faults=True)
+        exploration = explore(ACTORS, range(25), strategy, faults=True)
         assert exploration.found is None, exploration.found
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_500_seeds_with_faults_show_no_violation(strategy: str) -> None:
-    exploration = explore(range(500), strategy, faults=True)
+    exploration = explore(ACTORS, range(500), strategy, faults=True)
     print(exploration.summary())
     assert exploration.found is None, exploration.found
     assert exploration.seeds == 500
 
 
-def test_replay_scenario_runs_the_code_as_built() -> None:
-    assert replay_scenario(1, "random", False, [1]) is None
+def test_a_token_replays_on_the_code_as_built() -> None:
+    token = encode_token(Token(LEVEL, 1, "random", False, None, None, [1], []))
+    assert replay_token(token) is None
     with enabled("deadline-keyerror"):
-        violation = replay_scenario(1, "random", False, [1])
+        violation = replay_token(token)
     assert violation is not None and "KeyError" in violation.detail
-    with pytest.raises(ValueError, match="cannot keep"):
-        replay_scenario(1, "random", False, [99])
-
-
-def test_ddmin_finds_a_one_minimal_subset() -> None:
-    calls: list[list[int]] = []
-
-    def needs_3_and_7(keep: list[int]) -> bool:
-        calls.append(keep)
-        return 3 in keep and 7 in keep
-
-    assert ddmin(list(range(20)), needs_3_and_7) == [3, 7]
-    assert ddmin(list(range(5)), lambda keep: True) == []
+    for bad, message in ((Token(LEVEL, 1, "random", False, None, None, [99], []), "cannot keep"),
+                         (Token(LEVEL, 1, "random", False, None, "some.tlog", None, []), "core level"),
+                         (Token(LEVEL, 1, "random", False, None, None, None, [Edit(1, "delay", ("x",), 2)]),
+                          "no moved events")):
+        with pytest.raises(ValueError, match=message):
+            replay_token(encode_token(bad))
 
 
 def test_tokens_round_trip_and_bad_ones_are_refused() -> None:
-    token = Token(LEVEL, 12, "pct", True, None, [0, 4])
-    assert decode_token(encode_token(token)) == token
-    for bad in ("", "tlx1-", "tlx1-!!!", "nope", encode_token(Token(LEVEL, 1, "bogus", False, None, None))):
+    token = Token(LEVEL, 12, "pct", True, None, None, [0, 4], [])
+    text = encode_token(token)
+    assert text.startswith("tla1-") and decode_token(text) == token
+    for bad in ("", "tla1-", "tla1-!!!", "nope", encode_token(Token(LEVEL, 1, "bogus", False, None, None, None, [])),
+                encode_token(Token(LEVEL, 1, "random", False, "fence", None, None, []))):
         with pytest.raises(ValueError):
             decode_token(bad)
+
+
+def test_without_the_hook_the_actor_level_does_not_import(tmp_path: Path) -> None:
+    code = ("import trio; del trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING\n"
+            "try:\n    import tickloom.tools.explore.actors\n"
+            "except ImportError as exc:\n    print(exc)\n"
+            "else:\n    raise SystemExit('imported')\n"
+            "from tickloom.tools.cli import main\n"
+            "assert main(['explore', '--actors', '--seeds', '1']) == 64\n"
+            "assert main(['explore', '--seeds', '1']) == 0")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "pip install 'tickloom[explore]'" in out.stdout and EXPLORE_TRIO in out.stdout, out.stdout
+    assert "tickloom[explore]" in out.stderr, "the command says which trio to install"
 
 
 def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,14 +206,15 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert cli_main(["explore", "--actors", "--seeds", "3", "--variant", "retire-before-log"]) == 1
     out = capsys.readouterr().out
-    assert "unlogged delivery" in out and "tickloom explore --replay tlx1-" in out and "def test_explore" in out
+    assert "unlogged delivery" in out and "tickloom explore --replay tla1-" in out and "def test_explore" in out
     match = SUMMARY.match(out.strip().splitlines()[-1])
     assert match is not None and match.groups() == ("1", "1")
 
     for argv, message in ((["explore", "--replay", "junk"], "replay token"),
                           (["explore", "--actors", "--seeds", "0"], "at least 1"),
                           (["explore", "--actors", "some.tlog"], "core level"),
-                          (["explore", "--actors", "--variant", "nope"], "unknown variant")):
+                          (["explore", "--actors", "--variant", "nope"], "unknown variant 'nope' at the actors"),
+                          (["explore", "--actors", "--variant", "fence"], "unknown variant 'fence' at the actors")):
         assert cli_main(argv) == 64, argv
         assert message in capsys.readouterr().err, argv
     assert "--variant" not in subprocess.run([sys.executable, "-m", "tickloom", "explore", "--help"], cwd=ROOT,

@@ -1,14 +1,15 @@
-"""The core-level race explorer (``replay.explore``, ``replay.shrink``, ``tickloom explore [LOG]``).
+"""The race explorer's core level (``tools.explore.core`` through the driver; ``tickloom explore [LOG]``).
 
-* each deliberately broken core variant (``replay.variants``) is found within 2,000 seeds by the explorer's own loop
-  and shrunk to a 1-minimal script; its kept log reproduces it on the variant (``replay --bisect`` for invariants,
-  the bisect with the stranding check for stranding, the clients' check on the log for client-visible rules), while
-  the real code diverges from that log; its replay token re-runs it; the printed regression test fails on the
-  variant and passes on the real code;
+* each deliberately broken core variant (``tools.explore.variants``) is found within 2,000 seeds by the explorer's
+  own loop and shrunk to a 1-minimal script; its kept log reproduces it on the variant (``replay --bisect`` for
+  invariants, the bisect with the stranding check for stranding, the clients' check on the log for client-visible
+  rules), while the real code diverges from that log; its replay token re-runs it; the printed regression test fails
+  on the variant and passes on the real code;
 * one seed gives one run: the same seed twice writes byte-identical logs, and so does the run re-played from its
   moved events alone, whatever ``PYTHONHASHSEED`` is;
 * the real code, with faults, shows no violation (a few hundred seeds here; 10,000 in the slow test), also around a
-  real recorded log's workload.
+  real recorded log's workload;
+* the core level needs no trio.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import pytest
 from scenarios import everything_scenario
 
 from tickloom.replay import bisect, verify
-from tickloom.replay.explore import (
+from tickloom.tools.cli import main as cli_main
+from tickloom.tools.explore.checks import StrandCheck, check_client_log
+from tickloom.tools.explore.core import (
+    CLIENT_KINDS,
+    CORE,
     STRAND_TICKS,
-    STRATEGIES,
     Arrive,
     Leave,
     StopAt,
@@ -33,21 +37,19 @@ from tickloom.replay.explore import (
     log_workload,
     random_workload,
     run_workload,
-    strategy_policy,
 )
-from tickloom.replay.explore_checks import StrandCheck, check_log
-from tickloom.replay.shrink import (
-    CLIENT_KINDS,
+from tickloom.tools.explore.core_schedule import strategy_policy
+from tickloom.tools.explore.driver import (
+    STRATEGIES,
     Token,
     ddmin,
     decode_token,
     encode_token,
     explore,
     regression_test,
-    replay_token,
 )
-from tickloom.replay.variants import VARIANTS, enabled
-from tickloom.tools.cli import main as cli_main
+from tickloom.tools.explore.levels import replay_token
+from tickloom.tools.explore.variants import VARIANTS, enabled
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"^explored (\d+) seeds \(core\) in [0-9.]+ s: [0-9.]+ seeds/s, (\d+) violations$")
@@ -64,12 +66,12 @@ KINDS = {
 
 
 def test_every_variant_is_listed() -> None:
-    assert set(KINDS) == set(VARIANTS)
+    assert set(KINDS) == set(VARIANTS["core"])
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS["core"]))
 def test_each_broken_variant_is_found_shrunk_and_reproduced(tmp_path: Path, variant: str) -> None:
-    exploration = explore(range(2000), variant=variant, out=tmp_path)
+    exploration = explore(CORE, range(2000), variant=variant, out=tmp_path)
     found = exploration.found
     assert found is not None, f"{variant}: not found in 2,000 seeds"
     assert exploration.seeds == found.seed + 1 <= 2000, "stops at the first violation"
@@ -98,7 +100,7 @@ def test_each_broken_variant_is_found_shrunk_and_reproduced(tmp_path: Path, vari
             report = bisect(log, StrandCheck(STRAND_TICKS))
             assert report.status == "violation" and report.first_divergent_tick == found.violation.tick, report
         if kind in CLIENT_KINDS:
-            assert check_log(log) == found.violation
+            assert check_client_log(log) == found.violation
     # The real code disagrees with the log: it diverges no later than the violation.
     real = verify(log)
     assert real.status == "divergent" and real.first_divergent_tick is not None
@@ -140,8 +142,9 @@ def test_the_same_seed_twice_writes_byte_identical_logs(tmp_path: Path, strategy
 
 
 def test_the_log_does_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
-    code = ("import hashlib, sys; from pathlib import Path; from replay.explore import random_workload, "
-            "run_workload, strategy_policy; p = Path(sys.argv[1]); w = random_workload(41); "
+    code = ("import hashlib, sys; from pathlib import Path; from tickloom.tools.explore.core import random_workload, "
+            "run_workload; from tickloom.tools.explore.core_schedule import strategy_policy; p = Path(sys.argv[1]); "
+            "w = random_workload(41); "
             "r = run_workload(w, strategy_policy(41, 'random', True, w.config), log=p); assert r.violation is None; "
             "print(hashlib.sha256(p.read_bytes()).hexdigest())")
     digests = set()
@@ -174,7 +177,7 @@ def test_strategies_move_events_and_faults_inject_them() -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_real_code_with_faults_shows_no_violation(strategy: str) -> None:
-    exploration = explore(range(120), strategy, faults=True)
+    exploration = explore(CORE, range(120), strategy, faults=True)
     assert exploration.found is None, exploration.found
     assert exploration.seeds == 120 and exploration.logs == 2, "seeds 0 and 100 wrote and replayed their logs"
 
@@ -182,7 +185,7 @@ def test_the_real_code_with_faults_shows_no_violation(strategy: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "seeds"), [("random", 10_000), ("pct", 2_000), ("delay", 2_000)])
 def test_many_seeds_with_faults_show_no_violation(strategy: str, seeds: int) -> None:
-    exploration = explore(range(seeds), strategy, faults=True)
+    exploration = explore(CORE, range(seeds), strategy, faults=True)
     print(exploration.summary())
     assert exploration.found is None, exploration.found
     assert exploration.seeds == seeds and exploration.logs == seeds // 100
@@ -216,7 +219,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     match = SUMMARY.match(out.strip().splitlines()[-1])
     assert match is not None and match.groups()[1] == "1"
 
-    for argv, message, status in ((["explore", "--variant", "nope"], "unknown core variant", 64),
+    for argv, message, status in ((["explore", "--variant", "nope"], "unknown variant 'nope' at the core level", 64),
                                   (["explore", "--replay", "tlc1-!!!"], "not a replay token", 64),
                                   (["explore", str(tmp_path / "missing.tlog")], "cannot explore", 2),
                                   (["explore", str(tmp_path)], "cannot explore", 2)):
@@ -224,12 +227,21 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert message in capsys.readouterr().err, argv
 
 
+def test_the_readme_sample_token_replays(capsys: pytest.CaptureFixture[str]) -> None:
+    sample = re.search(r"tickloom explore --replay (tlc1-\S+)", (ROOT / "README.md").read_text())
+    assert sample is not None
+    assert cli_main(["explore", "--replay", sample.group(1)]) == 1
+    assert "variant swapped-deadline; 4 actions, 2 moved events): deadline at tick 13" in capsys.readouterr().out
+
+
 def test_tokens_round_trip_and_bad_ones_are_refused() -> None:
     token = Token("core", 12, "pct", True, None, None, [0, 4], [])
     assert decode_token(encode_token(token)) == token
     for bad in ("", "tlc1-", "tlc1-!!!", "tlx1-abc", encode_token(Token("core", 1, "bogus", False, None, None, None,
                                                                         [])),
-                encode_token(Token("core", 1, "random", False, "nope", None, None, []))):
+                encode_token(Token("core", 1, "random", False, "nope", None, None, [])),
+                encode_token(Token("core", 1, "random", False, "retire-before-log", None, None, [])),
+                "tlc1-" + encode_token(Token("actors", 1, "random", False, None, None, None, []))[5:]):
         with pytest.raises(ValueError):
             decode_token(bad)
 
@@ -237,3 +249,14 @@ def test_tokens_round_trip_and_bad_ones_are_refused() -> None:
 def test_ddmin_finds_a_one_minimal_subset() -> None:
     assert ddmin(list(range(20)), lambda keep: 3 in keep and 7 in keep) == [3, 7]
     assert ddmin(list(range(5)), lambda keep: True) == []
+
+
+def test_the_core_level_needs_no_trio(tmp_path: Path) -> None:
+    # The command's own parser (``tickloom``'s builds every subcommand's, and ``serve``'s imports trio).
+    code = ("import argparse, sys; from tickloom.tools.commands import explore; p = argparse.ArgumentParser(); "
+            "explore.add_arguments(p); "
+            "status = explore.run(p.parse_args(['--seeds', '101', '--variant', 'fence', '--out', sys.argv[1]])); "
+            "assert status == 1, status; print(sorted(m for m in sys.modules if m.split('.')[0] == 'trio'))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

@@ -1,4 +1,4 @@
-"""The race explorer, core level: the real ``SchedulerCore`` in the simulator, each completion moved to another tick.
+"""The race explorer's core level: the real ``SchedulerCore`` in the simulator, each completion moved to another tick.
 
 One seed is one run, reproducible byte for byte:
 
@@ -9,24 +9,24 @@ One seed is one run, reproducible byte for byte:
   priorities, deadlines, stop token ids, EOS, cancels, ``ClientGone``, ``StopMatched``) under a small random
   configuration; ``log_workload(path)`` takes a real log's arrivals, client inputs, stop matches, streamed tokens
   and configuration.
-* **The schedule** (``ExplorePolicy``): every question the simulator asks (``replay.policy``) answered by a
-  strategy from ``random.Random`` seeded by (seed, strategy, faults). Moving a completion is legal by
-  construction: the simulator schedules it only after its cause, and the device's results keep their FIFO order
-  (a step result is moved by stalling the device: ``device_steps`` 0). Strategies: ``random`` (uniform delays,
-  0-2 device steps per tick, shuffled inputs), ``pct`` (1-3 change points among the first completions: those are
-  delayed a lot, the rest prompt), ``delay`` (at most 1-3 completions delayed per run). ``faults`` adds failed
-  steps, failed spills and swap-ins, and slow I/O (long spill and swap-in delays). Once the script's last action
+* **The schedule** (``tools.explore.core_schedule``): every question the simulator asks (``replay.policy``)
+  answered by a strategy from ``random.Random`` seeded by (seed, strategy, faults); once the script's last action
   has passed, the faults heal and every answer is prompt.
 * **Moved events**: each answer that differs from the prompt default (``replay.policy.Policy``) is an *edit*
   (``Decision``). A run re-played from its edits alone, the default answering the rest, is the same run; fewer
-  edits are fewer moved events (that is how ``replay.shrink`` shrinks).
+  edits are fewer moved events (that is how the driver, ``tools.explore.driver``, shrinks).
 
-The checks, after every tick: ``core.check_invariants()``; the clients' view (``ClientCheck``: one finish per
-request, no token after it, indices in order, streamed tokens equal to the finish's count unless a stop match
-truncated it, a ``StopMatched`` delivered while the request was live caps the count at its index + 1, no request
-live after a tick at or past its deadline); no swapped sequence stranded while the free and cached blocks would fit
-it (``StrandCheck``); at the end, liveness (every request ended within ``drain_bound`` ticks of the last action)
-and conservation (every block free or cached, nothing held). With a log, it must replay ``identical``.
+The checks (``tools.explore.checks``), after every tick: ``core.check_invariants()``; the clients' view
+(``ClientCheck``: one finish per request, no token after it, indices in order, streamed tokens equal to the finish's
+count unless a stop match truncated it, a ``StopMatched`` delivered while the request was live caps the count at its
+index + 1, no request live after a tick at or past its deadline); no swapped sequence stranded while the free and
+cached blocks would fit it (``StrandCheck``); at the end, liveness (every request ended within ``drain_bound`` ticks
+of the last action) and conservation (every block free or cached, nothing held). With a log, it must replay
+``identical``. The kept log of a violation shows it again on the variant: ``replay --bisect`` names an invariant's
+tick (with ``StrandCheck``, a stranding's), and the clients' check on the log finds a client-visible one
+(``CoreLevel.check_kept_log``).
+
+Nothing here needs trio.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from tickloom.engine.core import CoreConfig, SchedulerCore
 from tickloom.engine.core.errors import InvariantViolation
 from tickloom.events import (
     ClientGone,
-    DeadlineReached,
     EmitTokens,
     Input,
     LogReader,
@@ -53,21 +52,20 @@ from tickloom.events import (
     TickInputs,
     TickOutputs,
 )
-from tickloom.replay.explore_checks import ClientCheck, StrandCheck, Violation, check_end
 from tickloom.replay.header import core_config_from_header
 from tickloom.replay.oracle import OracleExecutor
-from tickloom.replay.policy import Completion, Decision, Kind, Policy
+from tickloom.replay.policy import Decision, Policy
 from tickloom.replay.record import header_for
 from tickloom.replay.sim import Simulator
-from tickloom.replay.verify import verify
+from tickloom.replay.verify import bisect, verify
+from tickloom.tools.explore.checks import ClientCheck, StrandCheck, Violation, check_client_log, check_end
+from tickloom.tools.explore.core_schedule import ExplorePolicy, default_policy, strategy_policy
+from tickloom.tools.explore.driver import Run, Schedule
 
 LEVEL = "core"
-STRATEGIES = ("random", "pct", "delay")
 EOS = 1
 STOP_TOKEN = 2
 VOCAB = 1000
-EARLY_NS = 3_000_000
-"""How far the deadline actor's clock may lead the core's: a report up to this early is legal."""
 STRAND_TICKS = 3
 """Ticks a ready swapped sequence may stay parked while the free and cached blocks would fit it (0 in the real core:
 ``swap_in`` runs at the end of every tick)."""
@@ -214,141 +212,7 @@ def drain_bound(workload: Workload) -> int:
     return 200 + 4 * work
 
 
-# -- the schedule ----------------------------------------------------------------------------------------------------
-def default_policy(config: CoreConfig) -> Policy:
-    """The prompt default: one step per tick after a tick in the device's queue at depth 2 (two steps in flight),
-    spills answered once the device has run the copy, deadlines reported when due, everything in the next tick."""
-    return Policy(device_lag=1 if config.pipeline_depth > 1 else 0, spill_after_device=True, report_deadlines=True,
-                  spill_block_bytes=4096)
-
-
-@dataclasses.dataclass(slots=True)
-class ExplorePolicy(Policy):
-    """A strategy's answers (see the module docstring); ``deviated`` notes, per answer, whether it differs from the
-    default's (``Policy``'s answer to the same question), in the order the simulator records its decisions."""
-
-    rng: random.Random = dataclasses.field(default_factory=random.Random)
-    strategy: str = "random"
-    faults: bool = False
-    healed: bool = False
-    deviated: list[bool] = dataclasses.field(default_factory=list)
-    points: frozenset[int] = frozenset()
-    budget: int = 0
-    asked: int = 0
-    stall_until: int = -1
-
-    def __post_init__(self) -> None:
-        if self.strategy == "pct":
-            self.points = frozenset(self.rng.sample(range(160), self.rng.randint(1, 3)))
-        elif self.strategy == "delay":
-            self.budget = self.rng.randint(1, 3)
-
-    def _note(self, value: object, default: object) -> None:
-        self.deviated.append(value != default)
-
-    def _moved(self, rate: float = 0.02) -> int:
-        """How late the strategy moves the completion asked about (0: prompt); ``rate``: the chance, under
-        ``delay``, that it spends one of its moves here (more for a completion than for one tick of the device)."""
-        if self.healed:
-            return 0
-        n = self.asked
-        self.asked += 1
-        rng = self.rng
-        if self.strategy == "random":
-            return rng.choice((0, 0, 0, 0, 1, 2, 3, 6))
-        if self.strategy == "pct":
-            return rng.randint(8, 30) if n in self.points else 0
-        if self.budget and rng.random() < rate:
-            self.budget -= 1
-            return rng.randint(1, 10)
-        return 0
-
-    def device_steps(self, tick: int) -> int:
-        default = self.steps_per_tick
-        if self.healed:
-            value = default
-        elif self.strategy == "random":
-            value = self.rng.choice((0, 1, 1, 1, 2))
-        elif tick < self.stall_until:
-            value = 0
-        else:
-            stall = self._moved()
-            self.stall_until = tick + stall
-            value = 0 if stall else default
-        self._note(value, default)
-        return value
-
-    def step_fails(self, step_id: int) -> bool:
-        value = self.faults and not self.healed and self.rng.random() < 0.02
-        self._note(value, False)
-        return value
-
-    def spill_ok(self, command: object) -> bool:
-        value = not (self.faults and not self.healed and self.rng.random() < 0.15)
-        self._note(value, True)
-        return value
-
-    def swap_in(self, command: object) -> bool | None:
-        value = not (self.faults and not self.healed and self.rng.random() < 0.05)
-        self._note(value, True)
-        return value
-
-    def delay(self, completion: Completion) -> int:
-        value = self._moved(0.25)
-        slow_io = self.faults and not self.healed and completion.kind in (Kind.SPILL, Kind.SWAP_IN)
-        if slow_io and self.rng.random() < 0.1:
-            value += self.rng.randint(10, 40)
-        self._note(value, 0)
-        return value
-
-    def deadline_due(self, request_id: str, deadline_ns: int, now_ns: int) -> bool:
-        default = now_ns >= deadline_ns
-        value = default
-        if default or deadline_ns - now_ns <= EARLY_NS:
-            value = default != bool(self._moved())  # reported late, or early (the actor's clock leads)
-        self._note(value, default)
-        return value
-
-    def arrange(self, inputs: Sequence[Input], fired: Sequence[DeadlineReached]) -> tuple[int, ...]:
-        default = Policy.arrange(self, inputs, fired)
-        value = default
-        if self.strategy == "random" and not self.healed:
-            order = list(default)
-            self.rng.shuffle(order)
-            value = tuple(order)
-        self._note(value, default)
-        return value
-
-    def merge(self, device: Sequence[Completion], due: Sequence[Completion]) -> tuple[int, ...]:
-        default = Policy.merge(self, device, due)
-        value = default
-        if self.strategy == "random" and not self.healed and due:
-            order = list(range(len(device)))  # the device's results keep their order
-            for i in range(len(device), len(device) + len(due)):
-                order.insert(self.rng.randint(0, len(order)), i)
-            value = tuple(order)
-        self._note(value, default)
-        return value
-
-
-def strategy_policy(seed: int, strategy: str, faults: bool, config: CoreConfig) -> ExplorePolicy:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
-    base = default_policy(config)
-    return ExplorePolicy(device_lag=base.device_lag, spill_after_device=True, report_deadlines=True,
-                         spill_block_bytes=base.spill_block_bytes, strategy=strategy, faults=faults,
-                         rng=random.Random(f"schedule:{seed}:{strategy}:{faults}"))
-
-
 # -- one run -----------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(slots=True)
-class RunResult:
-    violation: Violation | None
-    ticks: int
-    edits: list[Decision]
-    """The run's moved events: its decisions that differ from the default's (a run under an ``ExplorePolicy``)."""
-
-
 class _Sim(Simulator):
     """The simulator, keeping the last tick's inputs for the clients' check (``keep`` would keep them all)."""
 
@@ -361,7 +225,7 @@ class _Sim(Simulator):
 
 
 def run_workload(workload: Workload, policy: Policy, *, replay: Sequence[Decision] = (),
-                 log: Path | None = None) -> RunResult:
+                 log: Path | None = None) -> Run:
     """Run ``workload`` on the core as built now (a variant, if one is enabled) under ``policy``, answering first
     from ``replay``; check every tick, stop at the first violation. With ``log``, write the run there (the file must
     not exist) and check that it replays ``identical``."""
@@ -387,7 +251,7 @@ def run_workload(workload: Workload, policy: Policy, *, replay: Sequence[Decisio
         if len(policy.deviated) != len(sim.decisions):
             raise RuntimeError(f"{len(sim.decisions)} decisions but {len(policy.deviated)} answers noted")
         edits = [d for d, moved in zip(sim.decisions, policy.deviated, strict=True) if moved]
-    return RunResult(violation, sim.tick, edits)
+    return Run(violation, sim.tick, edits)
 
 
 def _drive(sim: _Sim, workload: Workload, policy: Policy) -> Violation | None:
@@ -437,11 +301,68 @@ def _drive(sim: _Sim, workload: Workload, policy: Policy) -> Violation | None:
     return check_end(sim.core, clients.live, sim.tick)
 
 
-def default_run(workload: Workload, edits: Sequence[Decision] = (), *, log: Path | None = None) -> RunResult:
+def default_run(workload: Workload, edits: Sequence[Decision] = (), *, log: Path | None = None) -> Run:
     """The run that ``edits`` (moved events) describe: answered from them, the prompt default answering the rest."""
     return run_workload(workload, default_policy(workload.config), replay=edits, log=log)
 
 
-def seed_workload(seed: int, log: str | Path | None) -> Workload:
-    """The workload a seed explores: the log's (every seed the same), or the seed's random clients."""
-    return log_workload(log) if log is not None else random_workload(seed)
+# -- the level, as the driver calls it -------------------------------------------------------------------------------
+CLIENT_KINDS = frozenset({"ending", "order", "overrun", "stop", "deadline"})
+"""The violations ``ClientCheck`` finds, which a written log shows too."""
+
+
+class CoreLevel:
+    """The core level: ``tools.explore.driver.Level`` over ``Workload``s."""
+
+    name = LEVEL
+    sample_every = 100
+    moves_events = True
+    ordered_actions = True
+
+    def subject(self, seed: int, faults: bool, source: str | None) -> Workload:
+        return log_workload(source) if source is not None else random_workload(seed)
+
+    def run(self, subject: Workload, schedule: Schedule, log: Path, *, check_replay: bool) -> Run:
+        policy = strategy_policy(schedule.seed, schedule.strategy, schedule.faults, subject.config)
+        return run_workload(subject, policy, log=log if check_replay else None)
+
+    def rerun(self, subject: Workload, schedule: Schedule, edits: Sequence[Decision], log: Path, *,
+              check_replay: bool) -> Run:
+        return default_run(subject, edits, log=log if check_replay else None)
+
+    def check_kept_log(self, path: Path, kind: str) -> str:
+        """It replays ``identical``; ``replay.bisect`` names the violating tick (invariants; with ``StrandCheck``,
+        stranding); ``check_client_log`` finds a client-visible violation."""
+        report = verify(path)
+        replays = f"replay: {report.status}"
+        if kind == "invariant" or kind == "stranded":
+            if kind == "stranded":
+                how, bisected = "replay.bisect(log, StrandCheck)", bisect(path, StrandCheck(STRAND_TICKS))
+            else:
+                how, bisected = "replay --bisect", bisect(path)
+            return f"{replays}; {how}: {bisected.status} at tick {bisected.first_divergent_tick}: {bisected.error}"
+        if kind in CLIENT_KINDS:
+            return f"{replays}; the clients' check on the log: {check_client_log(path)}"
+        return f"{replays} (the {kind} check reads the run's end state)"
+
+    def describe_action(self, action: Action) -> str:
+        return describe_action(action)
+
+    def describe_edit(self, edit: Decision) -> str:
+        """One moved event, in words (the default answer is the prompt one: see ``default_policy``)."""
+        what, key, value = edit.what, edit.key, edit.value
+        if what == "device_steps":
+            return f"tick {key[0]}: the device completes {value} steps (default 1)"
+        if what == "delay":
+            return f"{'/'.join(map(str, key))} delivered {value} ticks late"
+        if what == "step_fails":
+            return f"step {key[1]} fails"
+        if what in ("spill_ok", "swap_in"):
+            return f"{'/'.join(map(str, key))} fails"
+        if what == "deadline_due":
+            return f"tick {key[1]}: the deadline of {key[0]} is {'reported early' if value else 'not reported yet'}"
+        return f"tick {key[0]}: {what} order {value!r}"
+
+
+CORE = CoreLevel()
+"""The core level."""

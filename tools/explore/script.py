@@ -1,4 +1,4 @@
-"""The actor-level race explorer's scripts: what the clients do and which faults strike, drawn from one seed.
+"""The actor-level explorer's scripts: what the clients do and which faults strike, drawn from one seed.
 
 ``make_script(seed, faults)`` draws the engine's setup and a list of actions from one ``random.Random(seed)``:
 clients that submit (with deadlines, stop strings, priorities, sampling seeds), cancel (half of the cancels land at
@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from tickloom import EngineConfig, FaultPlan
-from tickloom.tools.explore_checks import Expect, Monitor
+from tickloom.tools.explore.checks import Expect, Monitor
 
 CRASHABLE = ("step", "device", "deadlines", "retire", "spill", "swap-in", "log")
 

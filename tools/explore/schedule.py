@@ -1,4 +1,4 @@
-"""A reproducible trio scheduler for the race explorer: trio's own hook, seeded, with a choice of policies.
+"""A reproducible trio scheduler for the actor-level explorer: trio's own hook, seeded, with a choice of policies.
 
 trio shuffles each batch of runnable tasks with its module-level ``trio._core._run._r``; when
 ``_ALLOW_DETERMINISTIC_SCHEDULING`` is set (the hook trio keeps for Hypothesis) it first sorts the batch by task
@@ -9,7 +9,9 @@ puts a seeded policy in ``_r`` for the runs inside it, and puts trio's own back 
 * ``pct``: probabilistic concurrency testing: random task priorities, a few priority change points;
 * ``delay``: creation order, with a few tasks delayed to the end of their batch (delay-bounded scheduling).
 
-The pinned trio version (pyproject.toml) has the hook; ``trio_hook_present`` checks it, and a test too.
+The hook is private, so the package asks only for a range of trio and the extra ``tickloom[explore]`` pins the
+release that has it. Importing this module (and so the actor level, ``tools.explore.actors``) checks for it and
+raises ``ImportError``, saying which trio to install, when it is missing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,23 @@ from typing import Any
 
 import trio
 
-STRATEGIES = ("random", "pct", "delay")
+from tickloom.tools.explore.driver import STRATEGIES
+
+EXPLORE_TRIO = "trio==0.35.0"
+"""The trio release the extra ``tickloom[explore]`` pins (pyproject.toml)."""
+
+
+def trio_hook_present() -> bool:
+    """Whether trio still has the deterministic-scheduling hook this explorer relies on."""
+    run_mod = trio._core._run
+    return hasattr(run_mod, "_ALLOW_DETERMINISTIC_SCHEDULING") and isinstance(getattr(run_mod, "_r", None),
+                                                                                random.Random)
+
+
+if not trio_hook_present():
+    raise ImportError(f"the actor-level explorer seeds trio's scheduler through trio._core._run's private "
+                      f"_ALLOW_DETERMINISTIC_SCHEDULING and _r, which trio {trio.__version__} lacks; it needs "
+                      f"{EXPLORE_TRIO}: pip install 'tickloom[explore]'")
 
 
 # -- the schedule --------------------------------------------------------------------------------------------------
@@ -78,19 +96,9 @@ def schedule_policy(strategy: str, seed: int) -> random.Random:
     raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
 
 
-def trio_hook_present() -> bool:
-    """Whether trio still has the deterministic-scheduling hook this explorer relies on."""
-    run_mod = trio._core._run
-    return hasattr(run_mod, "_ALLOW_DETERMINISTIC_SCHEDULING") and isinstance(getattr(run_mod, "_r", None),
-                                                                                random.Random)
-
-
 @contextmanager
 def deterministic_trio(seed: int, strategy: str) -> Iterator[None]:
     """Make trio's scheduler a pure function of ``seed`` and ``strategy`` for the runs inside the block."""
-    if not trio_hook_present():
-        raise RuntimeError(f"trio {trio.__version__} lacks _core._run._ALLOW_DETERMINISTIC_SCHEDULING/_r; "
-                           "the explorer needs the pinned trio version")
     run_mod = trio._core._run
     saved = (run_mod._ALLOW_DETERMINISTIC_SCHEDULING, run_mod._r)
     setattr(run_mod, "_ALLOW_DETERMINISTIC_SCHEDULING", True)  # noqa: B010 (Final in trio)
