@@ -36,6 +36,7 @@ if (Path(__file__).parent / "engine").is_file():
 _EXPORTS = {
     "Engine": "tickloom.api",
     "RequestStream": "tickloom.api",
+    "Request": "tickloom.request",
     "EngineConfig": "tickloom.config",
     "FaultPlan": "tickloom.config",
     "SamplingParams": "tickloom.params",
@@ -54,6 +55,7 @@ __all__ = [
     "EngineError",
     "EngineOverloaded",
     "FaultPlan",
+    "Request",
     "RequestOutput",
     "RequestRejected",
     "RequestStream",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
     from tickloom.engine.outputs import RequestOutput, RequestUsage
     from tickloom.params import SamplingParams
+    from tickloom.request import Request
 
 
 def __getattr__(name: str) -> Any:
