@@ -18,7 +18,7 @@
 #               whole), oracle.py (the stub model's tokens: the core's tests' model, scored with them) and
 #               __init__.py (re-exports).
 #   replay      replay/verify.py and diff.py: exact replay, divergence reports, seek and bisect, field-level diffs.
-#               The rest of replay/ (the simulator, explorers, what-if, traces) is tooling over the same core.
+#               The rest of replay/ (the simulator, what-if, traces) is tooling over the same core.
 #   validation  tickloom/validation.py (checked, unencodable, with_bounds: the validation boundary of the public
 #               API), tickloom/params.py (SamplingParams) and the checks of tickloom/config.py (FaultPlan's and EngineConfig's
 #               __post_init__, _check_tensor_parallel, _normalise). Left out: config.py's configuration_table, _bound,
