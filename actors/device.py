@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,8 +58,7 @@ from tickloom.events.oracle import OracleRow, oracle_step
 class Executor(Protocol):
     """What ``engine.model.ModelExecutor`` offers (and ``StubExecutor``)."""
 
-    def bind(self, request_id: str, params: SamplingSpec, seed: int, prompt_len: int,
-             masked_token_ids: list[int], prompt_token_ids: Sequence[int] = ()) -> None: ...
+    def bind(self, command: BindRequest) -> None: ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -198,8 +197,7 @@ class ThreadDevice:
                                   result.logprobs, result.top_token_ids, result.top_logprobs, result.prompt_logprobs,
                                   result.prompt_top_token_ids, result.prompt_top_logprobs))
         elif isinstance(command, BindRequest):
-            ex.bind(command.request_id, command.params, command.seed, command.prompt_len,
-                    list(command.masked_token_ids), command.prompt_token_ids)
+            ex.bind(command)
         elif isinstance(command, ReleaseRequest):
             self._poisoned.discard(command.request_id)
             ex.release(command.request_id)

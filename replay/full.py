@@ -150,8 +150,7 @@ class ModelDevice:
         ex = self.executor
         for command in commands:
             if isinstance(command, BindRequest):
-                ex.bind(command.request_id, command.params, command.seed, command.prompt_len,
-                        list(command.masked_token_ids), list(command.prompt_token_ids))
+                ex.bind(command)
             elif isinstance(command, RunStep):
                 results.append(self.run_step(command))
             elif isinstance(command, SpillOut):

@@ -13,6 +13,7 @@ from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.tables import step_of
 from tickloom.engine.model.types import StepResult
 from tickloom.events import SamplingSpec
+from tickloom.events.commands import BindRequest
 
 Spec = functools.partial(SamplingSpec, temperature=0.0)
 """A ``SamplingSpec``, greedy unless told otherwise (the model tests' default)."""
@@ -37,7 +38,7 @@ class Driver:
         self.reqs: dict[str, _Req] = {}
 
     def add(self, rid: str, prompt: list[int], spec: SamplingSpec, seed: int, masked: list[int] | None = None) -> None:
-        self.ex.bind(rid, spec, seed, len(prompt), masked or [])
+        self.ex.bind(BindRequest(rid, spec, seed, len(prompt), masked or []))
         self.reqs[rid] = _Req(list(prompt))
 
     def release(self, rid: str) -> None:

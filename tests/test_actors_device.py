@@ -86,7 +86,7 @@ def test_an_executor_refuses_a_row_its_block_table_does_not_cover() -> None:
     """Both executors check, before running a row, that its table covers its positions (the check that caught the
     soak's stale table): 32 tokens fill two blocks of 16, so position 32 needs a third."""
     executor = StubExecutor(block_size=16)
-    executor.bind("r", SamplingSpec(max_tokens=4), 1, 32, [])
+    executor.bind(BindRequest("r", SamplingSpec(max_tokens=4), 1, 32, []))
     executor.run_step(step_of(["r"], [0], [32], list(range(32)), [NO_SAMPLE], [0], [2], [4, 9]))
     with pytest.raises(ValueError, match="row 0: positions up to 32 need 3 blocks, block table has 2"):
         executor.run_step(step_of(["r"], [32], [1], [3], [0], [2], [0], []))

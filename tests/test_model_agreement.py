@@ -17,6 +17,7 @@ from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.quant import QUANT_SETTINGS, bf16_supported
 from tickloom.engine.model.registry import smollm2_gguf_path
 from tickloom.engine.model.tables import step_of
+from tickloom.events.commands import BindRequest
 
 pytestmark = [
     pytest.mark.slow,
@@ -75,7 +76,7 @@ def greedy_batch(model: LlamaModel, prompts: list[list[int]], n: int) -> list[li
         start += k
     spec = Greedy()
     for rid, p in zip(rids, prompts, strict=True):
-        ex.bind(rid, spec, 0, len(p), [])
+        ex.bind(BindRequest(rid, spec, 0, len(p), []))
     b = len(prompts)
     res = ex.run_step(step_of(rids, [0] * b, [len(p) for p in prompts], [t for p in prompts for t in p], [0] * b,
                       [0] * b, per, [x for t in tables for x in t]))

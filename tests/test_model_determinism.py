@@ -10,6 +10,7 @@ from model_fixtures import Driver, Spec, make_executor, prompts
 
 from tickloom.engine.model.tables import step_of
 from tickloom.engine.model.tiny import write_tiny_model
+from tickloom.events.commands import BindRequest
 
 torch.set_num_threads(1)
 SPEC = Spec(temperature=0.8)
@@ -87,7 +88,7 @@ def test_preempt_and_recompute(tiny64: Path) -> None:
     drv.add("x", p + first, SPEC, 5)
     drv.reqs["x"].prompt = list(p)
     drv.reqs["x"].out = list(first)
-    ex.bind("x", SPEC, 5, len(p), [])
+    ex.bind(BindRequest("x", SPEC, 5, len(p), []))
     out = drv.generate(["x"], N_NEW, chunk=3)["x"]
     assert out == expect
 

@@ -9,12 +9,13 @@ from model_fixtures import Spec
 
 from tickloom.engine.model.stub import StubExecutor, token_for
 from tickloom.engine.model.tables import step_of
+from tickloom.events.commands import BindRequest
 
 
 def test_stub_tokens_follow_oracle() -> None:
     ex = StubExecutor(vocab_size=100)
-    ex.bind("a", Spec(), 5, 3, [])
-    ex.bind("b", Spec(), 6, 2, [])
+    ex.bind(BindRequest("a", Spec(), 5, 3, []))
+    ex.bind(BindRequest("b", Spec(), 6, 2, []))
     res = ex.run_step(step_of(["a", "b"], [0, 0], [3, 2], [1, 2, 3, 4, 5], [0, -1], [0, 0], [1, 1], [7, 9]))
     assert res.token_ids == [token_for(5, 0, 100)]
     assert ex.block_table("a") == [7] and ex.block_table("b") == [9]

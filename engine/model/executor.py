@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +15,7 @@ from tickloom.engine.model.sampling import Sampler, SampleRow, has_penalties
 from tickloom.engine.model.tables import BoundRequests, step_inputs
 from tickloom.engine.model.types import StepResult
 from tickloom.events import SamplingSpec
-from tickloom.events.commands import PromptLogprobs, RunStep
+from tickloom.events.commands import BindRequest, PromptLogprobs, RunStep
 
 
 @dataclass(slots=True)
@@ -50,24 +49,17 @@ class ModelExecutor(BoundRequests[_RequestState]):
     def num_blocks(self) -> int:
         return self.kv.num_blocks
 
-    def bind(
-        self,
-        request_id: str,
-        params: SamplingSpec,
-        seed: int,
-        prompt_len: int,
-        masked_token_ids: list[int],
-        prompt_token_ids: Sequence[int] = (),
-    ) -> None:
-        """``prompt_token_ids`` lets rows start past a prefix-cache hit: the skipped tokens are known."""
-        state = _RequestState(params, seed, prompt_len, list(masked_token_ids))
+    def bind(self, command: BindRequest) -> None:
+        """The command's ``prompt_token_ids`` let rows start past a prefix-cache hit: the skipped tokens are known."""
+        prompt_len, prompt_token_ids = command.prompt_len, command.prompt_token_ids
+        state = _RequestState(command.params, command.seed, prompt_len, list(command.masked_token_ids))
         state.tokens.extend(prompt_token_ids)
-        if params.prompt_logprobs is not None and len(prompt_token_ids) == prompt_len:
+        if command.params.prompt_logprobs is not None and len(prompt_token_ids) == prompt_len:
             # The prompt is needed whole: a chunk's last row predicts the first token of the next chunk.
             state.prompt_ids = list(prompt_token_ids)
             blanks = max(prompt_len - 1, 0)
             state.prompt = ([math.nan] * blanks, [[] for _ in range(blanks)], [[] for _ in range(blanks)])
-        self._requests[request_id] = state
+        self._requests[command.request_id] = state
 
     def run_step(self, step: RunStep) -> StepResult:
         """Run one mixed step. A row fed from a step still in flight when the command was made (``fed_from``)

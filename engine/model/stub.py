@@ -15,7 +15,7 @@ from typing import Any
 from tickloom.engine.model.tables import BoundRequests
 from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import SamplingSpec
-from tickloom.events.commands import RunStep
+from tickloom.events.commands import BindRequest, RunStep
 from tickloom.events.oracle import OracleRow, oracle_step, oracle_token
 
 
@@ -50,16 +50,9 @@ class StubExecutor(BoundRequests[_StubRequest]):
         self.avoid = avoid
         self.steps_run = 0
 
-    def bind(
-        self,
-        request_id: str,
-        params: SamplingSpec,
-        seed: int,
-        prompt_len: int,
-        masked_token_ids: list[int],
-        prompt_token_ids: Sequence[int] = (),
-    ) -> None:
-        self._requests[request_id] = _StubRequest(seed, prompt_len, params, list(prompt_token_ids))
+    def bind(self, command: BindRequest) -> None:
+        self._requests[command.request_id] = _StubRequest(command.seed, command.prompt_len, command.params,
+                                                          list(command.prompt_token_ids))
 
     def run_step(self, step: RunStep) -> StepResult:
         states = self.start_step(step)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -46,8 +46,7 @@ from tickloom.engine.model.kv_cache import HostKV
 from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.quant import Linear, RawBlocks, Weight
 from tickloom.engine.model.types import StepResult
-from tickloom.events import SamplingSpec
-from tickloom.events.commands import RunStep
+from tickloom.events.commands import BindRequest, RunStep
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +124,7 @@ def shard_model(cfg: ModelConfig, tensors: Mapping[str, Weight], dtype: torch.dt
 
 # -- the commands every rank receives ----------------------------------------------------------------------------
 class _Bind(msgspec.Struct, frozen=True, tag="bind", array_like=True):
-    request_id: str
-    params: SamplingSpec
-    seed: int
-    prompt_len: int
-    masked_token_ids: list[int]
-    prompt_token_ids: list[int]
+    command: BindRequest
 
 
 class _Step(msgspec.Struct, frozen=True, tag="step", array_like=True):
@@ -168,8 +162,7 @@ def _broadcast(call: _Call | None, device: torch.device, group: Any = None) -> _
 
 def _apply(executor: ModelExecutor, call: _Call) -> StepResult | None:
     if isinstance(call, _Bind):
-        executor.bind(call.request_id, call.params, call.seed, call.prompt_len, call.masked_token_ids,
-                      call.prompt_token_ids)
+        executor.bind(call.command)
     elif isinstance(call, _Step):
         return executor.run_step(call.step)
     elif isinstance(call, _Release):
@@ -199,9 +192,8 @@ class TensorParallelExecutor:
         _broadcast(call, self.model.device, self.group)
         return _apply(self.executor, call)
 
-    def bind(self, request_id: str, params: SamplingSpec, seed: int, prompt_len: int, masked_token_ids: list[int],
-             prompt_token_ids: Sequence[int] = ()) -> None:
-        self._call(_Bind(request_id, params, seed, prompt_len, list(masked_token_ids), list(prompt_token_ids)))
+    def bind(self, command: BindRequest) -> None:
+        self._call(_Bind(command))
 
     def run_step(self, step: RunStep) -> StepResult:
         result = self._call(_Step(step))

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
 import torch
@@ -41,8 +41,7 @@ from tickloom.engine.model.convert import resolve_model
 from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.tp import TensorParallelExecutor, build_executors_together, shard_model
 from tickloom.engine.model.types import HostKV, StepResult
-from tickloom.events import SamplingSpec
-from tickloom.events.commands import RunStep
+from tickloom.events.commands import BindRequest, RunStep
 
 log = logging.getLogger(__name__)
 
@@ -378,10 +377,8 @@ class _RankZero:
     def num_blocks(self) -> int:
         return self._tp.num_blocks
 
-    def bind(self, request_id: str, params: SamplingSpec, seed: int, prompt_len: int, masked_token_ids: list[int],
-             prompt_token_ids: Sequence[int] = ()) -> None:
-        self._ranks.call(functools.partial(self._tp.bind, request_id, params, seed, prompt_len, masked_token_ids,
-                                           prompt_token_ids))
+    def bind(self, command: BindRequest) -> None:
+        self._ranks.call(functools.partial(self._tp.bind, command))
 
     def release(self, request_id: str) -> None:
         self._ranks.call(functools.partial(self._tp.release, request_id))

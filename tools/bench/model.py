@@ -31,6 +31,7 @@ from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.tables import step_of
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import SamplingSpec
+from tickloom.events.commands import BindRequest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,7 +62,7 @@ def _ours(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, block_size
     rids = [f"r{i}" for i in range(b)]
     tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(b)]
     for rid in rids:
-        ex.bind(rid, spec, 0, plen, [])
+        ex.bind(BindRequest(rid, spec, 0, plen, []))
     t0 = time.perf_counter()
     res = ex.run_step(step_of(
         rids,
