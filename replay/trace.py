@@ -118,13 +118,46 @@ def iter_ticks(path: str | os.PathLike[str], first: int | None = None, last: int
             yield record
 
 
+def _lanes(slices: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Split slices into lanes so that no two slices on one lane overlap (touching is fine): the Trace Event Format
+    requires the complete ("X") slices of one thread track to be disjoint or nested, and running ahead a step starts
+    before the previous one ends. Greedy by start time onto the lowest free lane, which uses the fewest lanes."""
+    lanes: list[list[dict[str, Any]]] = []
+    ends: list[float] = []
+    for event in sorted(slices, key=lambda e: (e["ts"], -e["dur"])):
+        lane = next((i for i, end in enumerate(ends) if end <= event["ts"]), len(lanes))
+        if lane == len(lanes):
+            lanes.append([])
+            ends.append(0.0)
+        lanes[lane].append(event)
+        ends[lane] = event["ts"] + event["dur"]
+    return lanes
+
+
+def _place(slices: list[dict[str, Any]], pid: int, first_tid: int, label: str,
+           names: dict[int, str]) -> list[dict[str, Any]]:
+    """Give each slice a ``pid`` and a ``tid`` from ``first_tid`` on, one per lane, named ``label`` (numbered when
+    there is more than one lane); returns the slices in lane order."""
+    lanes = _lanes(slices) or [[]]
+    placed: list[dict[str, Any]] = []
+    for i, lane in enumerate(lanes):
+        names[first_tid + i] = label if len(lanes) == 1 else f"{label} {i + 1}"
+        for event in lane:
+            event["pid"], event["tid"] = pid, first_tid + i
+            placed.append(event)
+    return placed
+
+
 def perfetto_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A Trace Event Format object: steps (X), request lifetimes (X), spill and swap-in I/O (X), preemptions (i)
-    and gauges (C). Timestamps are the log's ``now_ns`` in microseconds."""
+    and gauges (C). Timestamps are the log's ``now_ns`` in microseconds. Steps, spills and prefetches that overlap
+    (running ahead, concurrent I/O) go on separate tracks of their process, so every track nests."""
     events: list[dict[str, Any]] = []
     device, requests, io = 1, 2, 3
-    meta = [(device, "device", {1: "steps"}), (io, "spill and swap-in I/O", {1: "spill out", 2: "swap-in"}),
-            (requests, "requests", {})]
+    steps: list[dict[str, Any]] = []
+    spills: list[dict[str, Any]] = []
+    fetches: list[dict[str, Any]] = []
+    swap_ins: list[dict[str, Any]] = []
     step_start: dict[int, tuple[float, int]] = {}
     spill_start: dict[str, float] = {}
     fetch_start: dict[str, float] = {}
@@ -141,21 +174,19 @@ def perfetto_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
         for item in record.inputs.inputs:
             if isinstance(item, StepDone | StepFailed) and item.step_id in step_start:
                 start, rows = step_start.pop(item.step_id)
-                events.append({"ph": "X", "name": f"step {item.step_id}", "ts": start, "dur": max(ts - start, 0.0),
-                               "pid": device, "tid": 1, "cat": "step",
-                               "args": {"rows": rows, "failed": isinstance(item, StepFailed)}})
+                steps.append({"ph": "X", "name": f"step {item.step_id}", "ts": start, "dur": max(ts - start, 0.0),
+                              "cat": "step", "args": {"rows": rows, "failed": isinstance(item, StepFailed)}})
             elif isinstance(item, RequestArrived):
                 alive[item.request_id] = ts
                 tid(item.request_id)
             elif isinstance(item, SpillDone) and item.request_id in spill_start:
                 start = spill_start.pop(item.request_id)
-                events.append({"ph": "X", "name": f"spill {item.request_id}", "ts": start, "dur": ts - start,
-                               "pid": io, "tid": 1, "cat": "io", "args": {"ok": item.ok, "nbytes": item.nbytes}})
+                spills.append({"ph": "X", "name": f"spill {item.request_id}", "ts": start, "dur": ts - start,
+                               "cat": "io", "args": {"ok": item.ok, "nbytes": item.nbytes}})
             elif isinstance(item, SwapInReady | SwapInFailed) and item.request_id in fetch_start:
                 start = fetch_start.pop(item.request_id)
-                events.append({"ph": "X", "name": f"prefetch {item.request_id}", "ts": start, "dur": ts - start,
-                               "pid": io, "tid": 2, "cat": "io",
-                               "args": {"ok": isinstance(item, SwapInReady)}})
+                fetches.append({"ph": "X", "name": f"prefetch {item.request_id}", "ts": start, "dur": ts - start,
+                                "cat": "io", "args": {"ok": isinstance(item, SwapInReady)}})
         for command in record.outputs.commands:
             if isinstance(command, RunStep):
                 step_start[command.step_id] = (ts, len(command.request_ids))
@@ -164,8 +195,8 @@ def perfetto_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
             elif isinstance(command, PrefetchSpill):
                 fetch_start[command.request_id] = ts
             elif isinstance(command, SwapIn):
-                events.append({"ph": "i", "s": "t", "name": f"swap in {command.request_id}", "ts": ts,
-                               "pid": io, "tid": 2, "cat": "io"})
+                swap_ins.append({"ph": "i", "s": "t", "name": f"swap in {command.request_id}", "ts": ts,
+                                 "cat": "io"})
             elif isinstance(command, Preempted):
                 events.append({"ph": "i", "s": "t", "name": f"preempt ({command.mode})", "ts": ts,
                                "pid": requests, "tid": tid(command.request_id), "cat": "preempt"})
@@ -184,9 +215,20 @@ def perfetto_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     for rid, start in alive.items():
         events.append({"ph": "X", "name": f"{rid} (open)", "ts": start, "dur": last_ts - start, "pid": requests,
                        "tid": tid(rid), "cat": "request"})
-    for pid, pname, threads in meta:
+    for step_id, (start, rows) in step_start.items():  # never settled in the log (it ends first)
+        steps.append({"ph": "X", "name": f"step {step_id} (open)", "ts": start, "dur": last_ts - start,
+                      "cat": "step", "args": {"rows": rows, "failed": False}})
+    device_names: dict[int, str] = {}
+    io_names: dict[int, str] = {}
+    events += _place(steps, device, 1, "steps", device_names)
+    events += _place(spills, io, 1, "spill out", io_names)
+    swap_in_tid = len(io_names) + 1
+    events += _place(fetches, io, swap_in_tid, "swap-in", io_names)
+    events += [{**event, "pid": io, "tid": swap_in_tid} for event in swap_ins]
+    meta = [(device, "device", device_names), (io, "spill and swap-in I/O", io_names),
+            (requests, "requests", {t: r for r, t in tids.items()})]
+    for pid, pname, names in meta:
         events.append({"ph": "M", "name": "process_name", "ts": 0, "pid": pid, "tid": 0, "args": {"name": pname}})
-        names = threads if pid != requests else {t: r for r, t in tids.items()}
         for t, tname in names.items():
             events.append({"ph": "M", "name": "thread_name", "ts": 0, "pid": pid, "tid": t, "args": {"name": tname}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
