@@ -408,8 +408,8 @@ async def test_errors_are_openai_json_naming_the_field(tmp_path: Path) -> None:
                 expect(lambda c: chat_text(c, top_p=0.0), openai.BadRequestError),  # the engine's bound
                 expect(lambda c: chat_text(c, max_tokens=2, extra_body={"min_tokens": 5}), openai.BadRequestError),
                 expect(lambda c: chat_text(c, max_completion_tokens=0), openai.BadRequestError),
-                expect(lambda c: c.completions.create(model="stub", prompt="\u00e9", max_tokens=2),
-                       openai.BadRequestError),  # the stub tokenizes printable ASCII only
+                expect(lambda c: c.completions.create(model="stub", prompt=[], max_tokens=2),
+                       openai.BadRequestError),  # an empty prompt
                 expect(lambda c: c.completions.create(model="stub", prompt="x", logprobs=21), openai.BadRequestError),
                 expect(lambda c: c.chat.completions.create(model="stub", messages=[{"role": "wizard",  # type: ignore
                                                                                     "content": "x"}]),

@@ -72,8 +72,13 @@ class StubExecutor(BoundRequests[_StubRequest]):
 
 
 class StubTokenizer:
-    """The stub model's tokenizer: printable ASCII, one token per character (ids 0-94 are ``' '``-``'~'``), and the
-    last id of the vocabulary as EOS."""
+    """The stub model's tokenizer: one token per printable ASCII character (ids 0-94 are ``' '``-``'~'``), the last
+    id of the vocabulary as EOS, and any other text (newlines, tabs, emoji: anything UTF-8 can encode) as escapes.
+
+    An escape is three tokens per UTF-8 byte: EOS, then the byte's two hex digits (``"\\n"`` is EOS ``0`` ``a``).
+    EOS marks it because the stub never generates EOS (its device avoids it), so generated text decodes one
+    character per token as before and only prompts carry escapes; ``decode(encode(text)) == text`` for any text.
+    """
 
     def __init__(self, vocab_size: int = 96) -> None:
         if vocab_size < 96:
@@ -83,14 +88,52 @@ class StubTokenizer:
         self.bos_token_id: int | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        bad = [c for c in text if not " " <= c <= "~"]
-        if bad:
-            raise ValueError(f"the stub tokenizer encodes printable ASCII only, not {bad[0]!r}")
-        return [ord(c) - 32 for c in text]
+        ids: list[int] = []
+        for char in text:
+            if " " <= char <= "~":
+                ids.append(ord(char) - 32)
+                continue
+            try:
+                raw = char.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"the stub tokenizer encodes text UTF-8 can encode, not {char!r}") from None
+            for byte in raw:
+                ids += [self.eos_token_id, _HEX_IDS[byte >> 4], _HEX_IDS[byte & 15]]
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i + 32) if i < 95 else ("" if skip_special_tokens else "</s>") for i in ids)
+        parts: list[str] = []
+        escaped = bytearray()
+        i = 0
+        while i < len(ids):
+            token = ids[i]
+            byte = self._escaped_byte(ids, i)
+            if byte is not None:
+                escaped.append(byte)
+                i += 3
+                continue
+            if escaped:
+                parts.append(escaped.decode("utf-8", errors="replace"))
+                escaped.clear()
+            parts.append(chr(token + 32) if token < 95 else ("" if skip_special_tokens else "</s>"))
+            i += 1
+        if escaped:
+            parts.append(escaped.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def _escaped_byte(self, ids: Sequence[int], i: int) -> int | None:
+        """The byte escaped at ``ids[i:i + 3]`` (EOS and two hex digits), or None if no escape starts there."""
+        if ids[i] != self.eos_token_id or i + 2 >= len(ids):
+            return None
+        high, low = _HEX_VALUES.get(ids[i + 1]), _HEX_VALUES.get(ids[i + 2])
+        return None if high is None or low is None else high * 16 + low
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         text = " ".join(f"<{m['role']}>{m['content']}" for m in messages)
         return text + (" <assistant>" if add_generation_prompt else "")
+
+
+_HEX_IDS = [ord(c) - 32 for c in "0123456789abcdef"]
+"""The token ids of the hex digits an escaped byte is written with."""
+
+_HEX_VALUES = {token: value for value, token in enumerate(_HEX_IDS)}

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         for m in available_models()
     ]
     rows.append({"name": "stub", "available": True, "source": "built in",
-                 "description": "the core's token oracle with a printable-ASCII tokenizer (tests, benchmarks)"})
+                 "description": "the core's token oracle with a one-token-per-character tokenizer (tests, benchmarks)"})
     if args.json:
         for row in rows:
             print(json.dumps(row))
