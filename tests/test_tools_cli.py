@@ -124,3 +124,27 @@ def test_matplotlib_is_not_a_hard_dependency() -> None:
     project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
     assert not any(d.startswith("matplotlib") for d in project["dependencies"])
     assert any(d.startswith("matplotlib") for d in project["optional-dependencies"]["plot"])
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tickloom {version('tickloom')}"
+
+
+def test_version_falls_back_to_pyproject_in_a_source_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+    import re
+
+    from tickloom.tools.cli import package_version
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text(encoding="utf-8")
+    declared = re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE)
+    assert declared is not None and package_version() == declared.group(1)

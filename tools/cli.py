@@ -33,6 +33,27 @@ EX_DATAERR = 65
 EX_SOFTWARE = 70
 """Exit status of a failure inside tickloom, e.g. the engine failing under ``serve`` (sysexits.h)."""
 
+
+def package_version() -> str:
+    """tickloom's version: the installed distribution's, else (a source checkout on ``sys.path``, never installed)
+    the one pyproject.toml declares, else ``unknown``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tickloom")
+    except PackageNotFoundError:
+        pass
+    import re
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    try:
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(encoding="utf-8"), re.MULTILINE)
+    except OSError:
+        found = None
+    return found.group(1) if found else "unknown"
+
+
 def subcommand_modules() -> list[str]:
     """The modules of ``tools/commands/`` that each add one subcommand, in ``--help`` order (by name)."""
     from tickloom.tools import commands
@@ -72,6 +93,7 @@ def build_parser() -> ArgumentParser:
         prog="tickloom",
         description="tickloom: an LLM inference engine core whose every tick is logged and replayable.",
     )
+    parser.add_argument("--version", action="version", version=f"tickloom {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in subcommand_modules():
         module = cast(Subcommand, importlib.import_module(module_name))
