@@ -134,7 +134,7 @@ async def test_a_whole_answer_too_large_to_hold_is_refused(tmp_path: Path) -> No
         assert "1400" not in error["message"] and "2 choices x 100 tokens x 7 entries" in error["message"]
         fits = {"model": "stub", "prompt": "a", "max_tokens": 100, "n": 2, "logprobs": 3}  # 2 x 100 x 5
         assert (await srv.http(lambda c: c.post("/v1/completions", json=fits))).status_code == 200
-        plain = {"model": "stub", "prompt": "a", "max_tokens": 500, "n": 2}  # 2 x 500 x 1
+        plain = {"model": "stub", "prompt": "a", "max_tokens": 250, "n": 4}  # 4 x 250 x 1
         assert (await srv.http(lambda c: c.post("/v1/completions", json=plain))).status_code == 200
         streamed = {**too_big, "stream": True}  # a stream holds only what its client has not read
         assert (await srv.http(lambda c: c.post("/v1/completions", json=streamed))).status_code == 200
@@ -277,7 +277,7 @@ async def test_a_drain_that_times_out_ends_each_stream_with_why(tmp_path: Path) 
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(functools.partial(serve, config, ServeOptions(port=0, drain_timeout=0.3),
                                                           shutdown=shutdown))
-            body = {"model": "stub", "prompt": "x", "max_tokens": 2000, "stream": True}
+            body = {"model": "stub", "prompt": "x", "max_tokens": 255, "stream": True}
 
             async def one() -> None:
                 results.append(await trio.to_thread.run_sync(read_stream, binds[0], body))
@@ -307,7 +307,7 @@ async def test_a_whole_answer_cut_by_the_drain_is_a_503_that_says_why(tmp_path: 
 
             async def one() -> None:
                 answer.append(await srv.http(lambda c: c.post("/v1/completions", json={
-                    "model": "stub", "prompt": "x", "max_tokens": 2000})))
+                    "model": "stub", "prompt": "x", "max_tokens": 255})))
 
             nursery.start_soon(one)
             await trio.sleep(0.5)
@@ -337,7 +337,7 @@ async def test_a_failed_log_ends_every_stream_with_the_error(tmp_path: Path,
         async with Engine.open(config) as engine, trio.open_nursery() as nursery:
             binds = await nursery.start(functools.partial(serve_engine, engine, ServeOptions(port=0)))
             srv = Server(binds[0], tmp_path / "s.tlog")
-            body = {"model": "stub", "prompt": "x", "max_tokens": 2000, "stream": True}
+            body = {"model": "stub", "prompt": "x", "max_tokens": 255, "stream": True}
 
             async def one() -> None:
                 streams.append(await trio.to_thread.run_sync(read_stream, srv.url, body))

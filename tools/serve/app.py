@@ -1,4 +1,5 @@
-"""The Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+"""The Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/health``, ``/metrics``, and ``/v1/models``,
+``/tokenize``, ``/detokenize``, ``/version`` (``info``).
 
 It runs in the engine's own trio run (hypercorn's trio worker), so handlers call the engine directly. One OpenAI
 request of ``p`` prompts and ``n`` choices is ``p`` engine requests (ids ``<response id>-<prompt index>``), each with
@@ -29,17 +30,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tickloom import EngineError, EngineOverloaded, RequestOutput, RequestRejected
 from tickloom.prompts import Prompt
 from tickloom.request import Request as EngineRequest
-from tickloom.tools.serve import translate
+from tickloom.tools.serve import fields, scoring, translate
 from tickloom.tools.serve.backend import ServedEngine, ServedStream
 from tickloom.tools.serve.chunks import ChunkWriter
 from tickloom.tools.serve.ending import OpenRequests
 from tickloom.tools.serve.guard import BodyAbandoned, BodyLimits, read_body, route_label
+from tickloom.tools.serve.info import TOKENIZE_ROUTES, info_routes
 from tickloom.tools.serve.metrics import Metrics
 from tickloom.tools.serve.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
-    ModelList,
     OpenAIError,
     decode_request,
 )
@@ -67,7 +67,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 DEFAULT_MAX_ANSWER_ENTRIES = 1_000_000
 """What a whole (not streamed) answer may hold: choices x tokens x (1 + logprobs listed per token)."""
 
-ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+                    *TOKENIZE_ROUTES})
 
 
 @dataclass
@@ -85,6 +86,8 @@ class ServerState:
     failure: str | None = None
     """Why the server no longer serves (the engine failed): ``/health`` says it, new requests get it as a 503."""
     requests: OpenRequests = field(default_factory=OpenRequests)
+    created: int = field(default_factory=lambda: int(time.time()))
+    """When the server started (``/v1/models``' ``created``)."""
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -215,9 +218,6 @@ def build_app(state: ServerState) -> Starlette:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    async def models(request: Request) -> Response:
-        return json_response(ModelList(data=[ModelCard(id=state.model_name)]))
-
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
 
@@ -232,7 +232,7 @@ def build_app(state: ServerState) -> Starlette:
         except BodyAbandoned:
             state.metrics.disconnects.inc()
             return Response(status_code=499)
-        req: OpenAIRequest = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
+        req: OpenAIRequest = decode_request(body, fields.CHAT_WIRE if chat else fields.COMPLETION_WIRE)
         del body
         if req.model != state.model_name:
             raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {state.model_name!r}",
@@ -258,18 +258,22 @@ def build_app(state: ServerState) -> Starlette:
                               param="n")
         if not req.stream:
             check_answer_size(req, len(prompts) * req.n, default_max, state.max_answer_entries)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
         deadline = req.timeout if req.timeout is not None else state.request_timeout
+        max_seq_len = engine.config.max_seq_len
         try:
-            params = translate.sampling_params(req, default_max)
+            params = translate.sampling_params(req, default_max, max_seq_len)
+            echoes = (scoring.echoed_prompts(engine.tokenizer, prompts, req, max_seq_len)
+                      if isinstance(req, CompletionRequest) and req.echo else [])
             streams = [engine.generate_request(EngineRequest(prompt=prompt, params=params, deadline=deadline,
-                                                             request_id=f"{rid}-{k}", priority=req.priority))
+                                                             request_id=f"{rid}-{k}", priority=req.priority,
+                                                             cache_salt=req.cache_salt or ""))
                        for k, prompt in enumerate(prompts)]
         except RequestRejected as exc:
             raise translate.rejected(exc, req) from None
         group = Group(streams, req.n, state.metrics, keep=not req.stream)
         created = int(time.time())
-        writer = ChunkWriter(req, rid, created, state.model_name, state.token_text)
+        writer = ChunkWriter(req, rid, created, state.model_name, state.token_text, echoes)
         try:
             gone, _ = await run_until_disconnect(request.receive, group.start)
         except RequestRejected as exc:
@@ -335,7 +339,7 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
+        *info_routes(engine, state.model_name, state.created, state.body, json_response),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]

@@ -18,6 +18,13 @@ from tickloom.request import Request
 
 
 class Decoder(Protocol):
+    """The model's tokenizer, as the server uses it (``tickloom.prompts`` tokenizes with it as the engine does)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tickloom import EngineError, RequestOutput
-from tickloom.tools.serve import translate
+from tickloom.tools.serve import scoring, translate
 from tickloom.tools.serve.openai_types import (
     AssistantMessage,
     ChatChoice,
@@ -21,7 +21,9 @@ from tickloom.tools.serve.openai_types import (
     CompletionRequest,
     Delta,
     OpenAIError,
+    PromptLogprobs,
 )
+from tickloom.tools.serve.scoring import EchoedPrompt
 from tickloom.tools.serve.sse import DONE, EventSink, event
 from tickloom.tools.serve.translate import Choice, Decode, OpenAIRequest
 
@@ -31,8 +33,14 @@ log = logging.getLogger("tickloom.serve")
 class ChunkWriter:
     """Builds the chunks of a streamed answer and the body of a whole one."""
 
-    def __init__(self, req: OpenAIRequest, rid: str, created: int, model_name: str, token_text: Decode) -> None:
+    def __init__(self, req: OpenAIRequest, rid: str, created: int, model_name: str, token_text: Decode,
+                 echoes: Sequence[EchoedPrompt] = ()) -> None:
         self.model_name = model_name
+        self.echoes = list(echoes)
+        """With ``echo``, each prompt as the engine took it (a whole answer only)."""
+        self.echo_only = isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
+        """``max_tokens=0``: the engine made one token, which the answer leaves out."""
+        self.prompt_k = req.prompt_logprobs
         self.token_text = token_text
         self.req = req
         self.chat = isinstance(req, ChatCompletionRequest)
@@ -102,8 +110,8 @@ class ChunkWriter:
 
     def whole(self, choices: Sequence[Choice], n: int) -> ChatCompletion | Completion:
         """The body of a non-streamed answer."""
-        usage = translate.usage(choices, n)
         decode = self.token_text
+        usage = translate.usage(choices, n)
         if self.chat:
             chat_choices = []
             for c in choices:
@@ -114,12 +122,28 @@ class ChunkWriter:
                 chat_choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
                                                finish_reason=c.finish_reason))
             return ChatCompletion(id=self.rid, object="chat.completion", created=self.created,
-                                  model=self.model_name, choices=chat_choices, usage=usage)
+                                  model=self.model_name, choices=chat_choices, usage=usage,
+                                  prompt_logprobs=self._prompt_logprobs(choices[0]) if choices else None)
         cchoices = []
         for c in choices:
+            if self.echo_only:
+                c.token_ids, c.logprobs, c.tops, c.text, c.completion_tokens = [], [], [], [], 0
+            text = "".join(c.text)
             clp = (translate.completion_logprobs(c.token_ids, c.logprobs, decode, 0, c.tops)
                    if self.want_logprobs else None)
-            cchoices.append(CompletionChoice(index=c.index, text="".join(c.text), logprobs=clp,
-                                             finish_reason=c.finish_reason))
+            if self.echoes:
+                echoed = self.echoes[c.index // n]
+                if clp is not None:
+                    clp = scoring.joined(scoring.echo_logprobs(echoed, c.prompt_logprobs, decode),
+                                         translate.completion_logprobs(c.token_ids, c.logprobs, decode,
+                                                                       len(echoed.text), c.tops))
+                text = echoed.text + text
+            cchoices.append(CompletionChoice(index=c.index, text=text, logprobs=clp, finish_reason=c.finish_reason,
+                                             prompt_logprobs=self._prompt_logprobs(c)))
         return Completion(id=self.rid, object="text_completion", created=self.created, model=self.model_name,
-                          choices=cchoices, usage=usage)
+                          choices=cchoices, usage=translate.usage(choices, n))
+
+    def _prompt_logprobs(self, choice: Choice) -> PromptLogprobs | None:
+        if self.prompt_k is None:
+            return None
+        return scoring.prompt_logprobs(choice.prompt_logprobs, self.prompt_k, self.token_text)

@@ -4,7 +4,8 @@ Structs, and the error body ``{"error": {"message", "type", "param", "code"}}``.
 Validation happens here only for what is OpenAI's own (types, ``n``, the documented ranges of ``temperature``,
 ``top_p`` and the penalties, ``timeout``); everything else is left to ``SamplingParams`` and ``Engine``, whose
 ``RequestRejected`` names the field (``tools.serve.translate`` maps that name back to the request's).
-Unknown request fields are ignored, as OpenAI's SDKs send fields this server may not know.
+The request Structs hold the fields this server honours; ``tools.serve.fields`` adds the ones it refuses, and an
+unknown field is a 400 naming it: no field is accepted and ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from tickloom.events.types import MAX_TOP_LOGPROBS
 from tickloom.params import MAX_N
+from tickloom.request import MAX_CACHE_SALT_CHARS, MAX_REQUEST_ID_CHARS
 
 MAX_TIMEOUT_S = 1e9
 
@@ -55,15 +58,18 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
 # -- requests ------------------------------------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+    """vLLM's usage in every chunk: refused when true (``translate.check_supported``)."""
 
 
 class _Request(msgspec.Struct, kw_only=True):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``. ``None`` means "the default"."""
 
     model: Annotated[str, Meta(min_length=1, max_length=4096)]
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
+    """0 only with ``echo`` (scoring the prompt, as vLLM does); above what ``max_seq_len`` leaves, a 400."""
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
@@ -84,7 +90,16 @@ class _Request(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """Each prompt token's logprob and its top-k alternatives, in vLLM's form (not with ``stream``)."""
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    """Keep the prompt's last k tokens; -1: as many as leave room for one new token."""
     priority: int = 0
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    """Requests share cached prompt blocks only with requests of the same salt."""
+    request_id: Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS - 64)] | None = None
+    """The answer's id is ``cmpl-<request_id>`` (``chatcmpl-`` for chat), as in vLLM; it must not be in use."""
     timeout: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
     """Seconds from submit; the request finishes ``timeout`` when it passes (default: the server's)."""
 
@@ -94,8 +109,9 @@ class CompletionRequest(_Request, kw_only=True):
     """A string, token ids, or a batch of either (checked by ``prompts``)."""
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
-    suffix: str | None = None
+    """The prompt first, in the text and (with ``logprobs``) in the logprobs, the first token's logprob null."""
     best_of: Annotated[int, Meta(ge=1)] | None = None
+    """Only equal to ``n``."""
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one for a string or a token-id list."""
@@ -130,8 +146,6 @@ class ChatCompletionRequest(_Request, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 def decode_request(body: bytes, type_: type[Any]) -> Any:
@@ -141,18 +155,23 @@ def decode_request(body: bytes, type_: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        raise OpenAIError(400, str(exc), param=error_param(str(exc))) from None
+        message = str(exc)
+        if _UNKNOWN.search(message):
+            message += ": this server does not know that field (it refuses a field rather than ignore it)"
+        raise OpenAIError(400, message, param=error_param(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
 
 
 _AT = re.compile(r"at `\$\.?(.*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
 def error_param(message: str) -> str | None:
-    """``messages[0].role`` from msgspec's ``... - at `$.messages[0].role```; a missing field's own name."""
-    missing = _MISSING.search(message)
+    """``messages[0].role`` from msgspec's ``... - at `$.messages[0].role```; a missing or unknown field's own
+    name."""
+    missing = _MISSING.search(message) or _UNKNOWN.search(message)
     at = _AT.search(message)
     path = at.group(1) if at is not None else ""
     if missing is not None:
@@ -200,8 +219,21 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float] | None] | None
+    """Null for an echoed prompt's first token."""
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's ``Logprob``: ``rank`` is 1 for the best token, None for a prompt token outside the top k."""
+
+    logprob: float | None
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's ``prompt_logprobs``: per prompt token, None for the first, then token id (a str key) -> its logprob."""
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -209,6 +241,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -242,6 +275,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage | None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -268,11 +302,54 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 class ModelCard(msgspec.Struct, kw_only=True):
     id: str
+    created: int
+    """When the server started serving it (Unix seconds)."""
+    max_model_len: int
+    root: str
+    """The model the engine loaded (``EngineConfig.model``)."""
     object: str = "model"
-    created: int = 0
     owned_by: str = "tickloom"
 
 
 class ModelList(msgspec.Struct, kw_only=True):
     data: list[ModelCard]
     object: str = "list"
+
+
+# -- tokenizer endpoints (vLLM's ``/tokenize`` and ``/detokenize``) --------------------------------------------------
+
+
+class TokenizeCompletion(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    model: str | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    tokens: list[Annotated[int, Meta(ge=0)]]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+class Version(msgspec.Struct, kw_only=True):
+    version: str

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tickloom import EngineError, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
+from tickloom.tools.serve import fields
 from tickloom.tools.serve.backend import ReplicaUnavailable
 from tickloom.tools.serve.openai_types import (
     ChatCompletionRequest,
@@ -30,23 +31,30 @@ OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
 def check_supported(req: OpenAIRequest) -> None:
-    """Refuse what this server does not do, naming the field (rather than ignoring it)."""
+    """Refuse what depends on a field's value or on two fields together, naming the field; the fields this server
+    never does are refused by the table in ``tools.serve.fields``."""
+    fields.check_refused(req)
+    options = req.stream_options
+    if options is not None and options.continuous_usage_stats:
+        raise OpenAIError(400, "stream_options.continuous_usage_stats is not supported: ask include_usage for the "
+                               "usage in the last chunk", param="stream_options.continuous_usage_stats")
+    if req.stream and req.prompt_logprobs is not None:
+        raise OpenAIError(400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
-        if req.suffix:
-            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if req.echo and req.stream:
+            raise OpenAIError(400, "echo with stream=true is not supported yet: ask without stream", param="echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise OpenAIError(400, "max_tokens=0 asks for no token: it is only for scoring the prompt, with echo=true",
+                              param="max_tokens")
         if req.best_of is not None and req.best_of != req.n:
             raise OpenAIError(400, "best_of other than n is not supported", param="best_of")
     else:
-        if req.tools:
-            raise OpenAIError(400, "tools are not supported", param="tools")
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise OpenAIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise OpenAIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        if req.max_tokens == 0:
+            raise OpenAIError(400, "max_tokens must be at least 1", param="max_tokens")
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -69,24 +77,33 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def sampling_params(req: OpenAIRequest, default_max_tokens: int) -> SamplingParams:
-    """The params of one prompt's ``n`` choices (the engine seeds choice ``j`` with ``seed + j``). ``RequestRejected``
-    names the engine's field."""
+def sampling_params(req: OpenAIRequest, default_max_tokens: int, max_seq_len: int) -> SamplingParams:
+    """The params of one prompt's ``n`` choices (the engine seeds choice ``j`` with ``seed + j``). A ``max_tokens``
+    no prompt leaves room for (``max_seq_len - 1``) is a 400, as in vLLM, not a silent cap. ``echo`` with
+    ``logprobs`` asks the engine for the prompt's logprobs too; ``max_tokens=0`` with ``echo`` asks for one token,
+    which the answer leaves out (vLLM's echo-only scoring). ``RequestRejected`` names the engine's field."""
     kw: dict[str, Any] = {}
-    max_tokens = req.max_tokens
+    max_tokens, name = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
-    kw["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                 "repetition_penalty", "min_tokens", "stop", "stop_token_ids"):
-        value = getattr(req, name)
+        max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is not None and max_tokens > max_seq_len - 1:
+        raise OpenAIError(400, f"{name}={max_tokens} is more than this model's context allows: max_seq_len="
+                               f"{max_seq_len} tokens, the prompt's included, so at most {max_seq_len - 1} new "
+                               "tokens", param=name)
+    kw["max_tokens"] = default_max_tokens if max_tokens is None else max(max_tokens, 1)
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids",
+                "prompt_logprobs", "truncate_prompt_tokens"):
+        value = getattr(req, key)
         if value is not None:
-            kw[name] = value
+            kw[key] = value
     if req.seed is not None:
         kw["seed"] = req.seed
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             kw["logprobs"] = req.logprobs
+            if req.echo and req.prompt_logprobs is None:
+                kw["prompt_logprobs"] = req.logprobs
     elif req.logprobs:
         kw["logprobs"] = req.top_logprobs or 0
     if req.logit_bias:
@@ -156,6 +173,8 @@ class Choice:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """The engine's, from the first frame that carries them (``RequestOutput.prompt_logprobs``)."""
 
     def add(self, out: RequestOutput, *, keep: bool = True) -> None:
         """Take a frame; ``keep=False`` (a stream, whose frames go out as they come) keeps only its finish and
@@ -166,6 +185,8 @@ class Choice:
             self.token_ids += out.token_ids
             self.logprobs += frame_logprobs(out)
             self.tops += frame_tops(out)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error = out.error
@@ -221,7 +242,8 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float | Non
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    top_logprobs = [{decode(alt): lp for alt, lp in top.items() if lp == lp} for top in tops]
+    top_logprobs: list[dict[str, float] | None] = [{decode(alt): lp for alt, lp in top.items() if lp == lp}
+                                                   for top in tops]
     return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=top_logprobs,
                               text_offset=offsets)
 

@@ -1,0 +1,298 @@
+"""Every field of vLLM's two OpenAI request models (``ChatCompletionRequest`` and ``CompletionRequest`` in
+vllm/entrypoints/openai/protocol.py, and the newer ``structured_outputs``, ``return_token_ids``), sent one at a
+time with a plausible value: each is honoured, and the behaviour named beside it is checked, or refused with a 400
+whose ``param`` names it. Which it is comes from the server's own table (``tools/serve/fields.py``), so a field
+moved from refused to honoured needs a check here."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from tests.test_serve_protocol import OnlyTheProtocol
+from tickloom import Engine, EngineConfig
+from tickloom.request import Request
+from tickloom.tools.serve import fields
+from tickloom.tools.serve.server import ServeOptions, serve_engine
+
+Check = Callable[[dict[str, Any], Request], None]
+"""(the answer's JSON, the engine request it made) -> asserts."""
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def param(name: str, expected: Any) -> Check:
+    """Reaches the engine's ``SamplingParams.<name>`` (the engine applies it; its tests check how)."""
+
+    def check(answer: dict[str, Any], request: Request) -> None:
+        assert getattr(request.params, name) == expected, (name, getattr(request.params, name))
+
+    return check
+
+
+def tokens(count: int) -> Check:
+    def check(answer: dict[str, Any], request: Request) -> None:
+        assert answer["usage"]["completion_tokens"] == count
+
+    return check
+
+
+def choices(count: int) -> Check:
+    def check(answer: dict[str, Any], request: Request) -> None:
+        assert len(answer["choices"]) == count
+
+    return check
+
+
+def text_of(answer: dict[str, Any]) -> str:
+    choice = answer["choices"][0]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+def only_letter_a(answer: dict[str, Any], request: Request) -> None:
+    assert text_of(answer) == "aaaa" and request.params.allowed_token_ids == [65]
+
+
+def streamed(answer: dict[str, Any], request: Request) -> None:
+    assert answer["stream"] and answer["events"][-1] == "[DONE]"
+
+
+def usage_in_last_chunk(answer: dict[str, Any], request: Request) -> None:
+    last = json.loads(answer["events"][-2])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+
+
+def prompt_cut_to_3(answer: dict[str, Any], request: Request) -> None:
+    assert answer["usage"]["prompt_tokens"] == 3 and request.params.truncate_prompt_tokens == 3
+
+
+def prompt_logprobs_listed(answer: dict[str, Any], request: Request) -> None:
+    listed = answer["prompt_logprobs"] if "prompt_logprobs" in answer and answer["prompt_logprobs"] is not None \
+        else answer["choices"][0]["prompt_logprobs"]
+    assert len(listed) == answer["usage"]["prompt_tokens"] and listed[0] is None
+    assert all(1 <= len(entry) <= 2 and all(v["logprob"] <= 0 for v in entry.values()) for entry in listed[1:])
+
+
+def chat_logprobs(answer: dict[str, Any], request: Request) -> None:
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+def completion_logprobs(answer: dict[str, Any], request: Request) -> None:
+    lp = answer["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+
+
+def echoed(answer: dict[str, Any], request: Request) -> None:
+    assert text_of(answer).startswith("Hello") and len(text_of(answer)) == len("Hello") + 4
+
+
+def answered_as(model: str) -> Check:
+    def check(answer: dict[str, Any], request: Request) -> None:
+        assert answer["model"] == model
+
+    return check
+
+
+def request_field(name: str, expected: Any) -> Check:
+    """Reaches the engine's ``Request.<name>``."""
+
+    def check(answer: dict[str, Any], request: Request) -> None:
+        assert getattr(request, name) == expected
+
+    return check
+
+
+def answer_id(expected: str) -> Check:
+    def check(answer: dict[str, Any], request: Request) -> None:
+        assert answer["id"] == expected and request.request_id == f"{expected}-0"
+
+    return check
+
+
+def accepted(answer: dict[str, Any], request: Request) -> None:
+    """Accepted with no effect on the output, by its definition (an end user's id, as in OpenAI)."""
+    assert answer["choices"]
+
+
+# field -> (value, other fields it needs, the behaviour checked if the server honours it)
+Field = tuple[Any, dict[str, Any], Check | None]
+
+COMMON: dict[str, Field] = {
+    "model": ("stub", {}, answered_as("stub")),
+    "frequency_penalty": (0.5, {}, param("frequency_penalty", 0.5)),
+    "logit_bias": ({"65": 100}, {}, param("logit_bias", {65: 100.0})),
+    "max_tokens": (3, {}, tokens(3)),
+    "n": (2, {}, choices(2)),
+    "presence_penalty": (0.5, {}, param("presence_penalty", 0.5)),
+    "response_format": ({"type": "json_object"}, {}, None),
+    "seed": (7, {}, param("seed", 7)),
+    "stop": (["zz"], {}, param("stop", ["zz"])),
+    "stream": (True, {}, streamed),
+    "stream_options": ({"include_usage": True}, {"stream": True}, usage_in_last_chunk),
+    "temperature": (0.5, {}, param("temperature", 0.5)),
+    "top_p": (0.9, {}, param("top_p", 0.9)),
+    "user": ("alice", {}, accepted),
+    "best_of": (2, {"n": 2}, choices(2)),
+    "use_beam_search": (True, {}, None),
+    "top_k": (5, {}, param("top_k", 5)),
+    "min_p": (0.1, {}, param("min_p", 0.1)),
+    "repetition_penalty": (1.1, {}, param("repetition_penalty", 1.1)),
+    "length_penalty": (0.5, {}, None),
+    "stop_token_ids": ([5], {}, param("stop_token_ids", [5])),
+    "include_stop_str_in_output": (True, {}, param("include_stop_str_in_output", True)),
+    "ignore_eos": (True, {}, param("ignore_eos", True)),
+    "min_tokens": (2, {}, param("min_tokens", 2)),
+    "skip_special_tokens": (False, {}, param("skip_special_tokens", False)),
+    "spaces_between_special_tokens": (False, {}, None),
+    "truncate_prompt_tokens": (3, {}, prompt_cut_to_3),
+    "allowed_token_ids": ([65], {}, only_letter_a),
+    "prompt_logprobs": (1, {}, prompt_logprobs_listed),
+    "guided_json": ({"type": "object"}, {}, None),
+    "guided_regex": ("a+", {}, None),
+    "guided_choice": (["yes", "no"], {}, None),
+    "guided_grammar": ("root ::= 'a'", {}, None),
+    "guided_decoding_backend": ("xgrammar", {}, None),
+    "guided_whitespace_pattern": (" ", {}, None),
+    "structured_outputs": ({"choice": ["yes", "no"]}, {}, None),
+    "priority": (3, {}, request_field("priority", 3)),
+    "logits_processors": (["my.Processor"], {}, None),
+    "return_tokens_as_token_ids": (True, {}, None),
+    "return_token_ids": (True, {}, None),
+    "cache_salt": ("pepper", {}, request_field("cache_salt", "pepper")),
+    "kv_transfer_params": ({"do_remote_decode": True}, {}, None),
+    "vllm_xargs": ({"x": 1}, {}, None),
+}
+
+CHAT: dict[str, Field] = {
+    **COMMON,
+    "messages": (HELLO, {}, request_field("prompt", HELLO)),
+    "logprobs": (True, {"top_logprobs": 2}, chat_logprobs),
+    "top_logprobs": (2, {"logprobs": True}, chat_logprobs),
+    "max_completion_tokens": (3, {"max_tokens": None}, tokens(3)),
+    "best_of": (2, {"n": 2}, None),
+    "tools": ([{"type": "function", "function": {"name": "f"}}], {}, None),
+    "tool_choice": ("auto", {}, None),
+    "reasoning_effort": ("low", {}, None),
+    "include_reasoning": (False, {}, None),
+    "parallel_tool_calls": (True, {}, None),
+    "echo": (True, {}, None),
+    "add_generation_prompt": (False, {}, None),
+    "continue_final_message": (True, {}, None),
+    "add_special_tokens": (True, {}, None),
+    "documents": ([{"title": "t", "text": "x"}], {}, None),
+    "chat_template": ("{{ messages }}", {}, None),
+    "chat_template_kwargs": ({"enable_thinking": False}, {}, None),
+    "mm_processor_kwargs": ({"x": 1}, {}, None),
+    "structural_tag": ('{"structures": []}', {}, None),
+    "request_id": ("mine", {}, answer_id("chatcmpl-mine")),
+}
+
+COMPLETION: dict[str, Field] = {
+    **COMMON,
+    "prompt": ("Hello", {}, request_field("prompt", "Hello")),
+    "prompt_embeds": ("AAAA", {}, None),
+    "echo": (True, {}, echoed),
+    "logprobs": (2, {}, completion_logprobs),
+    "suffix": ("the end", {}, None),
+    "add_special_tokens": (False, {}, None),
+    "request_id": ("mine", {}, answer_id("cmpl-mine")),
+}
+
+
+async def _each_field(tmp_path: Path, chat: bool, table: dict[str, Field]) -> None:
+    config = EngineConfig(model="stub", log_path=str(tmp_path / "s.tlog"), num_blocks=256, max_seq_len=256,
+                          stub_step_time=0.001)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base: dict[str, Any] = {"model": "stub", "max_tokens": 4, **({"messages": HELLO} if chat else {"prompt": "Hello"})}
+    honoured = set(fields.honoured_fields(chat))
+    refused = set(fields.refused_fields(chat))
+    unknown = set(table) - honoured - refused
+    assert not unknown, f"vLLM fields the server's table does not name: {sorted(unknown)}"
+    shutdown = trio.Event()
+    with trio.fail_after(120):
+        async with Engine.open(config) as engine, trio.open_nursery() as nursery:
+            served = OnlyTheProtocol(engine)
+            binds = await nursery.start(functools.partial(serve_engine, served, ServeOptions(port=0),
+                                                          shutdown=shutdown))
+
+            def send_all() -> None:
+                with httpx.Client(base_url=binds[0], timeout=30.0) as client:
+                    for name, (value, needs, check) in table.items():
+                        body = {k: v for k, v in {**base, **needs, name: value}.items() if v is not None}
+                        r = client.post(path, json=body)
+                        if name in honoured:
+                            assert check is not None, f"{name} is honoured: name the behaviour to check"
+                            assert r.status_code == 200, (name, r.text)
+                            answer: dict[str, Any]
+                            if body.get("stream"):
+                                events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+                                answer = {"stream": True, "events": events}
+                            else:
+                                answer = r.json()
+                            check(answer, served.requests[-1])
+                        else:
+                            assert r.status_code == 400, (name, r.text)
+                            error = r.json()["error"]
+                            assert error["param"] == name and name in error["message"], (name, error)
+                            assert error["code"] == "unsupported_field"
+
+            await trio.to_thread.run_sync(send_all)
+            shutdown.set()
+
+
+async def test_every_vllm_chat_field_is_honoured_or_refused(tmp_path: Path) -> None:
+    await _each_field(tmp_path, True, CHAT)
+
+
+async def test_every_vllm_completion_field_is_honoured_or_refused(tmp_path: Path) -> None:
+    await _each_field(tmp_path, False, COMPLETION)
+
+
+async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: Path) -> None:
+    config = EngineConfig(model="stub", log_path=str(tmp_path / "s.tlog"), num_blocks=256, max_seq_len=256,
+                          stub_step_time=0.001)
+    shutdown = trio.Event()
+    chat = {"model": "stub", "messages": HELLO, "max_tokens": 2}
+    neutral = {**chat, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+               "add_generation_prompt": True, "continue_final_message": False, "echo": False,
+               "spaces_between_special_tokens": True, "length_penalty": 1, "stream_options": None}
+    with trio.fail_after(120):
+        async with Engine.open(config) as engine, trio.open_nursery() as nursery:
+            binds = await nursery.start(functools.partial(serve_engine, engine, ServeOptions(port=0),
+                                                          shutdown=shutdown))
+
+            def go() -> list[httpx.Response]:
+                with httpx.Client(base_url=binds[0], timeout=30.0) as c:
+                    return [c.post("/v1/chat/completions", json={**chat, "frobnicate": 1}),
+                            c.post("/v1/chat/completions", json={**chat, "stream": True,
+                                                                 "stream_options": {"include_usage": True,
+                                                                                    "later": 1}}),
+                            c.post("/v1/chat/completions", json={**chat, "stream": True, "stream_options": {
+                                "continuous_usage_stats": True}}),
+                            c.post("/v1/chat/completions", json=neutral),
+                            c.post("/v1/completions", json={"model": "stub", "prompt": "x", "best_of": 3}),
+                            c.post("/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 0}),
+                            c.post("/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 1000000}),
+                            c.post("/v1/chat/completions", json={**chat, "max_tokens": None,
+                                                                 "max_completion_tokens": 256}),
+                            c.post("/v1/completions", json={"model": "stub", "prompt": "x", "stream": True,
+                                                            "prompt_logprobs": 1})]
+
+            unknown, nested, continuous, fine, best_of, zero, huge, huge_chat, streamed_prompt = \
+                await trio.to_thread.run_sync(go)
+            shutdown.set()
+    assert fine.status_code == 200, fine.text
+    expected = [(unknown, "frobnicate"), (nested, "stream_options.later"),
+                (continuous, "stream_options.continuous_usage_stats"), (best_of, "best_of"), (zero, "max_tokens"),
+                (huge, "max_tokens"), (huge_chat, "max_completion_tokens"), (streamed_prompt, "prompt_logprobs")]
+    for r, name in expected:
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+    assert "max_seq_len=256" in huge.json()["error"]["message"]
+    assert "unknown field `frobnicate`" in unknown.json()["error"]["message"]
