@@ -1,0 +1,87 @@
+"""Scoring over HTTP: ``echo`` with ``logprobs`` on ``/v1/completions``, read as lm-evaluation-harness's
+``local-completions`` model reads it for a log-likelihood (the prompt is context + continuation as token ids,
+``max_tokens=1``, ``logprobs=1``, ``echo=true``; it sums ``token_logprobs[ctxlen:-1]`` and calls the continuation
+greedy when each of its tokens' logprob is the best of its ``top_logprobs``), and vLLM's echo-only
+``max_tokens=0``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from tests.test_serve import running, stub
+
+CONTEXT = [40, 69, 76, 76, 79, 0]  # "Hello " in the stub's ids (a character's id is its code - 32)
+CONTINUATION = [87, 79, 82, 76, 68]  # "world"
+
+
+def lm_eval_loglikelihood(choice: dict[str, Any], ctxlen: int) -> tuple[float, bool]:
+    """What lm-evaluation-harness computes from one choice (its ``parse_logprobs``)."""
+    lp = choice["logprobs"]
+    continuation = lp["token_logprobs"][ctxlen:-1]
+    greedy = all(tok == max(top.values()) for tok, top in zip(continuation, lp["top_logprobs"][ctxlen:-1],
+                                                              strict=True))
+    return sum(continuation), greedy
+
+
+async def test_echo_with_logprobs_is_what_lm_eval_reads(tmp_path: Path) -> None:
+    prompt = CONTEXT + CONTINUATION
+    async with running(stub(tmp_path / "s.tlog")) as srv:
+        def go(c: Any) -> list[dict[str, Any]]:
+            score = {"model": "stub", "prompt": [prompt, CONTEXT], "max_tokens": 1, "logprobs": 1, "echo": True,
+                     "temperature": 0, "seed": 1234}
+            answers = [c.post("/v1/completions", json=score),
+                       c.post("/v1/completions", json={**score, "prompt": prompt, "max_tokens": 0}),
+                       c.post("/v1/completions", json={**score, "prompt": "Hello world", "prompt_logprobs": 1}),
+                       c.post("/v1/completions", json={**score, "echo": False, "prompt": prompt})]
+            for r in answers:
+                assert r.status_code == 200, r.text
+            return [r.json() for r in answers]
+
+        batch, echo_only, text, plain = await srv.http(go)
+    first, second = batch["choices"]
+    for choice, ids in ((first, prompt), (second, CONTEXT)):
+        lp = choice["logprobs"]
+        assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+        assert lp["tokens"][: len(ids)] == [chr(t + 32) for t in ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for tok, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+            assert tok is not None and tok <= 0 and tok in top.values() and 1 <= len(top) <= 2
+        assert lp["text_offset"] == list(range(len(ids) + 1))  # the stub: one character per token
+        assert choice["text"].startswith("Hello ") and len(choice["text"]) == len(ids) + 1
+    assert batch["usage"]["prompt_tokens"] == len(prompt) + len(CONTEXT)
+    total, greedy = lm_eval_loglikelihood(first, len(CONTEXT))
+    assert total < 0 and math.isfinite(total) and isinstance(greedy, bool)
+    # The generated token's logprob is the one a plain request (no echo) reports for it.
+    assert first["logprobs"]["token_logprobs"][-1] == plain["choices"][0]["logprobs"]["token_logprobs"][0]
+
+    [only] = echo_only["choices"]
+    assert only["text"] == "Hello world" and echo_only["usage"]["completion_tokens"] == 0
+    assert only["logprobs"]["token_logprobs"] == first["logprobs"]["token_logprobs"][:-1]
+    assert only["logprobs"]["top_logprobs"] == first["logprobs"]["top_logprobs"][:-1]
+
+    [scored] = text["choices"]
+    assert scored["text"].startswith("Hello world")
+    assert scored["logprobs"]["token_logprobs"][:-1] == only["logprobs"]["token_logprobs"]
+    # vLLM's prompt_logprobs agree with the echoed ones: token id -> logprob, rank, decoded token.
+    listed = scored["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == len(prompt)
+    for position, entry in enumerate(listed[1:], start=1):
+        own = entry[str(prompt[position])]
+        assert own["logprob"] == only["logprobs"]["token_logprobs"][position]
+        assert own["decoded_token"] == chr(prompt[position] + 32)
+        assert own["rank"] in (1, None)
+
+
+async def test_echo_refusals_name_the_field(tmp_path: Path) -> None:
+    async with running(stub(tmp_path / "s.tlog")) as srv:
+        def go(c: Any) -> list[Any]:
+            base = {"model": "stub", "prompt": "Hi", "echo": True}
+            return [c.post("/v1/completions", json={**base, "stream": True}),
+                    c.post("/v1/completions", json={**base, "truncate_prompt_tokens": 0, "logprobs": 1})]
+
+        streamed, no_prompt = await srv.http(go)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
+    assert no_prompt.status_code == 400 and no_prompt.json()["error"]["param"] == "truncate_prompt_tokens"
