@@ -72,13 +72,11 @@ def test_bench_log_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["generate", "--model", "stub", "--dtype", "float8", "x"], "--dtype 'float8': choose one of float32"),
-    (["chat", "--model", "stub", "--dtype", "half"], "--dtype 'half': choose one of"),
     (["generate", "--model", "stub", "--device", "gpu", "x"], "--device 'gpu': not a torch device"),
     (["generate", "--model", "stub", "--device", "cuda:7", "x"], "--device cuda:7: "),
     (["generate", "--model", "/no/such/model", "x"], "cannot load model '/no/such/model': no such file"),
     (["generate", "--model", "pyproject.toml", "x"], "--model 'pyproject.toml': a file must be a .gguf"),
-    (["generate", "--model", "stub", "--max-seq-len", "1", "x"], "--max-seq-len must be at least 2"),
+    (["generate", "--model", "stub", "--max-seq-len", "1", "x"], "max_seq_len"),
     (["generate", "--model", "stub", "--seed", "-1", "x"], "seed"),
     (["generate", "--model", "stub", "--stub-step-time", "-1", "x"], "stub_step_time"),
     (["generate", "--model", "stub", "--log", "pyproject.toml", "x"], "log_path"),

@@ -1,12 +1,14 @@
-"""The model options that ``generate``, ``chat``, ``serve`` and ``replay --full`` share: their flags, the checks
-that turn an obvious mistake into one usage line (exit 64), and the ``EngineConfig``/``SamplingParams`` built from
-them."""
+"""The model options: the engine flags that every engine-building command shares (``generate``, ``chat``, ``serve``,
+``fleet``; one declaration, ``ENGINE_FLAGS``, typed and described by ``EngineConfig``'s fields, with vLLM's and
+llama.cpp's names as aliases), the sampling flags, the checks that turn an obvious mistake into one usage line
+(exit 64), and the ``EngineConfig``/``SamplingParams`` built from them."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tickloom import EngineConfig, SamplingParams
@@ -16,33 +18,112 @@ DEFAULT_MODEL = "smollm2-135m"
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, temperature: float,
-                        chat_flag: bool = True) -> None:
-    """Options shared by ``generate`` and ``chat``."""
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"a model name (see `tickloom models`), a checkpoint directory, a .gguf file, or "
-                             f"'stub' (default {DEFAULT_MODEL})")
-    parser.add_argument("--max-tokens", type=int, default=max_tokens,
+DEFAULT_MAX_TOKENS = 256
+"""``--max-tokens``'s default in every command: a whole chat reply or paragraph, yet bounded (a run always ends)."""
+
+MAX_SEQ_LEN_CAP = 8192
+"""``--max-seq-len``'s default: the model's context, capped at this. The engine caps ``max_seq_len`` at the model's
+context when it loads the model (``runtime``), so the CLI asks for this cap and the model's config decides; a
+larger context is opt-in, as its KV pool's floor (one whole sequence) grows with it."""
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """One engine flag: the ``EngineConfig`` field it sets (the flag's dest) and its names, the long one first, then
+    vLLM's and llama.cpp's for the same setting. Its type, choices, default and help come from the field."""
+
+    field: str
+    names: tuple[str, ...]
+    metavar: str | None = None
+    help: str | None = None
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("model", ("--model",), help=f"a model name (see `tickloom models`), a checkpoint directory, a .gguf "
+                                           f"file, or 'stub' (default {DEFAULT_MODEL})"),
+    EngineFlag("device", ("--device",), help="torch device: cpu, cuda, cuda:N (default cpu)"),
+    EngineFlag("dtype", ("--dtype",), help=f"model dtype (default: float32 on CPU, bfloat16 on CUDA; {DEFAULT_MODEL} "
+                                           "on a CPU with native bfloat16: bfloat16 with --quant int4)"),
+    EngineFlag("quant", ("--quant",), help="weight-only quantization on CPU: int8 per channel, int4 in groups of 32 (a "
+                                           "GGUF's Q4 blocks as they are); none: the --dtype weights (default: the "
+                                           "model's)"),
+    EngineFlag("max_seq_len", ("--max-seq-len", "--max-model-len", "-c", "--ctx-size"), "N",
+               help=f"prompt + output tokens of one sequence at most (default: the model's context, at most "
+                    f"{MAX_SEQ_LEN_CAP}; the stub's: 2048)"),
+    EngineFlag("max_batch_size", ("--max-batch-size", "--max-num-seqs", "-np", "--parallel"), "N"),
+    EngineFlag("max_batch_tokens", ("--max-batch-tokens", "--max-num-batched-tokens"), "N"),
+    EngineFlag("max_prefill_tokens", ("--max-prefill-tokens",), "N"),
+    EngineFlag("threads", ("--threads", "-t"), "N"),
+    EngineFlag("tensor_parallel_size", ("--tensor-parallel-size", "-tp"), "N",
+               help="shard the model over N ranks: this process and N-1 worker processes (gloo on cpu, one GPU each "
+                    "on cuda; default 1)"),
+    EngineFlag("num_blocks", ("--num-blocks",), "N"),
+    EngineFlag("kv_memory_bytes", ("--kv-memory-bytes",), "BYTES"),
+    EngineFlag("block_size", ("--block-size",), "N"),
+    EngineFlag("prefix_caching", ("--prefix-caching", "--enable-prefix-caching")),
+    EngineFlag("max_waiting", ("--max-waiting",), "N"),
+    EngineFlag("overload", ("--overload",)),
+    EngineFlag("stub_step_time", ("--stub-step-time",), "SECONDS"),
+)
+"""The engine flags every engine-building command takes (``generate``, ``chat``, ``serve``, ``fleet``)."""
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine flags (``ENGINE_FLAGS``), in an "engine" group. A flag not given is None: ``EngineConfig``'s
+    default applies (``--model``: ``DEFAULT_MODEL``)."""
+    import msgspec
+
+    from tickloom.config import EngineConfig
+
+    schema = msgspec.json.schema(EngineConfig)["$defs"]["EngineConfig"]["properties"]
+    fields = {f.name: f for f in msgspec.inspect.type_info(EngineConfig).fields}
+    group = parser.add_argument_group("engine", "how the engine is built (vLLM's and llama.cpp's names are aliases)")
+    for flag in ENGINE_FLAGS:
+        kind = _plain_type(fields[flag.field].type)
+        default = fields[flag.field].default
+        described = str(schema[flag.field].get("description", "")).rstrip(".")
+        if described[1:2].islower():
+            described = described[:1].lower() + described[1:]
+        help_text = flag.help or described + ("" if default is None else f" (default {default})")
+        options: dict[str, Any] = {"dest": flag.field, "default": DEFAULT_MODEL if flag.field == "model" else None,
+                                   "help": help_text.replace("%", "%%")}
+        if isinstance(kind, msgspec.inspect.BoolType):
+            group.add_argument(*flag.names, action=argparse.BooleanOptionalAction, **options)
+            continue
+        if isinstance(kind, msgspec.inspect.LiteralType):
+            options["choices"] = list(kind.values)
+        else:
+            options["type"] = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(kind), str)
+            options["metavar"] = flag.metavar
+        group.add_argument(*flag.names, **options)
+
+
+def _plain_type(kind: Any) -> Any:
+    """A field's type without ``| None`` and its ``Meta`` wrappers."""
+    import msgspec
+
+    while True:
+        if isinstance(kind, msgspec.inspect.Metadata):
+            kind = kind.type
+        elif isinstance(kind, msgspec.inspect.UnionType):
+            kind = next(t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType))
+        else:
+            return kind
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int = DEFAULT_MAX_TOKENS,
+                        temperature: float = 0.7, chat_flag: bool = True, log: bool = True) -> None:
+    """The engine flags, then the sampling flags and ``--log`` that ``generate``, ``chat`` and ``fleet`` share."""
+    add_engine_arguments(parser)
+    parser.add_argument("--max-tokens", "-n", type=int, default=max_tokens,
                         help=f"tokens to generate per reply at most (default {max_tokens})")
     parser.add_argument("--temperature", type=float, default=temperature,
                         help=f"sampling temperature; 0 is greedy (default {temperature})")
     parser.add_argument("--seed", type=int, default=None,
                         help="sampling seed (prompt i uses SEED + i); default: the engine picks and logs one")
-    parser.add_argument("--log", metavar="PATH", default=None,
-                        help="write the engine's log here (replay it with `tickloom replay PATH`)")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N (default cpu)")
-    parser.add_argument("--dtype", default=None,
-                        help=f"model dtype: {', '.join(DTYPES)} (default: float32 on CPU, bfloat16 on CUDA; "
-                             f"{DEFAULT_MODEL} on a CPU with native bfloat16: bfloat16 with --quant int4)")
-    parser.add_argument("--quant", default=None, choices=["none", "int8", "int4"],
-                        help="weight-only quantization on CPU: int8 per channel, int4 in groups of 32 (a GGUF's "
-                             "Q4 blocks as they are); none: the --dtype weights (default: the model's)")
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="shard the model over N ranks: this process and N-1 worker processes (gloo on cpu, "
-                             "one GPU each on cuda; default 1)")
-    parser.add_argument("--stub-step-time", type=float, default=None, metavar="SECONDS",
-                        help="with --model stub: seconds per model step (default: the engine's, 0.01)")
+    if log:
+        parser.add_argument("--log", metavar="PATH", default=None,
+                            help="write the engine's log here (replay it with `tickloom replay PATH`)")
     if chat_flag:
         parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                             help=f"wrap prompts as chat messages (default: on for {DEFAULT_MODEL}, off otherwise)")
@@ -106,22 +187,24 @@ def check_model_options(model: str, device: str | None, dtype: str | None) -> No
     check_device(device)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, **fields: Any) -> EngineConfig:
+    """The ``EngineConfig`` of the engine flags given (plus ``fields``, e.g. ``log_path``); a bad value is a usage
+    error naming the field."""
     from tickloom import ConfigError, EngineConfig
     from tickloom.tools.cli import CliError
 
     check_model_options(args.model, args.device, args.dtype)
-    if args.max_tokens < 1:
+    if getattr(args, "max_tokens", 1) < 1:
         raise CliError("--max-tokens must be at least 1")
-    if args.max_seq_len < 2:
-        raise CliError("--max-seq-len must be at least 2")
     if args.stub_step_time is not None and args.model != "stub":
         raise CliError("--stub-step-time needs --model stub")
-    extra = {} if args.stub_step_time is None else {"stub_step_time": args.stub_step_time}
+    given = {flag.field: getattr(args, flag.field) for flag in ENGINE_FLAGS if getattr(args, flag.field) is not None}
+    if args.max_seq_len is None and args.model != "stub":
+        given["max_seq_len"] = MAX_SEQ_LEN_CAP  # capped at the model's context when the engine loads it
+    if "log_path" not in fields and getattr(args, "log", None) is not None:
+        fields["log_path"] = args.log
     try:
-        return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, log_path=args.log,
-                            max_seq_len=args.max_seq_len, quant=getattr(args, "quant", None),
-                            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **extra)
+        return EngineConfig(**given, **fields)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 

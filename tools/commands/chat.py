@@ -33,7 +33,7 @@ _BOLD, _CYAN, _RESET = "\x1b[1m", "\x1b[1;36m", "\x1b[0m"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, max_tokens=256, temperature=0.7, chat_flag=False)
+    add_model_arguments(parser, chat_flag=False)
     parser.add_argument("--system", default=None, help="a system message to start the conversation with")
 
 

@@ -38,14 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="a Ray cluster's address (default: start Ray locally)")
     parser.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per replica")
     parser.add_argument("--json", action="store_true", help="one JSON line per request, then a summary line")
-    add_model_arguments(parser, max_tokens=32, temperature=0.7, chat_flag=False)
+    add_model_arguments(parser, chat_flag=False, log=False)  # a fleet writes its logs in --dir
 
 
 def run(args: argparse.Namespace) -> int:
     from tickloom.tools.cli import CliError
 
-    if args.log is not None:
-        raise CliError("--log: a fleet writes its logs in --dir")
     if args.replicas < 1 or args.repeat < 1 or args.concurrency < 1:
         raise CliError("--replicas, --repeat and --concurrency must be at least 1")
     config = engine_config(args)

@@ -40,7 +40,7 @@ EX_INTERRUPTED = 130
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts to complete, each one request")
-    add_model_arguments(parser, max_tokens=128, temperature=0.7)
+    add_model_arguments(parser)
     parser.add_argument("--concurrency", type=int, default=None, metavar="K",
                         help="run at most K prompts at once (default: all)")
     parser.add_argument("--plain", action="store_true",

@@ -26,16 +26,13 @@ HELP = "serve the engine over HTTP with an OpenAI-compatible API"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tickloom.tools.model_options import DEFAULT_MODEL
+    from tickloom.tools.model_options import add_engine_arguments
     from tickloom.tools.serve.app import DEFAULT_MAX_ANSWER_ENTRIES
     from tickloom.tools.serve.guard import API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
     from tickloom.tools.serve.sse import DEFAULT_MAX_PENDING_BYTES
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"a model name (see `tickloom models`), a checkpoint directory, a .gguf file, or "
-                             f"'stub' (default {DEFAULT_MODEL})")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the name clients pass as `model` (default: --model)")
     logs = parser.add_mutually_exclusive_group()
@@ -46,20 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline of a request that gives no `timeout` (default: none)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, wait this long for running requests (default 30; inf waits for all)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    parser.add_argument("--quant", default=None, choices=["none", "int8", "int4"],
-                        help="weight-only quantization on CPU, as for `tickloom generate` (default: the model's)")
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
-    parser.add_argument("--max-batch-size", type=int, default=None,
-                        help="sequences per step at most (default: EngineConfig's)")
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from the KV memory)")
-    parser.add_argument("--max-waiting", type=int, default=None,
-                        help="requests open at once at most, running or waiting (default: EngineConfig's)")
-    parser.add_argument("--overload", choices=["wait", "reject"], default="wait",
-                        help="past --max-waiting: hold new requests (wait) or answer 503 (reject); default wait")
-    parser.add_argument("--stub-step-time", type=float, default=None, metavar="SECONDS",
-                        help="with --model stub: seconds per model step (default: the engine's, 0.01)")
+    add_engine_arguments(parser)
     edge = parser.add_argument_group("limits and access", "what one client may cost the server, and who may use it")
     edge.add_argument("--api-key", action="append", default=[], metavar="KEY",
                       help="require `Authorization: Bearer KEY` on every route but /health; repeat for several keys "
@@ -90,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tickloom import ConfigError, EngineConfig, EngineError
+    from tickloom import ConfigError, EngineError
     from tickloom.tools.cli import EX_DATAERR, EX_SOFTWARE, CliError
     from tickloom.tools.serve.server import ServeOptions, default_log_path
     from tickloom.tools.serve.server import run as serve_run
@@ -119,21 +103,9 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"{flag} must be at least 1")
     if not 0 < args.body_timeout < math.inf:
         raise CliError("--body-timeout must be a positive number of seconds")
-    if args.stub_step_time is not None and args.model != "stub":
-        raise CliError("--stub-step-time needs --model stub")
-    from tickloom.tools.model_options import check_model_options
+    from tickloom.tools.model_options import engine_config
 
-    check_model_options(args.model, args.device, args.dtype)
-    log_path = None if args.no_log or fleet else (args.log or default_log_path())
-    given = {"stub_step_time": args.stub_step_time, "max_batch_size": args.max_batch_size,
-             "max_waiting": args.max_waiting}
-    extra = {name: value for name, value in given.items() if value is not None}
-    try:
-        config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, log_path=log_path,
-                              max_seq_len=args.max_seq_len, num_blocks=args.num_blocks, overload=args.overload,
-                              quant=args.quant, **extra)
-    except ConfigError as exc:
-        raise CliError(str(exc)) from None
+    config = engine_config(args, log_path=None if args.no_log or fleet else (args.log or default_log_path()))
     from tickloom.tools.serve.guard import api_keys
 
     options = ServeOptions(host=args.host, port=args.port, model_name=args.served_model_name,
