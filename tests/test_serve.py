@@ -107,10 +107,11 @@ async def test_models_health_and_metrics(tmp_path: Path) -> None:
                      "tickloom_inter_token_latency_seconds", "tickloom_requests_finished", "tickloom_http_requests"):
             assert name in families, name
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
-        assert samples[("tickloom_time_to_first_token_seconds_count", ())] == 1
-        assert samples[("tickloom_requests_finished_total", (("finish_reason", "length"),))] == 1
-        assert samples[("tickloom_kv_blocks", (("state", "total"),))] == 256
-        assert samples[("tickloom_engine_tokens_total", ())] >= 6
+        model = ("model", "stub")
+        assert samples[("tickloom_time_to_first_token_seconds_count", (model,))] == 1
+        assert samples[("tickloom_requests_finished_total", (("finish_reason", "length"), model))] == 1
+        assert samples[("tickloom_kv_blocks", (model, ("state", "total")))] == 256
+        assert samples[("tickloom_engine_tokens_total", (model,))] >= 6
         missing = await srv.http(lambda c: c.get("/v1/nothing"))
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
 
@@ -367,7 +368,7 @@ async def test_disconnect_mid_stream_cancels_the_request(tmp_path: Path) -> None
         with trio.fail_after(10):
             while True:
                 text = await srv.http(lambda c: c.get("/metrics").text)
-                if "tickloom_client_disconnects_total 1.0" in text and 'finish_reason="cancelled"' in text:
+                if 'tickloom_client_disconnects_total{model="stub"} 1.0' in text and 'reason="cancelled"' in text:
                     break
                 await trio.sleep(0.05)
     finish = core_finishes(srv.log)[f"{rid}-0"]

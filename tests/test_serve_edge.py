@@ -120,7 +120,7 @@ async def test_a_client_leaving_mid_body_is_no_error(tmp_path: Path, caplog: pyt
                                                                        "max_tokens": 2}))
         assert ok.status_code == 200
         metrics = await srv.http(lambda c: c.get("/metrics").text)
-    assert "tickloom_client_disconnects_total 1.0" in metrics
+    assert 'tickloom_client_disconnects_total{model="stub"} 1.0' in metrics
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
 
@@ -239,7 +239,7 @@ async def test_a_stream_its_client_never_reads_is_ended_at_the_buffer_limit(tmp_
         with trio.fail_after(60):  # the server ends the request long before its 8 x 3000 tokens
             while True:
                 metrics = await srv.http(lambda c: c.get("/metrics").text)
-                if "tickloom_slow_client_streams_total 1.0" in metrics:
+                if 'tickloom_slow_client_streams_total{model="stub"} 1.0' in metrics:
                     break
                 await trio.sleep(0.1)
         # Reading now, the client finds the stream's end: the error naming the limit, then [DONE] (unless the
@@ -397,5 +397,5 @@ async def test_a_client_that_hangs_up_after_done_is_no_disconnect(tmp_path: Path
         await trio.sleep(0.3)
         metrics = await srv.http(lambda c: c.get("/metrics").text)
     assert [len(t) for t in texts] == [20, 20]
-    assert "tickloom_client_disconnects_total 0.0" in metrics
+    assert 'tickloom_client_disconnects_total{model="stub"} 0.0' in metrics
     assert 'finish_reason="cancelled"' not in metrics

@@ -91,16 +91,17 @@ async def test_a_fleet_answers_as_one_engine_and_a_client_leaving_cancels_on_its
         health = await srv.http(lambda c: c.get("/health"))
         assert health.status_code == 200 and health.json() == {"status": "ok"}
         metrics = await srv.http(lambda c: c.get("/metrics").text)
-        assert 'tickloom_kv_blocks{state="total"} 512.0' in metrics  # 2 replicas x 256 blocks
-        assert "tickloom_fleet_replicas_live 2.0" in metrics
-        assert 'tickloom_requests_finished_total{finish_reason="length"}' in metrics
+        assert 'tickloom_kv_blocks{model="stub",state="total"} 512.0' in metrics  # 2 replicas x 256 blocks
+        assert 'tickloom_fleet_replicas_live{model="stub"} 2.0' in metrics
+        assert 'tickloom_requests_finished_total{model="stub",finish_reason="length"}' in metrics
 
         rid = f"{await srv.http(functools.partial(leave_after, events=3))}-0"
         with trio.fail_after(10):  # the front end closes the request: the router no longer has it open
             while await fs.backend.on_loop(lambda f: rid in f._router().router.open):
                 await trio.sleep(0.02)
         with trio.fail_after(10):
-            while "tickloom_client_disconnects_total 1.0" not in await srv.http(lambda c: c.get("/metrics").text):
+            left = 'tickloom_client_disconnects_total{model="stub"} 1.0'
+            while left not in await srv.http(lambda c: c.get("/metrics").text):
                 await trio.sleep(0.05)
         bad = await srv.http(lambda c: c.post("/v1/completions", json={"model": "stub", "prompt": "\u00e9"}))
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"

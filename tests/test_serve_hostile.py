@@ -141,7 +141,7 @@ def test_hostile_clients_under_a_memory_limit(tmp_path: Path) -> None:
         def given_up() -> None:
             with httpx.Client(base_url=url, timeout=30) as c:
                 for _ in range(600):
-                    if "tickloom_slow_client_streams_total 1.0" in c.get("/metrics").text:
+                    if 'tickloom_slow_client_streams_total{model="stub"} 1.0' in c.get("/metrics").text:
                         return
                     time.sleep(0.1)
 
@@ -157,7 +157,7 @@ def test_hostile_clients_under_a_memory_limit(tmp_path: Path) -> None:
             metrics = c.get("/metrics").text
         held = rss_bytes(proc.pid) - rest
         thread.join(120)
-        assert "tickloom_slow_client_streams_total 1.0" in metrics
+        assert 'tickloom_slow_client_streams_total{model="stub"} 1.0' in metrics
         assert held < 100 << 20, f"the server grew by {held / 2**20:.0f} MB"
         [lines] = canary
         assert lines[-1] == "[DONE]"

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"(also ${API_KEY_ENV}, comma-separated)")
     edge.add_argument("--metrics-open", action="store_true",
                       help="serve /metrics without an API key (default: it needs one when keys are set)")
+    edge.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
+                      help="answer browsers' CORS requests from this origin (e.g. http://localhost:3000; * for any); "
+                           "repeat for several (default: none)")
     edge.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                       help=f"a larger request body gets 413 (default {DEFAULT_MAX_BODY_BYTES})")
     edge.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
@@ -113,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
                            handle_signals=True, api_keys=api_keys(args.api_key), metrics_open=args.metrics_open,
                            max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                            max_stream_buffer_bytes=args.max_stream_buffer_bytes,
-                           max_answer_entries=args.max_answer_entries)
+                           max_answer_entries=args.max_answer_entries,
+                           allowed_origins=tuple(args.allowed_origins))
     from tickloom.engine.model.errors import ModelLoadError
 
     try:

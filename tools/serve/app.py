@@ -91,7 +91,7 @@ class ServerState:
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.engine.stats)
+        self.metrics = Metrics(self.engine.stats, self.model_name)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

@@ -9,7 +9,6 @@ the field, as ``/v1/chat/completions`` refuses it: the counts here are the count
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from starlette.routing import Route
 
 from tickloom import RequestRejected
 from tickloom.prompts import text_prompt_ids
+from tickloom.tools.cli import package_version
 from tickloom.tools.serve.backend import ServedEngine
 from tickloom.tools.serve.guard import BodyLimits, read_body
 from tickloom.tools.serve.openai_types import (
@@ -36,7 +36,7 @@ from tickloom.tools.serve.openai_types import (
 )
 from tickloom.tools.serve.translate import chat_messages
 
-VERSION = importlib.metadata.version("tickloom")
+VERSION = package_version()
 TOKENIZE_ROUTES = ("/tokenize", "/detokenize", "/version")
 
 Json = Callable[[Any], Response]

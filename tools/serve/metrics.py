@@ -5,17 +5,23 @@ Engine figures (queues, KV blocks, ticks, steps, tokens, preemptions, swaps, spi
 queues and KV blocks, and how many replicas are live). Per-request figures are observed as requests finish: time
 to first token and the mean inter-token latency from ``RequestOutput.usage``, the end-to-end duration measured by
 the server, token counts, and finishes by reason.
+
+Every series has a ``model`` label (the served model's name, as clients pass it). Derived gauges: KV-cache usage
+(the blocks requests hold: neither free nor reclaimable from the prefix cache, over all blocks) and the prefix-cache
+hit rate (cached prompt tokens over prompt tokens, of the requests finished so far).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tickloom import RequestUsage
+
+M = TypeVar("M", Counter, Histogram)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0)
@@ -41,53 +47,94 @@ _GAUGES = (
 class _EngineCollector:
     """Reads ``engine.stats()`` at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model: str, hits: Callable[[], float | None]) -> None:
         self._stats = stats
+        self._model = model
+        self._hits = hits
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
-        queues = GaugeMetricFamily("tickloom_queue_requests", "requests in each engine queue", labels=["queue"])
+        model = self._model
+        queues = GaugeMetricFamily("tickloom_queue_requests", "requests in each engine queue",
+                                   labels=["model", "queue"])
         for q in _QUEUES:
             if q in s:
-                queues.add_metric([q], float(s[q]))
+                queues.add_metric([model, q], float(s[q]))
         yield queues
-        blocks = GaugeMetricFamily("tickloom_kv_blocks", "KV cache blocks by state", labels=["state"])
+        blocks = GaugeMetricFamily("tickloom_kv_blocks", "KV cache blocks by state", labels=["model", "state"])
         for state, key in _BLOCKS.items():
             if key in s:
-                blocks.add_metric([state], float(s[key]))
+                blocks.add_metric([model, state], float(s[key]))
         yield blocks
+        if s.get("blocks_total"):
+            held = s["blocks_total"] - s.get("blocks_free", 0) - s.get("blocks_cached", 0)
+            usage = GaugeMetricFamily("tickloom_kv_cache_usage_ratio", "KV cache blocks held by requests, of all "
+                                      "(prefix-cache blocks no request holds count as free)", labels=["model"])
+            usage.add_metric([model], held / s["blocks_total"])
+            yield usage
+        hits = self._hits()
+        if hits is not None:
+            rate = GaugeMetricFamily("tickloom_prefix_cache_hit_rate", "prompt tokens served from the prefix cache, "
+                                     "of the prompt tokens of finished requests", labels=["model"])
+            rate.add_metric([model], hits)
+            yield rate
         for name, doc in _COUNTERS.items():
             if name in s:
-                yield CounterMetricFamily(f"tickloom_engine_{name}", doc, value=float(s[name]))
+                counter = CounterMetricFamily(f"tickloom_engine_{name}", doc, labels=["model"])
+                counter.add_metric([model], float(s[name]))
+                yield counter
         for key, name, doc in _GAUGES:
             if key in s:
-                yield GaugeMetricFamily(name, doc, value=float(s[key]))
+                gauge = GaugeMetricFamily(name, doc, labels=["model"])
+                gauge.add_metric([model], float(s[key]))
+                yield gauge
+
+
+class _ForModel(Generic[M]):
+    """A metric with the ``model`` label first, set: ``labels`` takes the other labels' values."""
+
+    def __init__(self, metric: M, model: str) -> None:
+        self._metric: M = metric
+        self._model = model
+
+    def labels(self, *values: str) -> M:
+        return self._metric.labels(self._model, *values)
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model: str = "") -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, model, self.prefix_cache_hit_rate))
         r = self.registry
-        self.ttft = Histogram("tickloom_time_to_first_token_seconds", "time from submit to the first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+        m = ["model"]
+        self.ttft = Histogram("tickloom_time_to_first_token_seconds", "time from submit to the first token", m,
+                              buckets=LATENCY_BUCKETS, registry=r).labels(model)
         self.itl = Histogram("tickloom_inter_token_latency_seconds",
-                             "mean time between a request's tokens (one observation per request)",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.duration = Histogram("tickloom_request_duration_seconds", "HTTP request duration, end to end",
-                                  ["endpoint"], buckets=DURATION_BUCKETS, registry=r)
-        self.finished = Counter("tickloom_requests_finished", "engine requests finished, by reason",
-                                ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("tickloom_prompt_tokens", "prompt tokens of finished requests", registry=r)
+                             "mean time between a request's tokens (one observation per request)", m,
+                             buckets=LATENCY_BUCKETS, registry=r).labels(model)
+        self.duration = _ForModel(Histogram("tickloom_request_duration_seconds", "HTTP request duration, end to end",
+                                            [*m, "endpoint"], buckets=DURATION_BUCKETS, registry=r), model)
+        self.finished = _ForModel(Counter("tickloom_requests_finished", "engine requests finished, by reason",
+                                          [*m, "finish_reason"], registry=r), model)
+        self.prompt_tokens = Counter("tickloom_prompt_tokens", "prompt tokens of finished requests", m,
+                                     registry=r).labels(model)
         self.cached_tokens = Counter("tickloom_cached_prompt_tokens", "prompt tokens served from the prefix cache",
-                                     registry=r)
-        self.generation_tokens = Counter("tickloom_generation_tokens", "tokens delivered to clients", registry=r)
-        self.http_requests = Counter("tickloom_http_requests", "HTTP requests answered, by endpoint and status",
-                                     ["endpoint", "status"], registry=r)
-        self.disconnects = Counter("tickloom_client_disconnects", "clients that left before their answer",
-                                   registry=r)
+                                     m, registry=r).labels(model)
+        self.generation_tokens = Counter("tickloom_generation_tokens", "tokens delivered to clients", m,
+                                         registry=r).labels(model)
+        self.http_requests = _ForModel(Counter("tickloom_http_requests", "HTTP requests answered, by endpoint and "
+                                               "status", [*m, "endpoint", "status"], registry=r), model)
+        self.disconnects = Counter("tickloom_client_disconnects", "clients that left before their answer", m,
+                                   registry=r).labels(model)
         self.slow_clients = Counter("tickloom_slow_client_streams",
-                                    "streams ended because their client did not read them", registry=r)
+                                    "streams ended because their client did not read them", m,
+                                    registry=r).labels(model)
+        self._prompt_seen = 0
+        self._cached_seen = 0
+
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Cached prompt tokens over prompt tokens so far; None before any prompt token."""
+        return self._cached_seen / self._prompt_seen if self._prompt_seen else None
 
     def observe_finish(self, finish_reason: str | None, usage: RequestUsage | None) -> None:
         self.finished.labels(finish_reason or "unknown").inc()
@@ -95,6 +142,8 @@ class Metrics:
             return
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.cached_tokens.inc(usage.cached_prompt_tokens)
+        self._prompt_seen += usage.prompt_tokens
+        self._cached_seen += usage.cached_prompt_tokens
         self.generation_tokens.inc(usage.completion_tokens)
         if usage.time_to_first_token_s is not None:
             self.ttft.observe(usage.time_to_first_token_s)

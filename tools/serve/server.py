@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, TextIO
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp
 
 from tickloom import Engine, EngineConfig
 from tickloom.tools.serve.app import DEFAULT_MAX_ANSWER_ENTRIES, ServerState, build_app, with_status_counts
@@ -63,6 +65,9 @@ class ServeOptions:
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     max_stream_buffer_bytes: int = DEFAULT_MAX_PENDING_BYTES
     max_answer_entries: int = DEFAULT_MAX_ANSWER_ENTRIES
+    allowed_origins: tuple[str, ...] = ()
+    """Origins a browser may call this server from (CORS; ``*`` for any). Empty: no CORS headers, and a preflight
+    gets 405."""
 
 
 def default_log_path(directory: str = ".", suffix: str = ".tlog") -> str:
@@ -103,8 +108,13 @@ async def serve_engine(engine: ServedEngine, options: ServeOptions, *, shutdown:
                         BodyLimits(options.max_body_bytes, options.body_timeout), options.max_stream_buffer_bytes,
                         options.max_answer_entries)
     open_paths = ("/health", "/metrics") if options.metrics_open else ("/health",)
-    app = with_status_counts(require_api_key(build_app(state), options.api_keys, open_paths=open_paths),
-                             state.metrics)
+    app: ASGIApp = require_api_key(build_app(state), options.api_keys, open_paths=open_paths)
+    if options.allowed_origins:
+        # Outside the key check: a browser's preflight carries no key. Any method and header, no credentials,
+        # as vLLM's defaults; a preflight from another origin gets 400 and no CORS headers.
+        app = CORSMiddleware(app, allow_origins=list(options.allowed_origins), allow_methods=["*"],
+                             allow_headers=["*"])
+    app = with_status_counts(app, state.metrics)
     hconfig = HypercornConfig()
     hconfig.bind = [f"[{options.host}]:{options.port}" if ":" in options.host
                     else f"{options.host}:{options.port}"]
