@@ -300,3 +300,17 @@ def _arrivals_and_finishes(log: Path) -> tuple[list[RequestArrived], dict[str, s
             arrivals += [i for i in record.inputs.inputs if isinstance(i, RequestArrived)]
             finishes.update({c.request_id: c.reason for c in record.outputs.commands if isinstance(c, Finish)})
     return arrivals, finishes
+
+
+def test_chat_help_lists_the_commands_and_is_not_sent_to_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    log = tmp_path / "chat.tlog"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/help\nhi\n/exit\n"))
+    assert main(["chat", "--model", "stub", "--max-tokens", "3", "--log", str(log)]) == 0
+    captured = capsys.readouterr()
+    assert "commands: /help lists these, /reset forgets the conversation" in captured.out
+    assert "chat: 1 reply, 3 tokens" in captured.err
+    arrivals, _ = _arrivals_and_finishes(log)
+    assert [StubTokenizer().decode(a.prompt_token_ids) for a in arrivals] == ["<user>hi <assistant>"]

@@ -38,7 +38,7 @@ def test_log_demo_then_info(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "equal to what was written: True" in out
     assert "mode 0o600" in out
     assert main(["log", "info", str(path)]) == 0
-    assert "12 ticks (0..11), 1 snapshots" in capsys.readouterr().out
+    assert "12 ticks (0..11), 1 snapshot," in capsys.readouterr().out
     # It never clobbers a file unless asked.
     assert main(["log", "demo", str(path)]) == EX_USAGE
     assert "exists" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import pytest
 
 from tickloom.tools.cli import EX_USAGE, main
 
-SUMMARY = re.compile(r"^summary: (\d+) requests, (\d+) tokens in [\d.]+ s, [\d.]+ tokens/s, (\d+) preemptions, "
+SUMMARY = re.compile(r"^summary: (\d+) requests?, (\d+) tokens? in [\d.]+ s, [\d.]+ tokens/s, (\d+) preemptions?, "
                      r"log (.+)$", re.M)
 
 

@@ -34,6 +34,11 @@ EX_SOFTWARE = 70
 """Exit status of a failure inside tickloom, e.g. the engine failing under ``serve`` (sysexits.h)."""
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 request``, ``2 requests``, ``0 requests``: a count and its noun (made plural with an ``s``)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def package_version() -> str:
     """tickloom's version: the installed distribution's, else (a source checkout on ``sys.path``, never installed)
     the one pyproject.toml declares, else ``unknown``."""

@@ -1,8 +1,8 @@
 """``tickloom chat``: an interactive chat with a model (the default instruct model unless ``--model``).
 
 Reads one message per line from stdin and streams each reply; the conversation's history goes with every turn
-(the oldest turns are dropped when it outgrows ``--max-seq-len``). ``/reset`` forgets the history; ``/exit``,
-``/quit`` or end of input leave.
+(the oldest turns are dropped when it outgrows ``--max-seq-len``). ``/help`` lists the commands; ``/reset``
+forgets the history; ``/exit``, ``/quit`` or end of input leave. These lines never go to the model.
 
 On a terminal the line is read with ``readline`` (arrow keys, Ctrl-A/E, history with Up/Down; the stdlib module,
 so nothing to install; where Python has none, as on Windows, input is plain). Ctrl-C during a reply cancels that
@@ -21,13 +21,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from tickloom.tools.cli import plural
 from tickloom.tools.commands.generate import CtrlC, run_trio
 from tickloom.tools.model_options import add_model_arguments, engine_config, sampling
 
 NAME = "chat"
-HELP = "chat interactively with a model (one message per stdin line; /reset, /exit)"
+HELP = "chat interactively with a model (one message per stdin line; /help, /reset, /exit)"
 
-COMMANDS = "/reset forgets the conversation, /exit (or Ctrl-C, or end of input) leaves, Ctrl-C stops a reply"
+COMMANDS = ("/help lists these, /reset forgets the conversation, /exit (or Ctrl-C, or end of input) leaves, Ctrl-C "
+            "stops a reply")
 
 _BOLD, _CYAN, _RESET = "\x1b[1m", "\x1b[1;36m", "\x1b[0m"
 
@@ -154,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
                 continue
             if message in ("/exit", "/quit"):
                 break
+            if message in ("/help", "/?"):
+                say(f"commands: {COMMANDS}")
+                continue
             if message == "/reset":
                 del history[1 if args.system else 0:]
                 say("(conversation reset)")
@@ -183,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # e.g. --log names a path that exists: logs are never overwritten
         raise CliError(str(exc)) from None
     rate = totals["tokens"] / totals["seconds"] if totals["seconds"] > 0 else 0.0
-    print(f"chat: {totals['turns']} replies, {totals['tokens']} tokens, {rate:.1f} tokens/s, "
+    replies = "1 reply" if totals["turns"] == 1 else f"{totals['turns']} replies"
+    print(f"chat: {replies}, {plural(int(totals['tokens']), 'token')}, {rate:.1f} tokens/s, "
           f"log {args.log if args.log else 'none (use --log PATH)'}", file=sys.stderr)
     return 0

@@ -114,6 +114,6 @@ def _replay(text: str) -> int:
     print(f"replayed seed {token.seed} ({level.name}, strategy {token.strategy}, faults "
           f"{'on' if token.faults else 'off'}{', variant ' + token.variant if token.variant else ''}; "
           f"{len(subject.actions)} actions{moved}): {run.violation or 'no violation'}")
-    print(f"explored 1 seeds ({level.name}) in {elapsed:.1f} s: {1 / max(elapsed, 1e-9):.1f} seeds/s, "
-          f"{int(run.violation is not None)} violations")
+    print(f"explored 1 seed ({level.name}) in {elapsed:.1f} s: {1 / max(elapsed, 1e-9):.1f} seeds/s, "
+          f"{'1 violation' if run.violation is not None else '0 violations'}")
     return 1 if run.violation is not None else 0

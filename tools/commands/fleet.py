@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tickloom.fleet.front import FleetConfig
 
+from tickloom.tools.cli import plural
 from tickloom.tools.model_options import add_model_arguments, engine_config, sampling
 
 NAME = "fleet"
@@ -123,7 +124,7 @@ async def _serve(args: argparse.Namespace, config: object, fleet_config: object,
     if args.json:
         print(json.dumps({"summary": summary}))
     else:
-        print(f"{len(jobs)} requests ({failures} failed), {tokens} tokens in {seconds:.2f} s "
-              f"({summary['tokens_per_s']:.0f} tokens/s) on {args.replicas} replicas; logs in {args.dir} "
+        print(f"{plural(len(jobs), 'request')} ({failures} failed), {plural(tokens, 'token')} in {seconds:.2f} s "
+              f"({summary['tokens_per_s']:.0f} tokens/s) on {plural(args.replicas, 'replica')}; logs in {args.dir} "
               f"(tickloom replay {args.dir})")
     return 1 if failures else 0

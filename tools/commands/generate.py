@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
+from tickloom.tools.cli import plural
 from tickloom.tools.model_options import DEFAULT_MODEL, add_model_arguments, engine_config, sampling
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class _Plain:
         elif req.pending_line:
             print(f"[{req.index + 1}] {req.pending_line}", file=self.out)
             req.pending_line = ""
-        note = f"{req.state}, {req.tokens} tokens" + (f": {req.error}" if req.error else "")
+        note = f"{req.state}, {plural(req.tokens, 'token')}" + (f": {req.error}" if req.error else "")
         print(f"[{req.index + 1}] ({note})", file=self.out, flush=True)
 
     def frame(self, req: _Request, out: RequestOutput) -> None:
@@ -269,20 +270,20 @@ class _Live:
             body = Text(req.text if req is not None else "")
             if req is not None and req.error:
                 body.append(f"\n{req.error}", style="red")
-            subtitle = f"{state} · {req.tokens if req else 0} tokens"
+            subtitle = f"{state} · {plural(req.tokens if req else 0, 'token')}"
             panels.append(Panel(body, title=name, title_align="left", subtitle=subtitle, subtitle_align="right",
                                 border_style=style))
         if not final:
             elapsed = max(time.monotonic() - self.started_at, 1e-9)
-            panels.append(Text(f"{done}/{len(self.labels)} done · {running} running · {tokens} tokens · "
+            panels.append(Text(f"{done}/{len(self.labels)} done · {running} running · {plural(tokens, 'token')} · "
                                f"{tokens / elapsed:.1f} tokens/s · {elapsed:.1f} s", style="bold"))
         return Group(*panels)
 
 
 def summary_line(n: int, tokens: int, seconds: float, preemptions: int, log: str | None) -> str:
     rate = tokens / seconds if seconds > 0 else 0.0
-    return (f"summary: {n} requests, {tokens} tokens in {seconds:.2f} s, {rate:.1f} tokens/s, "
-            f"{preemptions} preemptions, log {log if log else 'none (use --log PATH)'}")
+    return (f"summary: {plural(n, 'request')}, {plural(tokens, 'token')} in {seconds:.2f} s, {rate:.1f} tokens/s, "
+            f"{plural(preemptions, 'preemption')}, log {log if log else 'none (use --log PATH)'}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -377,9 +378,10 @@ def run(args: argparse.Namespace) -> int:
     if interrupted and not args.json and not live_mode:
         for req in reqs:
             if req.state == "interrupted" and req.tokens:
-                print(f"{chr(10) if concurrency == 1 else ''}[{req.index + 1}] (interrupted, {req.tokens} tokens)")
+                lead = "\n" if concurrency == 1 else ""
+                print(f"{lead}[{req.index + 1}] (interrupted, {plural(req.tokens, 'token')})")
     if interrupted:
-        print(f"tickloom: interrupted; {sum(r.state == 'interrupted' for r in reqs)} requests cancelled",
+        print(f"tickloom: interrupted; {plural(sum(r.state == 'interrupted' for r in reqs), 'request')} cancelled",
               file=sys.stderr, flush=True)
     if args.json:
         summary = {"requests": len(reqs), "tokens": tokens, "seconds": seconds, "preemptions": preemptions,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from tickloom.tools.cli import plural
+
 NAME = "log"
 HELP = "log files: write a demo log, check and summarise a log"
 
@@ -115,7 +117,7 @@ def _info(args: argparse.Namespace) -> int:
         raise CliError(str(exc), status=2) from exc
     print(f"{args.path}: format {h.format_version}, schema {h.schema_hash}, digest v{h.digest_version}")
     print(f"  engine {h.engine_version!r}, model {h.model_fingerprint!r}, device {h.device!r}, dtype {h.dtype!r}")
-    print(f"  {ticks} ticks ({first}..{last}), {snapshots} snapshots, {tail.end_offset} bytes")
+    print(f"  {plural(ticks, 'tick')} ({first}..{last}), {plural(snapshots, 'snapshot')}, {tail.end_offset} bytes")
     if tail.torn_bytes:
         print(f"  torn tail: {tail.torn_bytes} bytes after the last whole frame (recover_log drops them)")
     return 0
