@@ -24,6 +24,7 @@ from tests.test_serve import CHAT, Server, leave_after, running, stub
 from tickloom import EngineConfig
 from tickloom.fleet.front import FleetConfig
 from tickloom.fleet.router_replay import replica_logs, verify_fleet
+from tickloom.prompts import MAX_CHARS_PER_TOKEN
 from tickloom.tools.serve.fleet_backend import FleetBackend
 from tickloom.tools.serve.server import ServeOptions, serve_engine
 
@@ -65,8 +66,17 @@ def answers(c: openai.OpenAI) -> dict[str, Any]:
     chat_streamed = list(c.chat.completions.create(model="stub", messages=CHAT, max_tokens=10, seed=3,  # type: ignore
                                                    stream=True))
     n2 = c.completions.create(model="stub", prompt=["ab", "cd"], n=2, max_tokens=8, seed=5)
+    scored = c.completions.create(model="stub", prompt="Once upon", max_tokens=0, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 1})
+    shaped = c.completions.create(model="stub", prompt="Once upon a time", max_tokens=4, seed=2,
+                                  extra_body={"truncate_prompt_tokens": 3, "allowed_token_ids": [65, 66],
+                                              "cache_salt": "s"})
     assert whole.usage is not None and n2.usage is not None and chat.usage is not None
+    assert scored.choices[0].logprobs is not None and shaped.usage is not None
     return {
+        "echo": (scored.choices[0].text, scored.choices[0].logprobs.model_dump(),
+                 scored.choices[0].model_dump()["prompt_logprobs"]),
+        "truncated, allowed tokens": (shaped.choices[0].text, shaped.usage.prompt_tokens),
         "completion": (whole.choices[0].text, whole.choices[0].finish_reason, whole.usage.completion_tokens),
         "logprobs": whole.choices[0].logprobs.model_dump() if whole.choices[0].logprobs else None,
         "completion streamed": "".join(ch.choices[0].text for ch in streamed if ch.choices),
@@ -83,6 +93,10 @@ async def test_a_fleet_answers_as_one_engine_and_a_client_leaving_cancels_on_its
     async with running(stub(tmp_path / "one.tlog")) as one:
         expected = await one.call(answers)
     assert expected["completion"][0] == expected["completion streamed"] and len(expected["n=2"]) == 4
+    text, logprobs, prompt_logprobs = expected["echo"]
+    assert text == "Once upon" and len(logprobs["tokens"]) == len(prompt_logprobs) == len("Once upon")
+    shaped, prompt_tokens = expected["truncated, allowed tokens"]
+    assert prompt_tokens == 3 and set(shaped) <= {"a", "b"}
 
     async with fleet_server(tmp_path / "fleet") as fs:
         srv = fs.srv
@@ -93,7 +107,7 @@ async def test_a_fleet_answers_as_one_engine_and_a_client_leaving_cancels_on_its
         metrics = await srv.http(lambda c: c.get("/metrics").text)
         assert 'tickloom_kv_blocks{model="stub",state="total"} 512.0' in metrics  # 2 replicas x 256 blocks
         assert 'tickloom_fleet_replicas_live{model="stub"} 2.0' in metrics
-        assert 'tickloom_requests_finished_total{model="stub",finish_reason="length"}' in metrics
+        assert 'tickloom_requests_finished_total{finish_reason="length",model="stub"}' in metrics
 
         rid = f"{await srv.http(functools.partial(leave_after, events=3))}-0"
         with trio.fail_after(10):  # the front end closes the request: the router no longer has it open
@@ -103,7 +117,8 @@ async def test_a_fleet_answers_as_one_engine_and_a_client_leaving_cancels_on_its
             left = 'tickloom_client_disconnects_total{model="stub"} 1.0'
             while left not in await srv.http(lambda c: c.get("/metrics").text):
                 await trio.sleep(0.05)
-        bad = await srv.http(lambda c: c.post("/v1/completions", json={"model": "stub", "prompt": "\u00e9"}))
+        too_long = "x" * (MAX_CHARS_PER_TOKEN * 256 + 1)  # refused by the backend's tokenizing, before any replica
+        bad = await srv.http(lambda c: c.post("/v1/completions", json={"model": "stub", "prompt": too_long}))
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
 
     # the replica that served it logged it cancelled, long before its 200 tokens
