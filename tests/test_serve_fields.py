@@ -25,6 +25,9 @@ Check = Callable[[dict[str, Any], Request], None]
 """(the answer's JSON, the engine request it made) -> asserts."""
 
 HELLO = [{"role": "user", "content": "Hello"}]
+GUIDELLM = {"model": "stub", "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "stop": None, "ignore_eos": True}
+"""What guidellm's OpenAI backend sends with every streamed request."""
 
 
 def param(name: str, expected: Any) -> Check:
@@ -274,8 +277,9 @@ async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: 
                             c.post("/v1/chat/completions", json={**chat, "stream": True,
                                                                  "stream_options": {"include_usage": True,
                                                                                     "later": 1}}),
-                            c.post("/v1/chat/completions", json={**chat, "stream": True, "stream_options": {
-                                "continuous_usage_stats": True}}),
+                            c.post("/v1/chat/completions", json={**chat, "stream": True, "max_tokens": 3,
+                                                                 "stream_options": {"include_usage": True,
+                                                                                    "continuous_usage_stats": True}}),
                             c.post("/v1/chat/completions", json=neutral),
                             c.post("/v1/completions", json={"model": "stub", "prompt": "x", "best_of": 3}),
                             c.post("/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 0}),
@@ -283,14 +287,26 @@ async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: 
                             c.post("/v1/chat/completions", json={**chat, "max_tokens": None,
                                                                  "max_completion_tokens": 256}),
                             c.post("/v1/completions", json={"model": "stub", "prompt": "x", "stream": True,
-                                                            "prompt_logprobs": 1})]
+                                                            "prompt_logprobs": 1}),
+                            c.post("/v1/completions", json={**GUIDELLM, "prompt": "a b c", "max_tokens": 3}),
+                            c.post("/v1/chat/completions", json={**GUIDELLM, "max_completion_tokens": 3, "messages": [
+                                {"role": "user", "content": [{"type": "text", "text": "a b c"}]}]})]
 
-            unknown, nested, continuous, fine, best_of, zero, huge, huge_chat, streamed_prompt = \
-                await trio.to_thread.run_sync(go)
+            (unknown, nested, continuous, fine, best_of, zero, huge, huge_chat, streamed_prompt, guidellm,
+             guidellm_chat) = await trio.to_thread.run_sync(go)
             shutdown.set()
     assert fine.status_code == 200, fine.text
+    assert guidellm.status_code == guidellm_chat.status_code == 200 and guidellm.text.endswith("data: [DONE]\n\n")
+    # guidellm's stream asks usage in every chunk: the prompt's tokens and the tokens so far, then the last count.
+    assert continuous.status_code == 200, continuous.text
+    chunks = [json.loads(line[6:]) for line in continuous.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    final = chunks[-1]["usage"]
+    running = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) for c in chunks[1:-1]]
+    assert final["completion_tokens"] == 3 and running[-1] == (final["prompt_tokens"], 3)
+    assert [done for _, done in running] == sorted(done for _, done in running)
     expected = [(unknown, "frobnicate"), (nested, "stream_options.later"),
-                (continuous, "stream_options.continuous_usage_stats"), (best_of, "best_of"), (zero, "max_tokens"),
+                (best_of, "best_of"), (zero, "max_tokens"),
                 (huge, "max_tokens"), (huge_chat, "max_completion_tokens"), (streamed_prompt, "prompt_logprobs")]
     for r, name in expected:
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)

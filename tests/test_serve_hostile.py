@@ -175,7 +175,7 @@ def test_a_full_log_disk_ends_every_stream_and_exits_with_one_line(tmp_path: Pat
     with server(tmp_path, "--log", str(log), "--stub-step-time", "0.005", limit_fsize=256 << 10) as (proc, url):
         results: list[list[str]] = []
         threads = [threading.Thread(target=lambda: results.append(stream_lines(url, {
-            "model": "stub", "prompt": "x", "max_tokens": 3000, "stream": True}))) for _ in range(3)]
+            "model": "stub", "prompt": "x", "max_tokens": 2000, "stream": True}))) for _ in range(3)]
         for t in threads:
             t.start()
         for t in threads:
@@ -199,7 +199,7 @@ def test_a_second_sigterm_ends_each_stream_with_why(tmp_path: Path) -> None:
         results: list[list[str]] = []
         first = threading.Event()
         thread = threading.Thread(target=lambda: results.append(stream_lines(url, {
-            "model": "stub", "prompt": "x", "max_tokens": 3000, "stream": True}, first)))
+            "model": "stub", "prompt": "x", "max_tokens": 2000, "stream": True}, first)))
         thread.start()
         assert first.wait(60)
         proc.send_signal(signal.SIGTERM)

@@ -263,8 +263,11 @@ def build_app(state: ServerState) -> Starlette:
         max_seq_len = engine.config.max_seq_len
         try:
             params = translate.sampling_params(req, default_max, max_seq_len)
-            echoes = (scoring.echoed_prompts(engine.tokenizer, prompts, req, max_seq_len)
-                      if isinstance(req, CompletionRequest) and req.echo else [])
+            options = req.stream_options
+            continuous = req.stream and options is not None and bool(options.continuous_usage_stats)
+            echo = isinstance(req, CompletionRequest) and req.echo
+            tokenized = (scoring.echoed_prompts(engine.tokenizer, prompts, req, max_seq_len)
+                         if echo or continuous else [])
             streams = [engine.generate_request(EngineRequest(prompt=prompt, params=params, deadline=deadline,
                                                              request_id=f"{rid}-{k}", priority=req.priority,
                                                              cache_salt=req.cache_salt or ""))
@@ -273,7 +276,8 @@ def build_app(state: ServerState) -> Starlette:
             raise translate.rejected(exc, req) from None
         group = Group(streams, req.n, state.metrics, keep=not req.stream)
         created = int(time.time())
-        writer = ChunkWriter(req, rid, created, state.model_name, state.token_text, echoes)
+        writer = ChunkWriter(req, rid, created, state.model_name, state.token_text, tokenized if echo else (),
+                             sum(len(p.ids) for p in tokenized))
         try:
             gone, _ = await run_until_disconnect(request.receive, group.start)
         except RequestRejected as exc:

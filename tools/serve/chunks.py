@@ -34,7 +34,7 @@ class ChunkWriter:
     """Builds the chunks of a streamed answer and the body of a whole one."""
 
     def __init__(self, req: OpenAIRequest, rid: str, created: int, model_name: str, token_text: Decode,
-                 echoes: Sequence[EchoedPrompt] = ()) -> None:
+                 echoes: Sequence[EchoedPrompt] = (), prompt_tokens: int = 0) -> None:
         self.model_name = model_name
         self.echoes = list(echoes)
         """With ``echo``, each prompt as the engine took it (a whole answer only)."""
@@ -50,7 +50,11 @@ class ChunkWriter:
         self.top_k = 0 if isinstance(req, CompletionRequest) else req.top_logprobs or 0
         """Chat's ``top_logprobs``: the alternatives listed per token."""
         options = req.stream_options
-        self.include_usage = options is not None and options.include_usage
+        self.include_usage = options is not None and bool(options.include_usage)
+        self.continuous_usage = options is not None and bool(options.continuous_usage_stats)
+        """Usage in every chunk: ``prompt_tokens`` (the prompts' tokens) and the tokens sent so far."""
+        self.prompt_tokens = prompt_tokens
+        self.sent_tokens = 0
         self.offsets: dict[int, int] = {}
 
     def _chat_chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
@@ -69,19 +73,22 @@ class ChunkWriter:
             return
         finish = out.finish_reason if out.finished else None
         decode = self.token_text
+        self.sent_tokens += len(out.token_ids)
+        usage = translate.running_usage(self.prompt_tokens, self.sent_tokens) if self.continuous_usage else None
         if self.chat:
             delta = Delta(content=out.text_delta or None, reasoning_content=out.reasoning_delta or None)
             lp = None if logprobs is None else translate.chat_logprobs(out.token_ids, logprobs, decode,
                                                                          translate.frame_tops(out), self.top_k)
             chunk: Any = self._chat_chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lp,
                                                            finish_reason=finish)])
+            chunk.usage = usage
         else:
             offset = self.offsets.get(choice.index, 0)
             clp = None if logprobs is None else translate.completion_logprobs(out.token_ids, logprobs, decode,
                                                                                offset, translate.frame_tops(out))
             self.offsets[choice.index] = offset + len(out.text_delta)
             chunk = Completion(id=self.rid, object="text_completion", created=self.created,
-                               model=self.model_name, usage=None,
+                               model=self.model_name, usage=usage,
                                choices=[CompletionChoice(index=choice.index, text=out.text_delta, logprobs=clp,
                                                          finish_reason=finish)])
         await sink.write(event(chunk))

@@ -61,7 +61,8 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
-    """vLLM's usage in every chunk: refused when true (``translate.check_supported``)."""
+    """vLLM's usage in every chunk: the prompt's tokens and the request's tokens so far (the last usage chunk has
+    the engine's own count, cached tokens included)."""
 
 
 class _Request(msgspec.Struct, kw_only=True):

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tickloom.prompts import Prompt, text_prompt_ids
-from tickloom.tools.serve.openai_types import CompletionLogprobs, CompletionRequest, OpenAIError, PromptLogprob
+from tickloom.tools.serve.openai_types import CompletionLogprobs, OpenAIError, PromptLogprob
 from tickloom.tools.serve.openai_types import PromptLogprobs as WirePromptLogprobs
-from tickloom.tools.serve.translate import Decode
+from tickloom.tools.serve.translate import Decode, OpenAIRequest
 
 EnginePromptLogprobs = list[dict[int, float] | None]
 
@@ -30,19 +30,23 @@ class EchoedPrompt:
     """The prompt's text: as given, or its tokens decoded (token ids, or a truncated prompt)."""
 
 
-def echoed_prompts(tokenizer: Any, prompts: Sequence[Prompt], req: CompletionRequest,
+def echoed_prompts(tokenizer: Any, prompts: Sequence[Prompt], req: OpenAIRequest,
                    max_seq_len: int) -> list[EchoedPrompt]:
-    """The prompts of an ``echo`` request, tokenized as the engine will (``RequestRejected`` names what is wrong)."""
+    """A request's prompts tokenized as the engine will (``RequestRejected`` names what is wrong): for ``echo``, and
+    for the prompt's count in each chunk of a stream with ``continuous_usage_stats``."""
     truncate = req.truncate_prompt_tokens
     keep = max_seq_len - 1 if truncate == -1 else truncate or None  # 0: the engine refuses it
     out = []
     for prompt in prompts:
         ids = text_prompt_ids(tokenizer, prompt, max_seq_len)
+        chat = ids is not None and not isinstance(prompt, str)
         if ids is None:
             assert isinstance(prompt, list)
             ids = list(prompt)
         kept = ids if keep is None else ids[-keep:]
-        if isinstance(prompt, str) and len(kept) == len(ids):
+        if chat:
+            text = ""  # chat messages are never echoed
+        elif isinstance(prompt, str) and len(kept) == len(ids):
             text = prompt
         else:
             text = tokenizer.decode(kept, req.skip_special_tokens)

@@ -34,10 +34,6 @@ def check_supported(req: OpenAIRequest) -> None:
     """Refuse what depends on a field's value or on two fields together, naming the field; the fields this server
     never does are refused by the table in ``tools.serve.fields``."""
     fields.check_refused(req)
-    options = req.stream_options
-    if options is not None and options.continuous_usage_stats:
-        raise OpenAIError(400, "stream_options.continuous_usage_stats is not supported: ask include_usage for the "
-                               "usage in the last chunk", param="stream_options.continuous_usage_stats")
     if req.stream and req.prompt_logprobs is not None:
         raise OpenAIError(400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs")
     if isinstance(req, CompletionRequest):
@@ -246,6 +242,14 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float | Non
                                                    for top in tops]
     return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=top_logprobs,
                               text_offset=offsets)
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    """A stream's usage so far (``continuous_usage_stats``); cached and reasoning tokens are known at the end."""
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+                 completion_tokens_details=CompletionTokensDetails(reasoning_tokens=0))
 
 
 def usage(choices: Sequence[Choice], n: int) -> Usage:
