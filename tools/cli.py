@@ -129,7 +129,8 @@ def show_model_progress() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    show_model_progress()
+    if not getattr(args, "quiet", False):
+        show_model_progress()
     try:
         status = args._run(args)
     except CliError as exc:

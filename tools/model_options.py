@@ -124,6 +124,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int = DE
     if log:
         parser.add_argument("--log", metavar="PATH", default=None,
                             help="write the engine's log here (replay it with `tickloom replay PATH`)")
+    parser.add_argument("--quiet", "-q", action="store_true",
+                        help="no progress lines on stderr (model loading and conversion)")
     if chat_flag:
         parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                             help=f"wrap prompts as chat messages (default: on for {DEFAULT_MODEL}, off otherwise)")

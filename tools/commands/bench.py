@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from tickloom.tools.cli import ArgumentParser, Subcommand
+from tickloom.tools.progress import add_quiet_argument
 
 NAME = "bench"
 HELP = "run a benchmark and print its figures"
@@ -60,11 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         module = cast(Subcommand, importlib.import_module(module_name))
         sp = sub.add_parser(name, help=module.HELP, description=module.HELP)
         sp.add_argument("--json", action="store_true", help="print one JSON object per line")
+        add_quiet_argument(sp)
         module.add_arguments(sp)
         sp.set_defaults(_bench_run=module.run)
     for name, (module_name, help_text) in ROW_BENCHES.items():
         lazy = sub.add_parser(name, help=help_text, description=help_text)
         lazy.add_argument("--json", action="store_true", help="print one JSON object per line")
+        add_quiet_argument(lazy)
         lazy.load = functools.partial(_load_rows_bench, module_name)
 
 
@@ -86,4 +89,7 @@ def _run_rows(bench_run: Callable[[argparse.Namespace], list[dict[str, Any]]], a
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(args._bench_run(args))
+    from tickloom.tools.progress import Progress
+
+    with Progress(f"tickloom bench {args.bench}: running", quiet=args.quiet):
+        return int(args._bench_run(args))

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tickloom.tools.progress import Progress, add_quiet_argument
+
 if TYPE_CHECKING:
     from tickloom.tools.explore.driver import Level, Run
 
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay", metavar="TOKEN", help="re-run one violation from its replay token")
     parser.add_argument("--no-shrink", action="store_true", help="report a violation without shrinking it")
     parser.add_argument("--verbose", action="store_true", help="print one line per seed")
+    add_quiet_argument(parser)
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # deliberately broken code, for testing the explorer
 
 
@@ -81,12 +84,15 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"cannot explore {args.log}: {exc}", status=2) from None
 
     def progress(seed: int, run: Run) -> None:
-        virtual = f", {run.virtual_s:.2f} s virtual" if run.virtual_s is not None else ""
-        print(f"seed {seed}: {run.ticks} ticks{virtual}: {run.violation or 'ok'}", flush=True)
+        if args.verbose:
+            virtual = f", {run.virtual_s:.2f} s virtual" if run.virtual_s is not None else ""
+            print(f"seed {seed}: {run.ticks} ticks{virtual}: {run.violation or 'ok'}", flush=True)
+        bar.advance(description=f"explore ({level.name}): seed {seed}")
 
-    exploration = explore(level, range(args.seed_start, args.seed_start + args.seeds), args.strategy, args.faults,
-                          args.variant, source=args.log, shrink=not args.no_shrink, out=args.out,
-                          progress=progress if args.verbose else None)
+    with Progress(f"explore ({level.name})", args.seeds, quiet=args.quiet or args.verbose) as bar:
+        exploration = explore(level, range(args.seed_start, args.seed_start + args.seeds), args.strategy,
+                              args.faults, args.variant, source=args.log, shrink=not args.no_shrink, out=args.out,
+                              progress=progress)
     if exploration.found is not None:
         print(describe(exploration.found))
     print(exploration.summary())

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="with --full: torch device (default cpu)")
     parser.add_argument("--dtype", default=None, help="with --full: float32, float64, float16 or bfloat16 (default: "
                                                       "the log header's, else float32)")
+    from tickloom.tools.progress import add_quiet_argument
+
+    add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,7 +181,10 @@ def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int
     note = None
     if header.model_fingerprint and header.model_fingerprint != fingerprint:
         note = f"model fingerprint {fingerprint} differs from the log's {header.model_fingerprint}"
-    report = verify_full(args.log, device, note=note)
+    from tickloom.tools.progress import Progress
+
+    with Progress("replay --full", unit="device commands re-run", quiet=args.quiet) as bar:
+        report = verify_full(args.log, _Counted(device, bar), note=note)
     if args.json:
         print(json.dumps({**exact, "model": model, "full": report.to_json(), "status": report.status},
                          default=_json_default))
@@ -222,3 +228,16 @@ def _until(args: argparse.Namespace) -> int:
         print(f"  free blocks: {list(state.pool.free)}")
         print(f"  cached blocks: {list(state.pool.cached)}")
     return 0
+
+
+class _Counted:
+    """A device that advances the progress bar by the commands it handles (``verify_full`` feeds it each one)."""
+
+    def __init__(self, device: Any, bar: Any) -> None:
+        self.device = device
+        self.bar = bar
+
+    def handle(self, commands: list[Any]) -> list[Any]:
+        results: list[Any] = self.device.handle(commands)
+        self.bar.advance(len(commands))
+        return results

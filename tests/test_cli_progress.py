@@ -1,0 +1,67 @@
+"""Progress for the long commands: a bar on stderr only on a terminal; none in pipes and tests, none with --quiet,
+which every long command accepts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from tickloom.tools.cli import build_parser, main
+from tickloom.tools.progress import Progress
+
+
+def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found = sub.choices[name]
+    assert isinstance(found, argparse.ArgumentParser)
+    return found
+
+
+def long_command_parsers() -> dict[str, argparse.ArgumentParser]:
+    root = build_parser()
+    parsers = {name: subparser(root, name) for name in ("explore", "replay", "generate", "chat", "fleet")}
+    bench = subparser(root, "bench")
+    sub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    parsers.update({f"bench {name}": p for name, p in sub.choices.items()})
+    return parsers
+
+
+def test_every_long_command_accepts_quiet() -> None:
+    parsers = long_command_parsers()
+    assert {"bench core", "bench engine", "bench model", "bench replay"} <= set(parsers)
+    for name, parser in parsers.items():
+        assert "--quiet" in {o for a in parser._actions for o in a.option_strings}, name
+
+
+def test_a_bar_is_shown_only_on_a_terminal_without_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not Progress("x").shown  # pytest's stdout and stderr are not terminals
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert Progress("x").shown
+    assert not Progress("x", quiet=True).shown
+
+
+def test_explore_prints_no_progress_when_not_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    for quiet in ([], ["--quiet"]):
+        assert main(["explore", "--seeds", "3", *quiet]) == 0
+        captured = capsys.readouterr()
+        assert captured.err == ""
+        assert captured.out.startswith("explored 3 seeds")
+
+
+def test_replay_full_and_a_bench_print_no_progress_when_not_on_a_terminal(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "run.tlog"
+    assert main(["generate", "--model", "stub", "-n", "4", "--log", str(log), "a", "b"]) == 0
+    capsys.readouterr()
+    for quiet in ([], ["--quiet"]):
+        assert main(["replay", str(log), "--full", *quiet]) == 0
+        captured = capsys.readouterr()
+        assert captured.err == "" and "identical" in captured.out
+    argv = ["bench", "log", "--json", "--ticks", "10", "--sync-ticks", "2", "--repeat", "1", "--dir", str(tmp_path)]
+    for quiet in ([], ["--quiet"]):
+        assert main([*argv, *quiet]) == 0
+        assert capsys.readouterr().err == ""
