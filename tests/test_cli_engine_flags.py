@@ -96,3 +96,14 @@ def test_max_tokens_default_is_the_same_everywhere() -> None:
     for command in ("generate", "chat", "fleet"):
         defaults = {a.dest: a.default for a in command_parser(command)._actions}
         assert defaults["max_tokens"] == DEFAULT_MAX_TOKENS, command
+
+
+def test_the_readme_names_every_engine_flag_and_alias() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Command line"):]
+    section = section[:section.index("\n## ", 1)]
+    for flag in ENGINE_FLAGS:
+        for name in flag.names:
+            assert f"`{name}`" in section, name
