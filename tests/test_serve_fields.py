@@ -260,7 +260,7 @@ async def test_every_vllm_completion_field_is_honoured_or_refused(tmp_path: Path
 
 async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: Path) -> None:
     config = EngineConfig(model="stub", log_path=str(tmp_path / "s.tlog"), num_blocks=256, max_seq_len=256,
-                          stub_step_time=0.001)
+                          stub_step_time=0.02)
     shutdown = trio.Event()
     chat = {"model": "stub", "messages": HELLO, "max_tokens": 2}
     neutral = {**chat, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
@@ -270,6 +270,14 @@ async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: 
         async with Engine.open(config) as engine, trio.open_nursery() as nursery:
             binds = await nursery.start(functools.partial(serve_engine, engine, ServeOptions(port=0),
                                                           shutdown=shutdown))
+
+            def clash(c: httpx.Client) -> httpx.Response:
+                """A request_id in use (a stream still open) is a 400 naming it."""
+                body = {**chat, "max_tokens": 200, "stream": True, "request_id": "twice"}
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    lines = r.iter_lines()  # held: a dropped iterator closes the stream, which cancels the request
+                    next(lines)
+                    return c.post("/v1/chat/completions", json={**chat, "request_id": "twice"})
 
             def go() -> list[httpx.Response]:
                 with httpx.Client(base_url=binds[0], timeout=30.0) as c:
@@ -290,10 +298,11 @@ async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: 
                                                             "prompt_logprobs": 1}),
                             c.post("/v1/completions", json={**GUIDELLM, "prompt": "a b c", "max_tokens": 3}),
                             c.post("/v1/chat/completions", json={**GUIDELLM, "max_completion_tokens": 3, "messages": [
-                                {"role": "user", "content": [{"type": "text", "text": "a b c"}]}]})]
+                                {"role": "user", "content": [{"type": "text", "text": "a b c"}]}]}),
+                            clash(c)]
 
             (unknown, nested, continuous, fine, best_of, zero, huge, huge_chat, streamed_prompt, guidellm,
-             guidellm_chat) = await trio.to_thread.run_sync(go)
+             guidellm_chat, twice) = await trio.to_thread.run_sync(go)
             shutdown.set()
     assert fine.status_code == 200, fine.text
     assert guidellm.status_code == guidellm_chat.status_code == 200 and guidellm.text.endswith("data: [DONE]\n\n")
@@ -307,7 +316,8 @@ async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: 
     assert [done for _, done in running] == sorted(done for _, done in running)
     expected = [(unknown, "frobnicate"), (nested, "stream_options.later"),
                 (best_of, "best_of"), (zero, "max_tokens"),
-                (huge, "max_tokens"), (huge_chat, "max_completion_tokens"), (streamed_prompt, "prompt_logprobs")]
+                (huge, "max_tokens"), (huge_chat, "max_completion_tokens"), (streamed_prompt, "prompt_logprobs"),
+                (twice, "request_id")]
     for r, name in expected:
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
     assert "max_seq_len=256" in huge.json()["error"]["message"]

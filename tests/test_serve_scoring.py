@@ -85,3 +85,17 @@ async def test_echo_refusals_name_the_field(tmp_path: Path) -> None:
         streamed, no_prompt = await srv.http(go)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
     assert no_prompt.status_code == 400 and no_prompt.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+async def test_an_echoed_prompt_counts_toward_the_answer_size(tmp_path: Path) -> None:
+    async with running(stub(tmp_path / "s.tlog"), max_answer_entries=400) as srv:
+        def go(c: Any) -> list[Any]:
+            base = {"model": "stub", "prompt": "x" * 100, "max_tokens": 1, "logprobs": 1}
+            return [c.post("/v1/completions", json=base),  # 1 x 1 x 3 entries
+                    c.post("/v1/completions", json={**base, "echo": True}),  # 1 x 101 x 3
+                    c.post("/v1/completions", json={**base, "prompt_logprobs": 5})]  # 1 x 101 x 7
+
+        plain, echoed, listed = await srv.http(go)
+    assert plain.status_code == 200 and echoed.status_code == 200
+    assert listed.status_code == 400 and listed.json()["error"]["code"] == "answer_too_large"
+    assert "1 choices x 101 tokens x 7 entries" in listed.json()["error"]["message"]

@@ -256,8 +256,6 @@ def build_app(state: ServerState) -> Starlette:
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices",
                               param="n")
-        if not req.stream:
-            check_answer_size(req, len(prompts) * req.n, default_max, state.max_answer_entries)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
         deadline = req.timeout if req.timeout is not None else state.request_timeout
         max_seq_len = engine.config.max_seq_len
@@ -266,8 +264,12 @@ def build_app(state: ServerState) -> Starlette:
             options = req.stream_options
             continuous = req.stream and options is not None and bool(options.continuous_usage_stats)
             echo = isinstance(req, CompletionRequest) and req.echo
+            with_prompt = echo or req.prompt_logprobs is not None
             tokenized = (scoring.echoed_prompts(engine.tokenizer, prompts, req, max_seq_len)
-                         if echo or continuous else [])
+                         if with_prompt or continuous else [])
+            if not req.stream:
+                check_answer_size(req, len(prompts) * req.n, default_max, state.max_answer_entries,
+                                  max((len(p.ids) for p in tokenized), default=0) if with_prompt else 0)
             streams = [engine.generate_request(EngineRequest(prompt=prompt, params=params, deadline=deadline,
                                                              request_id=f"{rid}-{k}", priority=req.priority,
                                                              cache_salt=req.cache_salt or ""))
@@ -366,13 +368,16 @@ def build_app(state: ServerState) -> Starlette:
     return app
 
 
-def check_answer_size(req: OpenAIRequest, choices: int, default_max: int, limit: int) -> None:
+def check_answer_size(req: OpenAIRequest, choices: int, default_max: int, limit: int, prompt_tokens: int = 0) -> None:
     """Refuse a whole answer larger than ``limit`` entries (choices x tokens x (1 + logprobs listed per token)):
-    the server holds all of it until the last token. A stream sends it as it comes."""
-    tokens = req.max_tokens or default_max
+    the server holds all of it until the last token. A stream sends it as it comes. ``prompt_tokens``: the longest
+    prompt's tokens, with ``echo`` or ``prompt_logprobs`` (the answer lists them too)."""
+    tokens = (req.max_tokens or default_max) + prompt_tokens
     chat_listed = (req.top_logprobs or 0) if isinstance(req, ChatCompletionRequest) and req.logprobs else None
     listed = req.logprobs if isinstance(req, CompletionRequest) else chat_listed
     per_token = 1 if listed is None else 2 + listed  # the token; with logprobs, its own and `listed` others
+    if req.prompt_logprobs is not None:
+        per_token = max(per_token, 2 + req.prompt_logprobs)
     entries = choices * tokens * per_token
     if entries > limit:
         raise OpenAIError(400, f"a whole answer of {choices} choices x {tokens} tokens x {per_token} entries per "

@@ -137,6 +137,8 @@ def rejected(exc: RequestRejected, req: OpenAIRequest) -> OpenAIError:
             param = "top_logprobs"
     elif re.match(r"^(the )?prompt\b", message):
         param = prompt_field
+    elif message.startswith("request_id="):
+        param = "request_id"
     return OpenAIError(400, message, param=param)
 
 
