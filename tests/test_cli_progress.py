@@ -65,3 +65,21 @@ def test_replay_full_and_a_bench_print_no_progress_when_not_on_a_terminal(tmp_pa
     for quiet in ([], ["--quiet"]):
         assert main([*argv, *quiet]) == 0
         assert capsys.readouterr().err == ""
+
+
+def test_model_work_lines_stay_plain_lines_around_the_spinner(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from tickloom.tools import cli, progress
+
+    monkeypatch.setattr(progress, "progress_wanted", lambda quiet: not quiet)  # as on a terminal
+    cli.show_model_progress()
+    log = logging.getLogger("tickloom.engine.model.loaders")
+    log.info("loading smollm2-135m…")
+    log.info("loaded smollm2-135m in 1.0 s")
+    log.info("converting x.gguf to the cache (first run only)…")
+    cli._finish_model_progress()  # the command ended (or failed) while the work was under way
+    lines = capsys.readouterr().err.splitlines()
+    assert [line for line in lines if line.strip()][-3:] == [
+        "loading smollm2-135m…", "loaded smollm2-135m in 1.0 s", "converting x.gguf to the cache (first run only)…"]

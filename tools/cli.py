@@ -22,7 +22,7 @@ import os
 import pkgutil
 import sys
 from collections.abc import Sequence
-from typing import NoReturn, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 EX_USAGE = 64
 """Exit status of a usage error (sysexits.h)."""
@@ -109,11 +109,35 @@ def build_parser() -> ArgumentParser:
 
 
 class _StderrLines(logging.Handler):
-    """Progress lines (model loading, a first run's GGUF conversion) on whatever ``sys.stderr`` is at the time."""
+    """Progress lines (model loading, a first run's GGUF conversion) on whatever ``sys.stderr`` is at the time.
+
+    A line ending in "…" starts long work (converting, hashing, loading); on a terminal it shows as a spinner with
+    the time elapsed until the next line (or the command's end), then stays as the plain line it is elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._working: tuple[str, Any] | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        sys.stderr.write(self.format(record) + "\n")
+        self.finish_work()
+        line = self.format(record)
+        from tickloom.tools.progress import Progress
+
+        bar = Progress(line)
+        if line.endswith("…") and bar.shown:
+            self._working = (line, bar.__enter__())
+            return
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
+
+    def finish_work(self) -> None:
+        """Stop the spinner of the work under way, if any, leaving its line."""
+        if self._working is not None:
+            line, bar = self._working
+            self._working = None
+            bar.__exit__(None, None, None)
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
 
 
 def show_model_progress() -> None:
@@ -126,6 +150,12 @@ def show_model_progress() -> None:
         logger.setLevel(logging.INFO)
 
 
+def _finish_model_progress() -> None:
+    for handler in logging.getLogger("tickloom.engine.model").handlers:
+        if isinstance(handler, _StderrLines):
+            handler.finish_work()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -134,13 +164,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status = args._run(args)
     except CliError as exc:
+        _finish_model_progress()
         print(f"tickloom: error: {exc}", file=sys.stderr)
         return exc.status
     except BrokenPipeError:
+        _finish_model_progress()
         # The reader went away (`tickloom inspect LOG | head`): not an error of ours. Point stdout at devnull so
         # the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    finally:
+        _finish_model_progress()
     return int(status)
 
 
