@@ -83,3 +83,14 @@ def test_model_work_lines_stay_plain_lines_around_the_spinner(monkeypatch: pytes
     lines = capsys.readouterr().err.splitlines()
     assert [line for line in lines if line.strip()][-3:] == [
         "loading smollm2-135m…", "loaded smollm2-135m in 1.0 s", "converting x.gguf to the cache (first run only)…"]
+
+
+def test_a_bench_phase_is_noted_on_the_bar_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tickloom.tools import progress
+
+    progress.progress_note("nothing shown: nothing happens")
+    monkeypatch.setattr(progress, "progress_wanted", lambda quiet: not quiet)
+    with Progress("tickloom bench engine") as bar:
+        progress.progress_note("pipeline depth 2, run 1 of 2")
+        assert bar._bar.tasks[0].description == "tickloom bench engine: pipeline depth 2, run 1 of 2"
+    assert not progress._active

@@ -22,6 +22,16 @@ def progress_wanted(quiet: bool) -> bool:
     return not quiet and sys.stdout.isatty() and sys.stderr.isatty()
 
 
+_active: list[Progress] = []
+"""The bars shown now, innermost last: ``progress_note`` writes on the innermost."""
+
+
+def progress_note(text: str) -> None:
+    """Say what the innermost bar shown is doing now (a bench's phase); nothing when no bar is shown."""
+    if _active:
+        _active[-1].advance(0, description=f"{_active[-1].description}: {text}")
+
+
 class Progress:
     """``with Progress("seeds", total=n, quiet=args.quiet) as bar: ... bar.advance()``: a transient bar on stderr
     (it disappears when done, leaving the command's own output), or nothing at all when not wanted."""
@@ -51,6 +61,7 @@ class Progress:
             self._bar = RichProgress(*columns, console=Console(stderr=True), transient=True)
             self._bar.start()
             self._task = self._bar.add_task(self.description, total=self.total)
+            _active.append(self)
         return self
 
     def advance(self, steps: int = 1, description: str | None = None) -> None:
@@ -63,3 +74,4 @@ class Progress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+            _active.remove(self)

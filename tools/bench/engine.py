@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tickloom.tools.progress import progress_note
+
 HELP = "the engine end to end (pipeline depth 1 and 2) against transformers generate with static batching"
 
 GOAL_SPEEDUP = 1.5
@@ -173,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         runs: dict[int, list[dict[str, Any]]] = {depth: [] for depth in args.depths}
         for rep in range(args.repeat):  # depths alternate, so drift on a shared machine hits both alike
             for depth in args.depths:  # a new log per run: logs are never overwritten
+                progress_note(f"tickloom, pipeline depth {depth}, run {rep + 1} of {args.repeat}")
                 runs[depth].append(run_engine(model, work, depth, args, Path(tmp) / f"depth{depth}-{rep}.tlog"))
         for measured in runs.values():
             row = max(measured, key=lambda r: r["tokens_per_s"])

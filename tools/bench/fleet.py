@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tickloom.tools.cli import plural
+from tickloom.tools.progress import progress_note
+
 HELP = "tokens/s of 1 vs 3 replicas of the tiny model on Ray, and the router's cost per request"
 
 
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
                      configure_logging=False)
         try:
             for n in sizes:
+                progress_note(f"{plural(n, 'replica')}")
                 row = asyncio.run(_fleet_run(model, n, Path(tmp) / f"fleet-{n}", args.requests, args.max_tokens))
                 row["replay"] = verify_fleet(Path(tmp) / f"fleet-{n}").status
                 rows.append({"bench": "fleet", "model": args.model, **row})

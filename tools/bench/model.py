@@ -32,6 +32,7 @@ from tickloom.engine.model.tables import step_of
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import SamplingSpec
 from tickloom.events.commands import BindRequest
+from tickloom.tools.progress import progress_note
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             vocab = min(lm.config.vocab_size, lm.tokenizer.vocab_size)
             for b in args.batch_sizes:
                 prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
+                progress_note(f"{name}, batch {b}")
                 _ours(lm, prompts[:1], 3, args.block_size)  # warm-up
                 runs = [_ours(lm, prompts, args.new_tokens, args.block_size) for _ in range(args.repeat)]
                 pre, dec = min(r[0] for r in runs), min(r[1] for r in runs)

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tickloom.tools.progress import progress_note
+
 HELP = "16 concurrent streams through the HTTP server against the in-process engine: tokens/s and TTFT"
 
 
@@ -139,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
                         await _in_process(engine, args.streams, 2, 10_000)
                         await _http(client, "bench", args.streams, 2, 10_000)
                         for r in range(args.rounds):
+                            progress_note(f"round {r + 1} of {args.rounds}")
                             seed = 1000 * r
                             rows["in-process"].append(await _in_process(engine, args.streams, args.max_tokens, seed))
                             rows["http"].append(await _http(client, "bench", args.streams, args.max_tokens, seed))

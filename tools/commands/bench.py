@@ -91,5 +91,5 @@ def _run_rows(bench_run: Callable[[argparse.Namespace], list[dict[str, Any]]], a
 def run(args: argparse.Namespace) -> int:
     from tickloom.tools.progress import Progress
 
-    with Progress(f"tickloom bench {args.bench}: running", quiet=args.quiet):
+    with Progress(f"tickloom bench {args.bench}", quiet=args.quiet):
         return int(args._bench_run(args))
