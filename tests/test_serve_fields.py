@@ -17,6 +17,7 @@ import trio
 
 from tests.test_serve_protocol import OnlyTheProtocol
 from tickloom import Engine, EngineConfig
+from tickloom.engine.model.stub import StubTokenizer
 from tickloom.request import Request
 from tickloom.tools.serve import fields
 from tickloom.tools.serve.server import ServeOptions, serve_engine
@@ -112,6 +113,17 @@ def request_field(name: str, expected: Any) -> Check:
     return check
 
 
+def prompt_ids(text: str) -> Check:
+    """Reaches the engine as the ids of ``text`` (the server tokenizes once, as the engine would: a chat rendered
+    with the model's template)."""
+
+    def check(answer: dict[str, Any], request: Request) -> None:
+        assert request.prompt == StubTokenizer().encode(text)
+        assert answer["usage"]["prompt_tokens"] == len(request.prompt)
+
+    return check
+
+
 def answer_id(expected: str) -> Check:
     def check(answer: dict[str, Any], request: Request) -> None:
         assert answer["id"] == expected and request.request_id == f"{expected}-0"
@@ -175,7 +187,7 @@ COMMON: dict[str, Field] = {
 
 CHAT: dict[str, Field] = {
     **COMMON,
-    "messages": (HELLO, {}, request_field("prompt", HELLO)),
+    "messages": (HELLO, {}, prompt_ids("<user>Hello <assistant>")),
     "logprobs": (True, {"top_logprobs": 2}, chat_logprobs),
     "top_logprobs": (2, {"logprobs": True}, chat_logprobs),
     "max_completion_tokens": (3, {"max_tokens": None}, tokens(3)),
@@ -199,7 +211,7 @@ CHAT: dict[str, Field] = {
 
 COMPLETION: dict[str, Field] = {
     **COMMON,
-    "prompt": ("Hello", {}, request_field("prompt", "Hello")),
+    "prompt": ("Hello", {}, prompt_ids("Hello")),
     "prompt_embeds": ("AAAA", {}, None),
     "echo": (True, {}, echoed),
     "logprobs": (2, {}, completion_logprobs),
@@ -299,10 +311,12 @@ async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: 
                             c.post("/v1/completions", json={**GUIDELLM, "prompt": "a b c", "max_tokens": 3}),
                             c.post("/v1/chat/completions", json={**GUIDELLM, "max_completion_tokens": 3, "messages": [
                                 {"role": "user", "content": [{"type": "text", "text": "a b c"}]}]}),
-                            clash(c)]
+                            clash(c),
+                            c.post("/v1/completions", json={"model": "stub", "prompt": "x" * 100, "max_tokens": 157}),
+                            c.post("/v1/completions", json={"model": "stub", "prompt": "x" * 100, "max_tokens": 156})]
 
             (unknown, nested, continuous, fine, best_of, zero, huge, huge_chat, streamed_prompt, guidellm,
-             guidellm_chat, twice) = await trio.to_thread.run_sync(go)
+             guidellm_chat, twice, no_room, room) = await trio.to_thread.run_sync(go)
             shutdown.set()
     assert fine.status_code == 200, fine.text
     assert guidellm.status_code == guidellm_chat.status_code == 200 and guidellm.text.endswith("data: [DONE]\n\n")
@@ -317,8 +331,11 @@ async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: 
     expected = [(unknown, "frobnicate"), (nested, "stream_options.later"),
                 (best_of, "best_of"), (zero, "max_tokens"),
                 (huge, "max_tokens"), (huge_chat, "max_completion_tokens"), (streamed_prompt, "prompt_logprobs"),
-                (twice, "request_id")]
+                (twice, "request_id"), (no_room, "max_tokens")]
     for r, name in expected:
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
     assert "max_seq_len=256" in huge.json()["error"]["message"]
+    # The prompt's 100 tokens leave 156 of max_seq_len=256: more is a 400, as in vLLM, not a silent cut.
+    assert "100 in the prompt" in no_room.json()["error"]["message"]
+    assert room.status_code == 200 and room.json()["usage"]["completion_tokens"] == 156
     assert "unknown field `frobnicate`" in unknown.json()["error"]["message"]

@@ -6,7 +6,8 @@ request of ``p`` prompts and ``n`` choices is ``p`` engine requests (ids ``<resp
 ``SamplingParams.n``: the engine makes the choices (logged as ``<id>/<j>``, seeded ``seed + j`` when the request has
 a seed) and tags their frames with ``index``; choice ``j`` of prompt ``k`` is OpenAI's choice ``k * n + j``. All are
 checked before any is submitted. A client that disconnects cancels every request it opened (they finish
-``cancelled`` in the log).
+``cancelled`` in the log). Prompts are tokenized here, once, exactly as the engine would (``scoring.engine_prompts``),
+and submitted as token ids: so ``max_tokens`` is checked against the prompt's length, and ``echo`` knows its tokens.
 """
 
 from __future__ import annotations
@@ -261,19 +262,18 @@ def build_app(state: ServerState) -> Starlette:
         max_seq_len = engine.config.max_seq_len
         try:
             params = translate.sampling_params(req, default_max, max_seq_len)
-            options = req.stream_options
-            continuous = req.stream and options is not None and bool(options.continuous_usage_stats)
             echo = isinstance(req, CompletionRequest) and req.echo
-            with_prompt = echo or req.prompt_logprobs is not None
-            tokenized = (scoring.echoed_prompts(engine.tokenizer, prompts, req, max_seq_len)
-                         if with_prompt or continuous else [])
+            tokenized = scoring.engine_prompts(engine.tokenizer, prompts, req, max_seq_len, with_text=echo)
+            longest = max(len(p.ids) for p in tokenized)
+            translate.check_room(req, longest, max_seq_len)
             if not req.stream:
+                with_prompt = echo or req.prompt_logprobs is not None
                 check_answer_size(req, len(prompts) * req.n, default_max, state.max_answer_entries,
-                                  max((len(p.ids) for p in tokenized), default=0) if with_prompt else 0)
-            streams = [engine.generate_request(EngineRequest(prompt=prompt, params=params, deadline=deadline,
+                                  longest if with_prompt else 0)
+            streams = [engine.generate_request(EngineRequest(prompt=p.ids, params=params, deadline=deadline,
                                                              request_id=f"{rid}-{k}", priority=req.priority,
                                                              cache_salt=req.cache_salt or ""))
-                       for k, prompt in enumerate(prompts)]
+                       for k, p in enumerate(tokenized)]
         except RequestRejected as exc:
             raise translate.rejected(exc, req) from None
         group = Group(streams, req.n, state.metrics, keep=not req.stream)

@@ -4,8 +4,8 @@ OpenAI's legacy form, as lm-evaluation-harness's ``local-completions`` reads the
 
 The engine reports each prompt position's logprobs (``RequestOutput.prompt_logprobs``: None for the first, then the
 top-k alternatives and the prompt's own token, keyed by id) but not which key is the prompt's token when it is among
-the top k, so ``echoed_prompts`` tokenizes the prompt here exactly as the engine does (``tickloom.prompts``, the same
-tokenizer, the same truncation) and the two must agree in length.
+the top k: the server tokenizes the prompt itself, exactly as the engine does (``engine_prompts``: ``tickloom.prompts``,
+the same tokenizer, the same truncation), and submits those ids; the two must agree in length.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tickloom import RequestRejected
 from tickloom.prompts import Prompt, text_prompt_ids
 from tickloom.tools.serve.openai_types import CompletionLogprobs, OpenAIError, PromptLogprob
 from tickloom.tools.serve.openai_types import PromptLogprobs as WirePromptLogprobs
@@ -30,10 +31,11 @@ class EchoedPrompt:
     """The prompt's text: as given, or its tokens decoded (token ids, or a truncated prompt)."""
 
 
-def echoed_prompts(tokenizer: Any, prompts: Sequence[Prompt], req: OpenAIRequest,
-                   max_seq_len: int) -> list[EchoedPrompt]:
-    """A request's prompts tokenized as the engine will (``RequestRejected`` names what is wrong): for ``echo``, and
-    for the prompt's count in each chunk of a stream with ``continuous_usage_stats``."""
+def engine_prompts(tokenizer: Any, prompts: Sequence[Prompt], req: OpenAIRequest, max_seq_len: int, *,
+                   with_text: bool = False) -> list[EchoedPrompt]:
+    """A request's prompts tokenized and truncated as the engine does (``RequestRejected`` names what is wrong):
+    the server submits these ids (so a prompt is tokenized once), counts them against ``max_tokens``, and echoes
+    them. ``with_text``: each prompt's text too (for ``echo``)."""
     truncate = req.truncate_prompt_tokens
     keep = max_seq_len - 1 if truncate == -1 else truncate or None  # 0: the engine refuses it
     out = []
@@ -43,13 +45,15 @@ def echoed_prompts(tokenizer: Any, prompts: Sequence[Prompt], req: OpenAIRequest
         if ids is None:
             assert isinstance(prompt, list)
             ids = list(prompt)
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < tokenizer.vocab_size), None)
+            if bad is not None:
+                raise RequestRejected(f"prompt token id {ids[bad]} at position {bad} is outside "
+                                      f"vocab_size={tokenizer.vocab_size}")
         kept = ids if keep is None else ids[-keep:]
-        if chat:
-            text = ""  # chat messages are never echoed
-        elif isinstance(prompt, str) and len(kept) == len(ids):
-            text = prompt
-        else:
-            text = tokenizer.decode(kept, req.skip_special_tokens)
+        text = ""
+        if with_text and not chat:  # chat messages are never echoed
+            whole = isinstance(prompt, str) and len(kept) == len(ids)
+            text = prompt if whole and isinstance(prompt, str) else tokenizer.decode(kept, req.skip_special_tokens)
         out.append(EchoedPrompt(kept, text))
     return out
 
@@ -109,4 +113,4 @@ def prompt_logprobs(engine_logprobs: EnginePromptLogprobs | None, top_k: int,
     return out
 
 
-__all__ = ["EchoedPrompt", "echo_logprobs", "echoed_prompts", "joined", "prompt_logprobs"]
+__all__ = ["EchoedPrompt", "echo_logprobs", "engine_prompts", "joined", "prompt_logprobs"]

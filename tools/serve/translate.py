@@ -108,6 +108,20 @@ def sampling_params(req: OpenAIRequest, default_max_tokens: int, max_seq_len: in
                           skip_special_tokens=req.skip_special_tokens, **kw)
 
 
+def check_room(req: OpenAIRequest, prompt_tokens: int, max_seq_len: int) -> None:
+    """A ``max_tokens`` the prompt leaves no room for is a 400 naming it, as in vLLM (the engine would stop at
+    ``max_seq_len`` and answer ``length``); a default ``max_tokens`` fills what the prompt leaves."""
+    max_tokens, name = req.max_tokens, "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None or prompt_tokens >= max_seq_len:  # a prompt too long: the engine names it
+        return
+    if prompt_tokens + max(max_tokens, 1) > max_seq_len:
+        raise OpenAIError(400, f"this model's context is max_seq_len={max_seq_len} tokens, but the request asks "
+                               f"for {prompt_tokens + max_tokens}: {prompt_tokens} in the prompt and {name}="
+                               f"{max_tokens}; ask for at most {max_seq_len - prompt_tokens}", param=name)
+
+
 def logit_bias(bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token ids as JSON object keys) with int keys; a key that is no id is a 400."""
     out: dict[int, float] = {}
