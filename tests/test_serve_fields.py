@@ -124,6 +124,12 @@ def prompt_ids(text: str) -> Check:
     return check
 
 
+def no_reasoning(answer: dict[str, Any], request: Request) -> None:
+    """No ``reasoning_content`` (the stub model does not reason: ``tests/test_serve_scoring.py`` checks it with
+    reasoning)."""
+    assert answer["choices"][0]["message"]["reasoning_content"] is None
+
+
 def answer_id(expected: str) -> Check:
     def check(answer: dict[str, Any], request: Request) -> None:
         assert answer["id"] == expected and request.request_id == f"{expected}-0"
@@ -195,7 +201,7 @@ CHAT: dict[str, Field] = {
     "tools": ([{"type": "function", "function": {"name": "f"}}], {}, None),
     "tool_choice": ("auto", {}, None),
     "reasoning_effort": ("low", {}, None),
-    "include_reasoning": (False, {}, None),
+    "include_reasoning": (False, {}, no_reasoning),
     "parallel_tool_calls": (True, {}, None),
     "echo": (True, {}, None),
     "add_generation_prompt": (False, {}, None),
@@ -339,3 +345,39 @@ async def test_unknown_fields_are_refused_and_neutral_values_accepted(tmp_path: 
     assert "100 in the prompt" in no_room.json()["error"]["message"]
     assert room.status_code == 200 and room.json()["usage"]["completion_tokens"] == 156
     assert "unknown field `frobnicate`" in unknown.json()["error"]["message"]
+
+
+async def test_include_reasoning_false_leaves_the_reasoning_out() -> None:
+    """vLLM's ``include_reasoning``, on a reasoning model's frames: whole and streamed."""
+    from tickloom import RequestOutput, RequestUsage
+    from tickloom.tools.serve.chunks import ChunkWriter
+    from tickloom.tools.serve.openai_types import decode_request
+    from tickloom.tools.serve.translate import Choice
+
+    usage = RequestUsage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=0, reasoning_tokens=1)
+    frames = [RequestOutput(request_id="r", token_ids=[5], reasoning_delta="hmm"),
+              RequestOutput(request_id="r", token_ids=[6], text_delta="hi", finished=True, finish_reason="stop",
+                            usage=usage)]
+
+    class Sink:
+        def __init__(self) -> None:
+            self.events: list[bytes] = []
+
+        async def write(self, data: bytes) -> None:
+            self.events.append(data)
+
+    seen = {}
+    for include in (True, False):
+        body = json.dumps({"model": "stub", "messages": HELLO, "include_reasoning": include}).encode()
+        req = decode_request(body, fields.CHAT_WIRE)
+        writer = ChunkWriter(req, "chatcmpl-x", 0, "stub", str)
+        choice, sink = Choice(0), Sink()
+        for out in frames:
+            choice.add(out)
+            await writer.frame(sink, choice, out)  # type: ignore[arg-type]
+        message = writer.whole([choice], 1).choices[0].message  # type: ignore[union-attr]
+        streamed = [json.loads(e.removeprefix(b"data: ")) for e in sink.events]
+        seen[include] = (message.content, message.reasoning_content,
+                         [c["choices"][0]["delta"].get("reasoning_content") for c in streamed])
+    assert seen[True] == ("hi", "hmm", ["hmm", None])
+    assert seen[False] == ("hi", None, [None])

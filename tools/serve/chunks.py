@@ -46,6 +46,8 @@ class ChunkWriter:
         self.chat = isinstance(req, ChatCompletionRequest)
         self.rid = rid
         self.created = created
+        self.include_reasoning = not isinstance(req, ChatCompletionRequest) or req.include_reasoning
+        """Chat's ``include_reasoning`` (vLLM's): false leaves ``reasoning_content`` out."""
         self.want_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs
         self.top_k = 0 if isinstance(req, CompletionRequest) else req.top_logprobs or 0
         """Chat's ``top_logprobs``: the alternatives listed per token."""
@@ -69,14 +71,15 @@ class ChunkWriter:
 
     async def frame(self, sink: EventSink, choice: Choice, out: RequestOutput) -> None:
         logprobs = translate.frame_logprobs(out) if self.want_logprobs and out.token_ids else None
-        if not (out.text_delta or out.reasoning_delta or out.finished or logprobs):
+        reasoning = out.reasoning_delta if self.include_reasoning else ""
+        if not (out.text_delta or reasoning or out.finished or logprobs):
             return
         finish = out.finish_reason if out.finished else None
         decode = self.token_text
         self.sent_tokens += len(out.token_ids)
         usage = translate.running_usage(self.prompt_tokens, self.sent_tokens) if self.continuous_usage else None
         if self.chat:
-            delta = Delta(content=out.text_delta or None, reasoning_content=out.reasoning_delta or None)
+            delta = Delta(content=out.text_delta or None, reasoning_content=reasoning or None)
             lp = None if logprobs is None else translate.chat_logprobs(out.token_ids, logprobs, decode,
                                                                          translate.frame_tops(out), self.top_k)
             chunk: Any = self._chat_chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lp,
@@ -122,7 +125,7 @@ class ChunkWriter:
         if self.chat:
             chat_choices = []
             for c in choices:
-                reasoning = "".join(c.reasoning)
+                reasoning = "".join(c.reasoning) if self.include_reasoning else ""
                 lp = (translate.chat_logprobs(c.token_ids, c.logprobs, decode, c.tops, self.top_k)
                       if self.want_logprobs else None)
                 message = AssistantMessage(content="".join(c.text), reasoning_content=reasoning or None)

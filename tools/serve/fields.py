@@ -63,7 +63,6 @@ REFUSED: tuple[tuple[str, str, Refused], ...] = (
     ("chat_template_kwargs", _CHAT, Refused("chat template arguments are not supported", (None, {}))),
     ("documents", _CHAT, Refused("documents for the chat template are not supported", (None, []))),
     ("reasoning_effort", _CHAT, Refused("reasoning effort is not supported")),
-    ("include_reasoning", _CHAT, Refused("leaving reasoning out is not supported", (None, True))),
     ("add_special_tokens", _BOTH, Refused("the engine tokenizes as the model's template says: with special tokens "
                                           "for text, without (the template has them) for chat", (None,))),
     # Sampling the engine does not do.

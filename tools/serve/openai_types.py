@@ -147,6 +147,8 @@ class ChatCompletionRequest(_Request, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    include_reasoning: bool = True
+    """False: the answer leaves the model's reasoning (``reasoning_content``) out, as in vLLM."""
 
 
 def decode_request(body: bytes, type_: type[Any]) -> Any:
