@@ -23,6 +23,10 @@ How it works:
   flight; more wait on an ``asyncio.Semaphore``, so nothing queues without bound.
 - Cancelling the asyncio caller cancels its trio task. Breaking out of ``async for`` (the stream is dropped
   unfinished) cancels the request, as in trio.
+- Leaving an ``Engine.open`` block shuts the engine down in order, to the end, even if the task leaving it is
+  cancelled meanwhile (a second Ctrl-C, or ``asyncio.run`` cancelling the tasks left when its main coroutine
+  returns, as uvicorn's forced exit does): open streams end with the shutdown's error, and the cancellation is
+  raised once the engine is down. Cancelled while it opens, the engine is closed as soon as it is open.
 - ``generate``, ``stream``'s argument checks and ``stats`` are synchronous and run directly: bad input raises
   ``RequestRejected`` at the call, before any stream opens.
 
@@ -86,19 +90,29 @@ class _GuestHost:
             if self._retired:
                 return False
             if self._token is None:
-                await self._start()
+                try:
+                    await self._start()
+                except asyncio.CancelledError:
+                    if self._token is not None:  # it started, and no user will come to stop it
+                        self._retire()
+                        await self._stop_run()
+                    raise
             self._users += 1
             return True
 
     async def release(self) -> None:
-        """Count a user out; the last one stops the guest run, waits for it to end and retires this host."""
-        async with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                self._retired = True
-                if _hosts.get(self._loop) is self:
-                    del _hosts[self._loop]
-                await self._stop_run()
+        """Count a user out; the last one stops the guest run, waits for it to end (even if cancelled meanwhile, as
+        ``_wait_out`` says) and retires this host. Counting out takes no lock, so a cancelled caller cannot leave
+        the count, and the guest run, behind; an ``acquire`` after it sees the host retired and makes a new one."""
+        self._users -= 1
+        if self._users == 0:
+            self._retire()
+            await self._stop_run()
+
+    def _retire(self) -> None:
+        self._retired = True
+        if _hosts.get(self._loop) is self:
+            del _hosts[self._loop]
 
     async def _start(self) -> None:
         loop = self._loop
@@ -139,13 +153,13 @@ class _GuestHost:
             done_callback=on_done,
             host_uses_signal_set_wakeup_fd=True,
         )
-        await started
+        await _wait_out(started)  # prompt; a cancelled caller then stops the run it started
 
     async def _stop_run(self) -> None:
         stop, done = self._stop, self._done
         assert stop is not None and done is not None
         self.run_soon(stop.set)
-        await done
+        await _wait_out(done)
 
     # -- calls -----------------------------------------------------------------------------------------------
     def run_soon(self, fn: Callable[..., object], *args: object) -> None:
@@ -154,12 +168,18 @@ class _GuestHost:
             raise GuestRunError("no trio guest run is active on this loop")
         self._token.run_sync_soon(fn, *args)
 
+    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> tuple[asyncio.Future[T], trio.CancelScope]:
+        """Start ``fn(*args)`` as a trio task; its result comes in the future. Cancelling the future's waiter does
+        not cancel the task (no asyncio task stands between them): cancel the returned scope for that."""
+        fut: asyncio.Future[T] = self._loop.create_future()
+        scope = trio.CancelScope()
+        self.run_soon(self._spawn, self._run_call, fn, args, fut, scope)
+        return fut, scope
+
     async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Await ``fn(*args)`` as a trio task; cancelling the caller cancels the task."""
         async with self._slots:
-            fut: asyncio.Future[T] = self._loop.create_future()
-            scope = trio.CancelScope()
-            self.run_soon(self._spawn, self._run_call, fn, args, fut, scope)
+            fut, scope = self.submit(fn, *args)
             try:
                 return await fut
             except asyncio.CancelledError:
@@ -206,6 +226,28 @@ class _GuestHost:
 _hosts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _GuestHost] = weakref.WeakKeyDictionary()
 
 
+async def _wait_out(fut: asyncio.Future[T]) -> T:
+    """Wait for ``fut`` to the end even if this task is cancelled meanwhile; then raise the cancellation (or
+    ``fut``'s own error), or return its result.
+
+    Why: closing an engine must run its shutdown to the end. A second Ctrl-C, or ``asyncio.run`` cancelling every
+    task left when its main coroutine returns (uvicorn's forced exit does that), cancels the task that is closing
+    the engine. Giving up then would cancel the trio side with it: the engine's actors would be cancelled under its
+    shielded shutdown, which then waits out its whole timeout for them, and the guest run would be left behind.
+    The shutdown ends open requests with explicit errors, so it is short; ``asyncio.run`` keeps the loop running
+    until the cancelled tasks end.
+    """
+    cancelled: asyncio.CancelledError | None = None
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None and (fut.cancelled() or fut.exception() is None):
+        raise cancelled
+    return fut.result()
+
+
 async def _acquire_host() -> _GuestHost:
     """This loop's guest host, counted in. A host lives while engines use it; the next open makes a new one."""
     loop = asyncio.get_running_loop()
@@ -218,10 +260,17 @@ async def _acquire_host() -> _GuestHost:
 
 
 async def _hold_open(config: EngineConfig, opened: asyncio.Future[api.Engine], closing: trio.Event) -> None:
-    """The trio task behind one asyncio ``Engine.open`` block: open, hand the engine over, wait to be closed."""
+    """The trio task behind one asyncio ``Engine.open`` block: open, hand the engine over, wait to be closed.
+
+    Closing is ``closing.set()``, also while the engine opens, never a cancellation of this task. A cancellation
+    that lands once the actors run (the opening may have no checkpoint after it: none at all for the stub, only
+    the model load in a thread, which runs to its end anyway) would cancel them under the engine's shielded
+    shutdown, which would then wait out its whole timeout. An engine whose opener gave up is closed as it opens.
+    """
     async with api.Engine.open(config) as engine:
-        opened.set_result(engine)
-        await closing.wait()
+        if not closing.is_set():
+            opened.set_result(engine)
+            await closing.wait()
 
 
 class AsyncEngine:
@@ -243,22 +292,23 @@ class AsyncEngine:
         try:
             closing = trio.Event()
             opened: asyncio.Future[api.Engine] = asyncio.get_running_loop().create_future()
-            task = asyncio.ensure_future(host.call(_hold_open, config or EngineConfig(), opened, closing))
+            # Not through ``call``: cancelling this block must close the engine in order, not cancel its task.
+            held, _ = host.submit(_hold_open, config or EngineConfig(), opened, closing)
             try:
-                first: list[asyncio.Future[Any]] = [opened, task]
+                first: list[asyncio.Future[Any]] = [opened, held]
                 await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
-                if not opened.done():
-                    await task  # opening failed: raises its error
-                    raise AssertionError("the engine task ended without opening the engine")
-                try:
-                    yield cls(opened.result(), host)
-                finally:
-                    host.run_soon(closing.set)
-                    await task
+            except asyncio.CancelledError:
+                host.run_soon(closing.set)  # it closes as soon as it is open
+                await _wait_out(held)
+                raise
+            if not opened.done():
+                await _wait_out(held)  # opening failed: raises its error
+                raise AssertionError("the engine task ended without opening the engine")
+            try:
+                yield cls(opened.result(), host)
             finally:
-                if not task.done():
-                    task.cancel()
-                    await asyncio.wait([task])
+                host.run_soon(closing.set)
+                await _wait_out(held)
         finally:
             await host.release()
 
