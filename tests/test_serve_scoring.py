@@ -6,6 +6,7 @@ greedy when each of its tokens' logprob is the best of its ``top_logprobs``), an
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -79,11 +80,9 @@ async def test_echo_refusals_name_the_field(tmp_path: Path) -> None:
     async with running(stub(tmp_path / "s.tlog")) as srv:
         def go(c: Any) -> list[Any]:
             base = {"model": "stub", "prompt": "Hi", "echo": True}
-            return [c.post("/v1/completions", json={**base, "stream": True}),
-                    c.post("/v1/completions", json={**base, "truncate_prompt_tokens": 0, "logprobs": 1})]
+            return [c.post("/v1/completions", json={**base, "truncate_prompt_tokens": 0, "logprobs": 1})]
 
-        streamed, no_prompt = await srv.http(go)
-    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
+        [no_prompt] = await srv.http(go)
     assert no_prompt.status_code == 400 and no_prompt.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
@@ -99,3 +98,33 @@ async def test_an_echoed_prompt_counts_toward_the_answer_size(tmp_path: Path) ->
     assert plain.status_code == 200 and echoed.status_code == 200
     assert listed.status_code == 400 and listed.json()["error"]["code"] == "answer_too_large"
     assert "1 choices x 101 tokens x 7 entries" in listed.json()["error"]["message"]
+
+
+async def test_a_streamed_echo_is_the_whole_one_in_pieces(tmp_path: Path) -> None:
+    async with running(stub(tmp_path / "s.tlog")) as srv:
+        def go(c: Any) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+            out = []
+            for body in ({"model": "stub", "prompt": ["Hello", "Bye"], "max_tokens": 3, "logprobs": 1, "echo": True,
+                          "seed": 3, "n": 2},
+                         {"model": "stub", "prompt": "Hello", "max_tokens": 0, "logprobs": 1, "echo": True},
+                         {"model": "stub", "prompt": "Hello", "max_tokens": 2, "echo": True, "seed": 1}):
+                whole = c.post("/v1/completions", json=body).json()
+                streamed = c.post("/v1/completions", json={**body, "stream": True,
+                                                           "stream_options": {"include_usage": True}})
+                assert streamed.status_code == 200, streamed.text
+                chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+                out.append((whole, chunks))
+            return out
+
+        answers = await srv.http(go)
+    for whole, chunks in answers:
+        for choice in whole["choices"]:
+            mine = [ch["choices"][0] for ch in chunks if ch["choices"] and ch["choices"][0]["index"] == choice["index"]]
+            assert "".join(m["text"] for m in mine) == choice["text"]
+            if choice["logprobs"] is not None:
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    pieces = [x for m in mine if m["logprobs"] is not None for x in m["logprobs"][key]]
+                    assert pieces == choice["logprobs"][key], key
+        assert chunks[-1]["usage"] == whole["usage"]
+    assert answers[1][0]["choices"][0]["text"] == "Hello" and answers[1][0]["usage"]["completion_tokens"] == 0

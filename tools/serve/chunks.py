@@ -41,6 +41,7 @@ class ChunkWriter:
         self.echo_only = isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
         """``max_tokens=0``: the engine made one token, which the answer leaves out."""
         self.prompt_k = req.prompt_logprobs
+        self.n = req.n
         self.token_text = token_text
         self.req = req
         self.chat = isinstance(req, ChatCompletionRequest)
@@ -70,13 +71,18 @@ class ChunkWriter:
             await sink.write(event(self._chat_chunk(first)))
 
     async def frame(self, sink: EventSink, choice: Choice, out: RequestOutput) -> None:
-        logprobs = translate.frame_logprobs(out) if self.want_logprobs and out.token_ids else None
+        # With ``echo``, a choice's first chunk starts with the prompt (text, and logprobs if asked for).
+        echo_now = bool(self.echoes) and choice.index not in self.offsets and bool(out.token_ids or out.finished)
+        if self.echo_only and not (echo_now or out.finished):
+            return
+        generated = not self.echo_only
+        logprobs = translate.frame_logprobs(out) if self.want_logprobs and out.token_ids and generated else None
         reasoning = out.reasoning_delta if self.include_reasoning else ""
-        if not (out.text_delta or reasoning or out.finished or logprobs):
+        if not (out.text_delta or reasoning or out.finished or logprobs or echo_now):
             return
         finish = out.finish_reason if out.finished else None
         decode = self.token_text
-        self.sent_tokens += len(out.token_ids)
+        self.sent_tokens += len(out.token_ids) if generated else 0
         usage = translate.running_usage(self.prompt_tokens, self.sent_tokens) if self.continuous_usage else None
         if self.chat:
             delta = Delta(content=out.text_delta or None, reasoning_content=reasoning or None)
@@ -86,13 +92,22 @@ class ChunkWriter:
                                                            finish_reason=finish)])
             chunk.usage = usage
         else:
+            text = out.text_delta if generated else ""
             offset = self.offsets.get(choice.index, 0)
+            prompt_text, prompt_lp = "", None
+            if echo_now:
+                echoed = self.echoes[choice.index // self.n]
+                prompt_text, offset = echoed.text, len(echoed.text)
+                if self.want_logprobs:
+                    prompt_lp = scoring.echo_logprobs(echoed, choice.prompt_logprobs, decode)
             clp = None if logprobs is None else translate.completion_logprobs(out.token_ids, logprobs, decode,
                                                                                offset, translate.frame_tops(out))
-            self.offsets[choice.index] = offset + len(out.text_delta)
+            if prompt_lp is not None:
+                clp = prompt_lp if clp is None else scoring.joined(prompt_lp, clp)
+            self.offsets[choice.index] = offset + len(text)
             chunk = Completion(id=self.rid, object="text_completion", created=self.created,
                                model=self.model_name, usage=usage,
-                               choices=[CompletionChoice(index=choice.index, text=out.text_delta, logprobs=clp,
+                               choices=[CompletionChoice(index=choice.index, text=prompt_text + text, logprobs=clp,
                                                          finish_reason=finish)])
         await sink.write(event(chunk))
         if finish == "error":
@@ -101,6 +116,9 @@ class ChunkWriter:
 
     async def end(self, sink: EventSink, choices: Sequence[Choice], n: int, errors: Sequence[EngineError]) -> None:
         """After the last frame: an engine crash's error event, or the usage chunk (if asked for); then DONE."""
+        if self.echo_only:
+            for c in choices:
+                c.completion_tokens = 0
         if errors:
             exc = errors[0]
             log.error("a streamed request ended with an engine error: %s", exc)

@@ -37,8 +37,6 @@ def check_supported(req: OpenAIRequest) -> None:
     if req.stream and req.prompt_logprobs is not None:
         raise OpenAIError(400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs")
     if isinstance(req, CompletionRequest):
-        if req.echo and req.stream:
-            raise OpenAIError(400, "echo with stream=true is not supported yet: ask without stream", param="echo")
         if req.max_tokens == 0 and not req.echo:
             raise OpenAIError(400, "max_tokens=0 asks for no token: it is only for scoring the prompt, with echo=true",
                               param="max_tokens")
