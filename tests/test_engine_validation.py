@@ -327,10 +327,17 @@ async def test_a_submit_cancelled_before_the_arrival_is_sent_leaks_nothing(
     assert_replays(log)
 
 
-async def test_a_chat_template_error_is_a_rejection(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_chat_template_error_is_a_rejection(tmp_path: Path, autojump_clock: trio.testing.MockClock,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     async with Engine.open(stub_config(tmp_path / "run.tlog")) as engine:
-        with pytest.raises(RequestRejected, match="prompt"):
-            engine.generate([{"role": "user", "content": "\x01"}])  # renders, then the stub cannot tokenize it
+        for error in (ValueError("the template raised"), KeyError("role"), TypeError("not a str")):
+            def broken(messages: Any, add_generation_prompt: bool = True, error: Exception = error) -> str:
+                raise error
+
+            monkeypatch.setattr(engine.tokenizer, "render_chat", broken)
+            with pytest.raises(RequestRejected, match="prompt's chat messages cannot be rendered"):
+                engine.generate([{"role": "user", "content": "hi"}])
+        assert engine.stats()["waiting"] == 0  # nothing was submitted
 
 
 # -- EngineConfig --------------------------------------------------------------------------------------------------
