@@ -45,7 +45,10 @@ def server(tmp_path: Path, *flags: str, limit_as: int | None = ADDRESS_SPACE,
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_fsize, limit_fsize))
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tickloom", "serve", "--model", "stub", "--port", "0", *flags],
+    # No access log: these tests read stderr only at the start and the end, and thousands of requests' lines would
+    # fill the pipe.
+    proc = subprocess.Popen([sys.executable, "-m", "tickloom", "serve", "--model", "stub", "--port", "0",
+                             "--no-access-log", *flags],
                             cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=limits)
     try:
         assert proc.stderr is not None

@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline of a request that gives no `timeout` (default: none)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, wait this long for running requests (default 30; inf waits for all)")
+    parser.add_argument("--no-access-log", action="store_true", help="write no line per HTTP request to stderr")
+    parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
+                        help="seconds between stats lines on stderr: throughput, running, waiting, KV usage "
+                             "(default 10; 0: none)")
     add_engine_arguments(parser)
     edge = parser.add_argument_group("limits and access", "what one client may cost the server, and who may use it")
     edge.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -106,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"{flag} must be at least 1")
     if not 0 < args.body_timeout < math.inf:
         raise CliError("--body-timeout must be a positive number of seconds")
+    if not 0 <= args.stats_interval < math.inf:
+        raise CliError("--stats-interval must be a number of seconds, at least 0")
     from tickloom.tools.model_options import engine_config
 
     config = engine_config(args, log_path=None if args.no_log or fleet else (args.log or default_log_path()))
@@ -117,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
                            max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                            max_stream_buffer_bytes=args.max_stream_buffer_bytes,
                            max_answer_entries=args.max_answer_entries,
-                           allowed_origins=tuple(args.allowed_origins))
+                           allowed_origins=tuple(args.allowed_origins), access_log=not args.no_access_log,
+                           stats_interval=args.stats_interval)
     from tickloom.engine.model.errors import ModelLoadError
 
     try:

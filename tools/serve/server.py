@@ -31,6 +31,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
 from tickloom import Engine, EngineConfig
+from tickloom.tools.serve.activity import AccessLog, report_stats
 from tickloom.tools.serve.app import DEFAULT_MAX_ANSWER_ENTRIES, ServerState, build_app, with_status_counts
 from tickloom.tools.serve.backend import ServedEngine
 from tickloom.tools.serve.guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimits, require_api_key
@@ -68,6 +69,10 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()
     """Origins a browser may call this server from (CORS; ``*`` for any). Empty: no CORS headers, and a preflight
     gets 405."""
+    access_log: bool = True
+    """One line per HTTP request to the server's output (``activity.AccessLog``)."""
+    stats_interval: float = 10.0
+    """Seconds between stats lines (throughput, queues, KV usage) on the server's output; 0: none."""
 
 
 def default_log_path(directory: str = ".", suffix: str = ".tlog") -> str:
@@ -115,6 +120,8 @@ async def serve_engine(engine: ServedEngine, options: ServeOptions, *, shutdown:
         app = CORSMiddleware(app, allow_origins=list(options.allowed_origins), allow_methods=["*"],
                              allow_headers=["*"])
     app = with_status_counts(app, state.metrics)
+    if options.access_log and out is not None:
+        app = AccessLog(app, out)
     hconfig = HypercornConfig()
     hconfig.bind = [f"[{options.host}]:{options.port}" if ":" in options.host
                     else f"{options.host}:{options.port}"]
@@ -165,6 +172,8 @@ async def serve_engine(engine: ServedEngine, options: ServeOptions, *, shutdown:
                     print(f"tickloom serve: model {state.model_name!r} on {', '.join(binds)}; log "
                           f"{logs or config.log_path or 'none'}", file=out, flush=True)
                 nursery.start_soon(on_failure)
+                if options.stats_interval > 0 and out is not None:
+                    nursery.start_soon(report_stats, engine.stats, options.stats_interval, out)
                 if options.handle_signals:
                     nursery.start_soon(_on_signals, nursery, drainer, out)
                 if shutdown is not None:
