@@ -42,7 +42,7 @@ from tickloom.tools.explore.script import make_script
 from tickloom.tools.explore.variants import VARIANTS, enabled
 
 ROOT = Path(__file__).resolve().parent.parent
-SUMMARY = re.compile(r"^explored (\d+) seeds \(actors\) in [0-9.]+ s: [0-9.]+ seeds/s, (\d+) violations$")
+SUMMARY = re.compile(r"^explored (\d+) seeds? \(actors\) in [0-9.]+ s: [0-9.]+ seeds/s, (\d+) violations?$")
 
 KNOWN = {
     # variant: (a seed that finds it, the violation's kind)

@@ -52,7 +52,7 @@ from tickloom.tools.explore.levels import replay_token
 from tickloom.tools.explore.variants import VARIANTS, enabled
 
 ROOT = Path(__file__).resolve().parent.parent
-SUMMARY = re.compile(r"^explored (\d+) seeds \(core\) in [0-9.]+ s: [0-9.]+ seeds/s, (\d+) violations$")
+SUMMARY = re.compile(r"^explored (\d+) seeds? \(core\) in [0-9.]+ s: [0-9.]+ seeds/s, (\d+) violations?$")
 
 KINDS = {
     # variant: the kinds of violation that catch it

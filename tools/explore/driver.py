@@ -38,6 +38,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 
 from tickloom.replay.policy import Decision
+from tickloom.tools.cli import plural
 from tickloom.tools.explore.checks import Violation
 from tickloom.tools.explore.variants import check_variant, enabled
 
@@ -247,8 +248,8 @@ class Exploration:
 
     def summary(self) -> str:
         rate = self.seeds / self.elapsed_s if self.elapsed_s > 0 else 0.0
-        return (f"explored {self.seeds} seeds ({self.level}) in {self.elapsed_s:.1f} s: {rate:.1f} seeds/s, "
-                f"{int(self.found is not None)} violations")
+        return (f"explored {plural(self.seeds, 'seed')} ({self.level}) in {self.elapsed_s:.1f} s: {rate:.1f} seeds/s, "
+                f"{plural(int(self.found is not None), 'violation')}")
 
 
 def explore(level: Level[Any], seeds: Sequence[int], strategy: str = "random", faults: bool = False,
