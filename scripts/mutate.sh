@@ -24,13 +24,16 @@
 #               __post_init__, _check_tensor_parallel, _normalise). Left out: config.py's configuration_table, _bound,
 #               _number and _json_value, which render the README's table (tests/test_engine_config.py compares it
 #               with README.md), not checks of any input.
-#   actors      actors/deadlines.py, log.py, mailbox.py, streams.py, and retire.py's merge_frames and _prompt_entry:
-#               the timer heap and its bound, the fsync policy and group commit, stamping and bounded reporting,
-#               stream assembly (detokenization, stop strings, the reasoning split, logprobs, usage) and the frames
-#               sent to clients. Left out for now: the rest of retire.py (the client stream classes and the actor's
-#               plumbing: 260 mutants, most run only by the engine-level tests), step.py, device.py and spill.py,
-#               whose behaviour the engine-level tests (trio, a device thread, files) cover; too slow for each
-#               mutant's run, and over the two hours one core allowed for this list.
+#   actors      every module of actors/: the step actor (ticks, dispatch by the routing table, acknowledged means
+#               logged, snapshots, fsync per tick, the idle event, its statistics), the devices (ThreadDevice and
+#               StubDevice: command order, poisoned rows and placeholders, copies out and in, the bounded queue),
+#               the spill store and its actors (the host tier's byte budget, checksummed disk files, stale
+#               directories, the directories a store makes, drops that overtake their copy), the retire actor
+#               (streams, groups of n choices, coalescing, abandoned and closed streams), deadlines.py, log.py,
+#               mailbox.py and streams.py (the timer heap, the fsync policy and group commit, stamping and bounded
+#               reporting, stream assembly). Besides the actors' own tests, the engine-level tests that run them
+#               quickly (the stub engine, asyncio, isolation, the simulator, one explorer run); the explorer's
+#               fuzzers, the kill -9 and CLI tests (a subprocess never sees the mutant) are left out.
 #   Everywhere: a Protocol's or a type's declaration has no behaviour of its own; what mutmut makes of one (a
 #   default in a Protocol method) is listed as equivalent below. __repr__s are none of these files' own.
 # Each area other than core is its table [tool.mutmut.areas.NAME] in pyproject.toml (files, tests, an optional
@@ -332,6 +335,82 @@ actors.streams.xǁStreamAssemblerǁ_flush__mutmut_16	the window's indices after 
 actors.streams.xǁStreamAssemblerǁ_flush__mutmut_17	as mutant 16 (_prefix_text)
 actors.streams.xǁStreamAssemblerǁ_flush__mutmut_19	_held after the final flush: nothing reads it again
 actors.streams.xǁStreamAssemblerǁ_flush__mutmut_20	as mutant 19
+actors.device.x_without_requests__mutmut_21	zip(strict=None): a step's columns have one entry per row, as keep has
+actors.device.x_without_requests__mutmut_24	as mutant 21 (no strict)
+actors.device.x_without_requests__mutmut_25	as mutant 21 (strict=False)
+actors.device.x_with_placeholders__mutmut_4	zip(strict=None): request_ids and sample_indices are columns of one RunStep, equally long
+actors.device.x_with_placeholders__mutmut_7	as mutant 4
+actors.device.x_with_placeholders__mutmut_8	as mutant 4
+actors.device.x_with_placeholders__mutmut_16	one live pick without a result: there is no result only when every row is dead (or there are none), so no row ever takes a pick
+actors.device.x_with_placeholders__mutmut_39	StepResult(tokens, None, None): the omitted columns default to None
+actors.device.x_with_placeholders__mutmut_40	as mutant 39
+actors.device.x_with_placeholders__mutmut_41	as mutant 39
+actors.device.x_sampled_ids__mutmut_3	zip(strict=None): request_ids and sample_indices are columns of one RunStep, equally long
+actors.device.x_sampled_ids__mutmut_6	as mutant 3
+actors.device.x_sampled_ids__mutmut_7	as mutant 3
+actors.device.xǁThreadDeviceǁ__init____mutmut_9	_token = "" at first: run sets it before the thread starts, and only the thread reads it
+actors.device.xǁThreadDeviceǁrun__mutmut_4	_token = "" once run ends: the thread has exited, nothing reads it again
+actors.device.xǁThreadDeviceǁ_report__mutmut_4	trio_token=None: the thread is trio's own worker (to_thread.run_sync), which finds its trio run without the token
+actors.device.xǁThreadDeviceǁ_report__mutmut_7	as mutant 4 (the token left out)
+actors.device.xǁThreadDeviceǁ_to_spill__mutmut_1	the assert with or: both are set whenever it runs (the token by run, the store by _execute's own assert)
+actors.device.xǁThreadDeviceǁ_to_spill__mutmut_8	trio_token=None: as _report mutant 4
+actors.device.xǁThreadDeviceǁ_to_spill__mutmut_13	as mutant 8 (the token left out)
+actors.device.xǁThreadDeviceǁ_execute__mutmut_9	the poisoned set always intersected: with none poisoned the intersection is empty, as the shortcut's set()
+actors.device.xǁThreadDeviceǁ_execute__mutmut_13	always cut: cutting no rows builds an equal step (only slower)
+actors.device.xǁThreadDeviceǁ_execute__mutmut_86	a finished copy with error None: the spill actor reads the error only when the copy is missing
+actors.device.xǁThreadDeviceǁ_execute__mutmut_90	as mutant 86 ("XXXX")
+actors.device.xǁStubDeviceǁ__init____mutmut_1	the default block_size: its one caller, the runtime, passes the core's
+actors.device.xǁStubDeviceǁrun__mutmut_14	a finished copy with error None: as ThreadDevice._execute mutant 86
+actors.device.xǁStubDeviceǁrun__mutmut_17	as mutant 14 (the error left out)
+actors.device.xǁStubDeviceǁrun__mutmut_22	as mutant 14 ("XXXX")
+actors.device.xǁStubDeviceǁrun__mutmut_18	the stub's host copy without num_tokens: it holds no data, and only the stub device takes it back, ignoring its contents
+actors.device.xǁStubDeviceǁ_run_step__mutmut_11	the poisoned set always intersected: as ThreadDevice._execute mutant 9
+actors.device.xǁStubDeviceǁ_run_step__mutmut_15	always cut: as ThreadDevice._execute mutant 13
+actors.device.xǁStubDeviceǁ_run_step__mutmut_39	zip(strict=None): columns of one RunStep, equally long
+actors.device.xǁStubDeviceǁ_run_step__mutmut_42	as mutant 39
+actors.device.xǁStubDeviceǁ_run_step__mutmut_43	as mutant 39
+actors.spill.x_remove_stale_spill_dirs__mutmut_16	is_dir(follow_symlinks=None): falsy like False
+actors.spill.x_remove_stale_spill_dirs__mutmut_20	stat(follow_symlinks=None): falsy like False
+actors.spill.x_remove_stale_spill_dirs__mutmut_21	stat(follow_symlinks=True): the entry is a directory and not a symlink (the test before), so following changes nothing
+actors.spill.x_remove_stale_spill_dirs__mutmut_37	7 random bytes for 6 in the claimed name: any name of this process's own is as good
+actors.spill.x__make_dirs__mutmut_3	walking up with or: the existing ancestors found above the first one there are then "made" again, each FileExistsError on a directory, skipped and never counted as made (only slower)
+actors.spill.xǁSpillStoreǁclose__mutmut_3	_host_used = None after close: a closed store is never used again
+actors.spill.xǁSpillStoreǁclose__mutmut_4	as mutant 3 (1)
+actors.spill.xǁSpillStoreǁdiscard__mutmut_2	return for break: the only thing skipped is clearing _made, which only discard reads, and it stops at the same non-empty directory again
+actors.spill.xǁSpillStoreǁ_path__mutmut_6	a 64-byte hash in the file name for a 12-byte one: still one file per request, inside the directory
+actors.spill.xǁSpillStoreǁ_path__mutmut_7	as mutant 6 (13 bytes)
+actors.spill.x__serialize__mutmut_5	and for or: a copy has both tensors or neither
+actors.spill.xǁSpillActorǁ_put__mutmut_1	the default error "XXXX": the error is read only for a missing copy, and every caller reporting one passes its error
+actors.spill.xǁSpillActorǁaccept_nowait__mutmut_1	as _put mutant 1
+actors.spill.xǁSpillActorǁaccept_nowait__mutmut_2	the kind None for "copy": the run loop takes everything but "pending" and "drop" as a copy
+actors.spill.xǁSpillActorǁaccept_nowait__mutmut_10	as mutant 2 ("XXcopyXX")
+actors.spill.xǁSpillActorǁaccept_nowait__mutmut_11	as mutant 2 ("COPY")
+actors.step.xǁStepActorǁ__init____mutmut_1	another default fsync: the step actor acts only on "tick"; any other value is "never" here (the log actor parses the policy)
+actors.step.xǁStepActorǁ__init____mutmut_2	as mutant 1
+actors.step.xǁStepActorǁrun__mutmut_1	needs_tick = None: falsy like False
+actors.step.xǁStepActorǁrun_tick__mutmut_18	append_tick without the core's encoded commands: the writer encodes them itself, the same bytes (passing them only saves the work)
+actors.step.xǁStepActorǁrun_tick__mutmut_21	as mutant 18
+actors.retire.xǁ_Streamǁ__init____mutmut_1	member defaults to 1: it is read only for a stream of a group, and open_group passes each its place
+actors.retire.xǁ_Streamǁ__init____mutmut_12	finished = None: falsy like False
+actors.retire.xǁ_Streamǁ__init____mutmut_14	closed = None: falsy like False
+actors.retire.xǁClientStreamǁ__del____mutmut_5	a wider guard: _close repeats each test (a closed stream returns at once, a finished or failed one reports nothing), so the extra calls change nothing
+actors.retire.xǁClientStreamǁ__del____mutmut_6	as mutant 5
+actors.retire.xǁClientStreamǁ__del____mutmut_7	as mutant 5 (_stream is always set)
+actors.retire.xǁGroupStreamǁ__del____mutmut_5	as ClientStream.__del__ mutant 5 (_group is always set)
+actors.retire.xǁGroupStreamǁ__del____mutmut_8	as ClientStream.__del__ mutant 5: close_nowait's _close calls repeat the tests; it also empties the order of a group no one reads any more
+actors.retire.xǁGroupStreamǁ__del____mutmut_9	as mutant 8
+actors.retire.xǁGroupStreamǁ__del____mutmut_11	as mutant 8
+actors.retire.xǁRetireActorǁopen_stream__mutmut_9	output_id None: the assembler then takes request_id, the same
+actors.retire.xǁRetireActorǁ_open__mutmut_6	max_frames None for a stream opened after the fatal error: it never gets a frame
+actors.retire.xǁRetireActorǁ_open__mutmut_7	no group for a stream opened after the fatal error: the group's reader raises its error before it would wait
+actors.retire.xǁRetireActorǁ_open__mutmut_8	member None for a stream opened after the fatal error: it never gets a frame, so its place is never queued
+actors.retire.xǁRetireActorǁ_open__mutmut_13	as mutant 8 (the member left out)
+actors.retire.xǁRetireActorǁ_open__mutmut_17	the prompt kept without prompt_logprobs: the assembler reads it only when they are asked for
+actors.retire.xǁRetireActorǁdeliver_nowait__mutmut_14	on_finish without the time: it reads the times of the tokens, never now
+actors.retire.xǁRetireActorǁ_emit__mutmut_2	n = None: the first fast path is never taken, and the general path builds the same columns (only slower)
+actors.retire.xǁRetireActorǁ_emit__mutmut_25	top alternatives handed to a stream that did not ask for logprobs: the assembler reads them only when its spec asks
+actors.retire.xǁRetireActorǁ_emit__mutmut_26	and for or: a tick carries both top columns or neither
+actors.retire.xǁRetireActorǁ_emit__mutmut_32	the prompt entry looked up for every stream: the assembler reads it only when its spec asks for prompt logprobs
 EOF
 )
 
