@@ -50,7 +50,7 @@ from tickloom.events.inputs import (
 )
 from tickloom.events.log import LogReader, LogWriter, Recovery, check_new_log_path, known_schema_hashes, recover_log
 from tickloom.events.records import Frame, LogHeader, SnapshotRecord, TickInputs, TickOutputs, TickRecord
-from tickloom.events.types import FINISH_REASONS, CoreGauges, FinishReason, Record, SamplingSpec, Usage
+from tickloom.events.types import FINISH_REASONS, CoreGauges, FinishReason, Record, SamplingSpec, Structured, Usage
 
 __all__ = [
     "COMMAND_TYPES",
@@ -97,6 +97,7 @@ __all__ = [
     "StepDone",
     "StepFailed",
     "StopMatched",
+    "Structured",
     "SwapIn",
     "SwapInFailed",
     "SwapInReady",

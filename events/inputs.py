@@ -49,6 +49,10 @@ class StepDone(Record, frozen=True, tag="done"):
     """Per row, per prompt position from 1 on: the top-k alternatives' ids (``[]`` as above)."""
     prompt_top_logprobs: list[list[list[float]]] | None = None
     """Their logprobs, aligned with ``prompt_top_token_ids``."""
+    extra_token_ids: list[list[int]] | None = None
+    """Per sampling row: the tokens accepted after the sampled one without a forward pass of their own (a
+    constraint that admits exactly one continuation forces them), in output order; ``[]`` on a row with none.
+    Their KV is written by the sequence's next row. None when no row has any."""
 
 
 class StepFailed(Record, frozen=True, tag="fail"):

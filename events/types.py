@@ -35,6 +35,28 @@ MAX_LOGIT_BIAS = 2**18
 """Entries of ``logit_bias`` and ``allowed_token_ids`` at most: above any vocabulary's size."""
 MAX_BIAS = 100.0
 """``logit_bias`` values lie in [-MAX_BIAS, MAX_BIAS], as in OpenAI's API."""
+MAX_STRUCTURED_CHARS = 2**20
+"""A constraint's text (a JSON schema, a regex, a grammar) is at most 1 MiB."""
+MAX_CHOICES = 1024
+"""A ``choice`` constraint lists at most this many strings."""
+
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+"""What a constraint's ``text`` holds: a JSON schema, nothing (any JSON object), a regex, nothing (the ``choices``
+are the constraint) or a grammar (Lark, or GBNF/EBNF when it uses ``::=``)."""
+
+
+class Structured(Record, frozen=True, kw_only=True):
+    """A structured-output constraint as logged: the output must match it (``SamplingSpec.structured``).
+
+    The grammar engine compiles it on the device side; the core never reads it. Its checks (the text parses and
+    compiles for the model's tokenizer) run where the public API converts it, before anything is logged.
+    """
+
+    kind: StructuredKind
+    text: str = ""
+    """The JSON schema (canonical JSON: sorted keys, no spaces), the regex or the grammar; "" for the others."""
+    choices: list[str] = []
+    """The strings a ``choice`` constraint allows, in the order given."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +127,9 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     truncate_prompt_tokens: Annotated[int, Bound(msgspec.Meta(ge=-1, le=MAX_TOKENS))] | None = None
     """Keep only the prompt's last k tokens (left truncation, as in vLLM); -1: the last ``max_seq_len - 1``; None:
     the whole prompt. The arrival logs the kept tokens."""
+    structured: Structured | None = None
+    """The output must match this constraint (None: unconstrained). EOS is masked until the constraint may end; when
+    it must end the request finishes with ``stop``, and ``length`` leaves a valid prefix."""
 
 
 class SamplingSpec(SamplingFields, Record, frozen=True, kw_only=True):

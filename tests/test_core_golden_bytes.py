@@ -115,19 +115,19 @@ WORKLOADS: dict[str, Callable[[], str]] = {
 }
 
 EXPECTED: dict[str, str] = {
-    'blast-2601-d1-spill-cache-24': '1500:c97b4db7824296c6fd3e136355552b7c',
-    'blast-2602-d2-spill-cache-24-shutdown': '1501:d1f960c504253bdeca26fc0613c5d358',
-    'blast-2603-d2-cache-20': '1324:4c18b664be73155443c1e2efd4b13786',
-    'blast-2605-d2-spill-nocache-32': '1251:db27bcc342654b10e65a170a75db3840',
-    'blast-2606-d1-nocache-16': '1001:d8a8cf4153d372a430b6f7da573ab308',
-    'random-2700': '401:20ca5c17b97fc7ad579f0b75ab0cfc4d',
-    'random-2701': '400:ee39e19915dc0c81218c31505f84820e',
-    'random-2705': '400:73c012351874cfe6b26be5005d406597',
-    'random-2710': '402:db66e20987be929d1fd609ae47821e0e',
-    'bench-n16-d1': '400:abf147bdd6d30c5878d0de90e37c9616',
-    'bench-n48-d2': '300:616af21bbb94064d87bccabd0dbfd2f2',
-    'thinking-d1': '300:cf7d75e371fc21212743f2f8545f8d94',
-    'thinking-d2': '300:27bd8ee60f97cd3d8b2632761c85589e',
+    'blast-2601-d1-spill-cache-24': '1500:cb4578d45321ce6eb35aa478b2e94e3a',
+    'blast-2602-d2-spill-cache-24-shutdown': '1501:a3b7cad214fcf99d9bf3c066486af484',
+    'blast-2603-d2-cache-20': '1324:92e11eefa59a7ad2610230f2b85031ef',
+    'blast-2605-d2-spill-nocache-32': '1251:55bfd9a0ad7ab413125c6513f053e96a',
+    'blast-2606-d1-nocache-16': '1001:da76e9d0be41d397f40651451fb4690a',
+    'random-2700': '401:a26b978f30977d75b2e76221fd04230d',
+    'random-2701': '400:b35bfce1345492fa93a1b31e526ea1c5',
+    'random-2705': '400:d129206bd086582ea11dfbe2cbfd51c8',
+    'random-2710': '402:d7b512aaa4d1467ebda4fad71d0d8cf3',
+    'bench-n16-d1': '400:e63122b7e5b9faa019d760679f82de63',
+    'bench-n48-d2': '300:760b9f99ddb99fe2a511e622dd3f28ef',
+    'thinking-d1': '300:ff418e9dc4c5d2a3d80a2bf17dae86d5',
+    'thinking-d2': '300:2de2920bc054685399895bf1ed31cbf8',
 }
 
 

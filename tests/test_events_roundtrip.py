@@ -21,6 +21,7 @@ from tickloom.events import (
     LogHeader,
     SamplingSpec,
     SnapshotRecord,
+    Structured,
     TickInputs,
     TickOutputs,
     TickRecord,
@@ -33,7 +34,8 @@ from tickloom.events import (
 )
 from tickloom.events.codec import encode_tick_into
 
-RECORD_TYPES = (SamplingSpec, Usage, CoreGauges, TickInputs, TickOutputs, TickRecord, SnapshotRecord, LogHeader)
+RECORD_TYPES = (SamplingSpec, Structured, Usage, CoreGauges, TickInputs, TickOutputs, TickRecord, SnapshotRecord,
+                LogHeader)
 ALL_TYPES = INPUT_TYPES + COMMAND_TYPES + RECORD_TYPES
 
 

@@ -40,6 +40,7 @@ _EXPORTS = {
     "EngineConfig": "tickloom.config",
     "FaultPlan": "tickloom.config",
     "SamplingParams": "tickloom.params",
+    "StructuredOutputs": "tickloom.params",
     "RequestOutput": "tickloom.engine.outputs",
     "RequestUsage": "tickloom.engine.outputs",
     "EngineError": "tickloom.engine.errors",
@@ -61,6 +62,7 @@ __all__ = [
     "RequestStream",
     "RequestUsage",
     "SamplingParams",
+    "StructuredOutputs",
 ]
 
 if TYPE_CHECKING:
@@ -68,7 +70,7 @@ if TYPE_CHECKING:
     from tickloom.config import EngineConfig, FaultPlan
     from tickloom.engine.errors import ConfigError, EngineError, EngineOverloaded, RequestRejected
     from tickloom.engine.outputs import RequestOutput, RequestUsage
-    from tickloom.params import SamplingParams
+    from tickloom.params import SamplingParams, StructuredOutputs
     from tickloom.request import Request
 
 

@@ -16,19 +16,73 @@ from msgspec import Meta
 from tickloom.engine.errors import RequestRejected
 from tickloom.events.types import (
     INT64_MAX,
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    MAX_STRUCTURED_CHARS,
     Bias,
     Bound,
     SamplingFields,
     SamplingSpec,
     StopString,
+    Structured,
     TokenId,
     TopLogprobs,
 )
 from tickloom.validation import checked, encodable_all, with_bounds
 
 MAX_N = 128
+_Text = Annotated[str, Meta(min_length=1, max_length=MAX_STRUCTURED_CHARS)]
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A structured-output constraint, as vLLM's ``StructuredOutputsParams``: set exactly one field.
+
+    ``json`` is a JSON schema (a dict, or its JSON text); ``json_object`` any JSON object; ``regex`` a regular
+    expression the whole output matches; ``choice`` one of these strings; ``grammar`` a Lark grammar, or a GBNF/EBNF
+    one (llama.cpp's form, recognised by ``::=``). Logged in canonical form (``events.Structured``); whether it
+    compiles for the model's tokenizer is checked at submit, before anything is logged.
+    """
+
+    json: dict[str, Any] | _Text | None = None
+    json_object: bool = False
+    regex: _Text | None = None
+    choice: Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+                      Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: _Text | None = None
+
+    def to_wire(self) -> Structured:
+        """The logged form; raises ``RequestRejected`` naming the field unless exactly one is set and well formed."""
+        checked(msgspec.structs.asdict(self), StructuredOutputs, "SamplingParams.structured")
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise RequestRejected(f"SamplingParams.structured: set exactly one of json, json_object, regex, choice, "
+                                  f"grammar (got {', '.join(given) or 'none'})")
+        if self.json is not None:
+            schema: Any = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = msgspec.json.decode(schema)
+                except msgspec.DecodeError as exc:
+                    raise RequestRejected(f"SamplingParams.structured.json is not JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise RequestRejected("SamplingParams.structured.json must be a JSON schema object")
+            text = msgspec.json.encode(schema, order="sorted").decode()
+            if len(text) > MAX_STRUCTURED_CHARS:
+                raise RequestRejected(f"SamplingParams.structured.json is {len(text)} characters as JSON, more than "
+                                      f"{MAX_STRUCTURED_CHARS}")
+            return Structured(kind="json", text=text)
+        if self.json_object:
+            return Structured(kind="json_object")
+        if self.regex is not None:
+            return Structured(kind="regex", text=self.regex)
+        if self.choice is not None:
+            return Structured(kind="choice", choices=list(self.choice))
+        assert self.grammar is not None
+        return Structured(kind="grammar", text=self.grammar)
+
 
 class _PublicForms(SamplingFields, frozen=True, kw_only=True, array_like=False, gc=True, forbid_unknown_fields=True):
     """The declaration's fields (``events.types.SamplingFields``), with the public form of the three whose wire layout
@@ -47,6 +101,8 @@ class _PublicForms(SamplingFields, frozen=True, kw_only=True, array_like=False, 
     """None: the core assigns one (stable, logged), so even unseeded runs replay. Logged in the arrival."""
     n: Annotated[int, Bound(Meta(ge=1, le=MAX_N))] = 1
     """Parallel samples of the prompt: ``n`` requests that share its KV through the prefix cache."""
+    structured: StructuredOutputs | None = None  # type: ignore[assignment]
+    """The output must match this constraint (logged as ``events.Structured``)."""
 
 
 def _mentions_token_ids(tp: Any) -> bool:
@@ -66,7 +122,7 @@ _Checked: type[Any] = msgspec.defstruct(
 """What ``validate`` converts to: the public fields with their bounds enforced (built once, from the declaration)."""
 _TOKEN_ID_FIELDS = tuple(name for name in _FIELDS if _mentions_token_ids(_HINTS[name]))
 """Fields holding token ids (a list of ids, or a map keyed by them): checked against the vocabulary at submit."""
-_WIRE_FORMS = ("stop", "logprobs", "top_logprobs", "logit_bias", "allowed_token_ids")
+_WIRE_FORMS = ("stop", "logprobs", "top_logprobs", "logit_bias", "allowed_token_ids", "structured")
 """Wire fields that ``to_spec`` converts; every other wire field is copied as it is."""
 
 
@@ -99,6 +155,11 @@ class SamplingParams(_PublicForms, frozen=True, kw_only=True, array_like=False, 
         if fields.seed is not None and fields.seed + fields.n - 1 > INT64_MAX:
             raise RequestRejected(f"SamplingParams.seed={fields.seed} with n={fields.n}: choice i is seeded seed + i, "
                                   f"which must stay below 2**63")
+        if fields.structured is not None:
+            fields.structured.to_wire()
+            if fields.ignore_eos:
+                raise RequestRejected("SamplingParams.ignore_eos cannot be combined with structured: a constraint "
+                                      "ends the output with EOS")
         if fields.top_logprobs not in (0, fields.logprobs or 0):
             raise RequestRejected(f"SamplingParams.top_logprobs={fields.top_logprobs} only mirrors logprobs="
                                   f"{fields.logprobs}: set logprobs=k for k top logprobs")
@@ -123,6 +184,7 @@ class SamplingParams(_PublicForms, frozen=True, kw_only=True, array_like=False, 
             logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0,
             logit_bias=sorted(self.logit_bias.items()),
             allowed_token_ids=None if allowed is None else sorted(set(allowed)),
+            structured=None if self.structured is None else self.structured.to_wire(),
         )
 
     def check_vocabulary(self, vocab_size: int) -> None:

@@ -23,6 +23,8 @@ class StepResult:
     (``events.StepDone.prompt_logprobs``); ``[]`` on other rows."""
     prompt_top_token_ids: list[list[list[int]]] | None = None
     prompt_top_logprobs: list[list[list[float]]] | None = None
+    extra_token_ids: list[list[int]] | None = None
+    """Per sampling row: tokens a constraint forced after the sampled one (``events.StepDone.extra_token_ids``)."""
 
 
 @dataclass(slots=True)
