@@ -55,6 +55,10 @@ class _EngineFields(SchedulingKnobs, frozen=True, kw_only=True, forbid_unknown_f
     quant: Annotated[Literal["none", "int8", "int4"] | None, Meta(
         description="Weight-only quantization (CPU): int8 per output channel, or int4 in groups of 32 (GGUF "
                     "Q4_0/Q4_1 blocks as they are; the LM head stays int8). None: the model's default.")] = None
+    chat_template: Annotated[Annotated[str, Meta(min_length=1, max_length=1 << 20)] | None, Meta(
+        description="A Jinja chat template replacing the model's: a file's path, or the template itself (text with "
+                    "{, } or a newline in it), as vLLM's --chat-template; stored as the template's text. None: the "
+                    "model's own.")] = None
     device: Annotated[str, Meta(min_length=1, max_length=64, description="A torch device.")] = "cpu"
     threads: Annotated[Annotated[int, Meta(ge=1, le=4096)] | None, Meta(
         description="torch threads; None: torch's default.")] = None
@@ -110,6 +114,7 @@ class EngineConfig(_EngineFields, frozen=True, kw_only=True):
         except ValueError as exc:
             raise ConfigError(f"EngineConfig.{exc}") from None
         _check_tensor_parallel(fields)
+        fields = _with_chat_template_text(fields)
         _normalise(self, fields)
 
 
@@ -125,6 +130,26 @@ def _check_tensor_parallel(fields: _EngineFields) -> None:
         raise ConfigError(f"EngineConfig.tensor_parallel_size={world}: KV spill (spill_dir, host_spill_bytes) is not "
                           "supported with tensor parallelism (each rank holds a shard of the KV cache); turn spill "
                           "off or use tensor_parallel_size=1")
+
+
+def _with_chat_template_text(fields: _EngineFields) -> _EngineFields:
+    """``chat_template`` as the template's text, read (if it names a file) and compiled once, here: the config and
+    its log header hold the template that was used, and a fleet's replicas need no file. A template that cannot be
+    read or does not compile is a ``ConfigError`` naming the field."""
+    source = fields.chat_template
+    if source is None:
+        return fields
+    shown = source if len(source) <= 60 else source[:57] + "..."
+    if fields.model == "stub":
+        raise ConfigError(f"EngineConfig.chat_template={shown!r}: the stub model renders chats its own way "
+                          "(<role>content); a chat template needs a model with a tokenizer")
+    from tickloom.engine.model.tokenizer import load_chat_template
+
+    try:
+        text = load_chat_template(source)
+    except ValueError as exc:
+        raise ConfigError(f"EngineConfig.chat_template={shown!r}: {exc}") from None
+    return msgspec.structs.replace(fields, chat_template=text)
 
 
 def _normalise(target: msgspec.Struct, fields: msgspec.Struct) -> None:

@@ -394,6 +394,8 @@ async def build_runtime(config: EngineConfig) -> Runtime:
         if loaded.model.quant != "none":  # "bfloat16+int4": what replay --full passes back to load_model
             dtype_name = f"{dtype_name}+{loaded.model.quant}"
         info = (str(torch.__version__), str(loaded.model.device), dtype_name, torch.get_num_threads())
+        if config.chat_template is not None:  # the template's text: EngineConfig read and compiled it
+            loaded.tokenizer.replace_chat_template(config.chat_template)
         return Runtime(config, core_config, loaded.tokenizer, loaded.fingerprint, executor, info, ranks)
     except BaseException:
         if ranks is not None:

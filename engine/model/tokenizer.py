@@ -6,6 +6,7 @@ transformers is never imported here; it is only a reference in tests.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -40,6 +41,38 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+MAX_CHAT_TEMPLATE_CHARS = 1 << 20
+"""The longest chat template taken (models' own are a few KiB; the largest known, about 30 KiB)."""
+
+_JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(source: str) -> str:
+    """A chat template given as a file's path or as the template itself, as vLLM's ``--chat-template`` takes it: a
+    file that exists is read; other text is the template if it has one of Jinja's characters (``{``, ``}``, a
+    newline), else it is taken for a path that is not there. The template is compiled here, so one that does not
+    compile, or reads as no template at all, is a ``ValueError`` saying why (with the line)."""
+    if os.path.isfile(source):  # False, not an error, for text no file can be named by (too long, a NUL)
+        try:
+            if os.path.getsize(source) > MAX_CHAT_TEMPLATE_CHARS:
+                raise ValueError(f"the file {source!r} is larger than {MAX_CHAT_TEMPLATE_CHARS} bytes")
+            text = Path(source).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the template file {source!r}: {exc}") from None
+        if not any(char in text for char in _JINJA_CHARS):
+            raise ValueError(f"the file {source!r} holds no template (no {{, }} or newline in it)")
+    elif any(char in source for char in _JINJA_CHARS):
+        text = source
+    else:
+        raise ValueError("no such file, and not a template (no {, } or newline in it)")
+    try:
+        _compile_template(text)
+    except jinja2.exceptions.TemplateError as exc:
+        where = f"line {exc.lineno}: " if isinstance(exc, jinja2.exceptions.TemplateSyntaxError) else ""
+        raise ValueError(f"the template does not compile: {where}{exc.message}") from None
+    return text
 
 
 def _token_text(value: Any) -> str | None:
@@ -77,6 +110,11 @@ class TokenizerWrapper:
             if tid is not None:
                 ids = [tid]
         self.eos_token_ids: tuple[int, ...] = tuple(ids)
+
+    def replace_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` (its text, ``load_chat_template``'s) instead of the model's own."""
+        self._template = _compile_template(template)
+        self.chat_template = template
 
     @property
     def vocab_size(self) -> int:
