@@ -103,6 +103,12 @@ class Engine(Completing):
         ``max_seq_len``."""
         return self.runtime.core_config
 
+    @property
+    def max_seq_len(self) -> int:
+        """The context this engine runs with, prompt and output together: ``EngineConfig.max_seq_len`` capped at the
+        model's context when it loaded."""
+        return self.runtime.core_config.max_seq_len
+
     # -- requests --------------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                  **options: Unpack[RequestOptions]) -> RequestStream:
