@@ -250,7 +250,7 @@ def build_app(state: ServerState) -> Starlette:
         prompts: list[Prompt]
         if isinstance(req, ChatCompletionRequest):
             prompts = [translate.chat_messages(req)]
-            default_max = engine.config.max_seq_len
+            default_max = engine.max_seq_len
         else:
             prompts = list(req.prompts())
             default_max = COMPLETION_DEFAULT_MAX_TOKENS
@@ -259,7 +259,7 @@ def build_app(state: ServerState) -> Starlette:
                               param="n")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
         deadline = req.timeout if req.timeout is not None else state.request_timeout
-        max_seq_len = engine.config.max_seq_len
+        max_seq_len = engine.max_seq_len
         try:
             params = translate.sampling_params(req, default_max, max_seq_len)
             echo = isinstance(req, CompletionRequest) and req.echo

@@ -1,7 +1,7 @@
 """What the server needs of what it serves, as Protocols: ``Engine`` has it, and so does
 ``fleet_backend.FleetBackend`` (N replicas on Ray behind the logged router). ``app`` and ``server`` are typed
-against these alone: the configuration, the tokenizer, a ``Request``'s stream (``generate_request``; its ``aclose``
-cancels it), stats, drain and failure; never an engine's runtime.
+against these alone: the configuration, the tokenizer, the context the engine runs with, a ``Request``'s stream
+(``generate_request``; its ``aclose`` cancels it), stats, drain and failure; never an engine's runtime.
 
 Also the two errors a backend other than the engine raises for one request: both are ``EngineError``s, so the
 server's paths for an engine's failure carry them to the client (``translate.engine_error``).
@@ -46,6 +46,12 @@ class ServedEngine(Protocol):
 
     @property
     def tokenizer(self) -> Decoder: ...
+
+    @property
+    def max_seq_len(self) -> int:
+        """The context the engine runs with (prompt + output tokens of one sequence): ``config.max_seq_len`` capped at
+        the model's context, so the server's limits are the engine's, not the config's."""
+        ...
 
     @property
     def failure(self) -> EngineError | None:

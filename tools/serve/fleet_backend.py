@@ -1,5 +1,6 @@
 """``FleetBackend``: a ``fleet.front.Fleet`` (asyncio) behind the trio server, with the engine's surface
-(``backend.ServedEngine``): ``config``, ``tokenizer``, ``stats()``, ``generate_request()`` and ``drain()``.
+(``backend.ServedEngine``): ``config``, ``tokenizer``, ``max_seq_len``, ``stats()``, ``generate_request()`` and
+``drain()``.
 
     async with FleetBackend.open(EngineConfig(model="stub"), FleetConfig(replicas=2, fleet_dir="run")) as backend:
         await serve_engine(backend, ServeOptions(port=8000))
@@ -44,16 +45,24 @@ log = logging.getLogger("tickloom.serve")
 T = TypeVar("T")
 
 
-def load_tokenizer(config: EngineConfig) -> Any:
-    """The model's tokenizer, as ``tickloom.runtime.build_runtime`` loads it, without the weights."""
+def load_tokenizer(config: EngineConfig) -> tuple[Any, int]:
+    """The model's tokenizer (its chat template replaced by ``config.chat_template``, if given) and the context its
+    engines run with (``max_seq_len`` capped at the model's), as ``tickloom.runtime.build_runtime`` loads and caps
+    them, without the weights."""
     if config.model == "stub":
         from tickloom.engine.model.stub import StubTokenizer
 
-        return StubTokenizer(config.stub_vocab_size)
+        return StubTokenizer(config.stub_vocab_size), config.max_seq_len
+    from tickloom.engine.model.config import ModelConfig
     from tickloom.engine.model.convert import resolve_model
     from tickloom.engine.model.tokenizer import TokenizerWrapper
 
-    return TokenizerWrapper.from_dir(resolve_model(config.model))
+    directory = resolve_model(config.model)
+    tokenizer = TokenizerWrapper.from_dir(directory)
+    if config.chat_template is not None:  # the template's text: EngineConfig read and compiled it
+        tokenizer.replace_chat_template(config.chat_template)
+    context = ModelConfig.from_file(directory / "config.json").max_position_embeddings
+    return tokenizer, min(config.max_seq_len, context)
 
 
 class _Pending(Generic[T]):
@@ -241,6 +250,8 @@ class FleetBackend:
         self.fleet_config = fleet_config
         self.tokenizer: Any = None
         """The model's tokenizer, loaded here at open (``load_tokenizer``)."""
+        self.max_seq_len = config.max_seq_len
+        """The context the replicas' engines run with: ``config.max_seq_len`` capped at the model's (at open)."""
         self.draining = False
         self._fleet: Fleet | None = None
         self._loop = asyncio.new_event_loop()
@@ -273,7 +284,7 @@ class FleetBackend:
             ready = _Pending(opened, backend._token)
             await ready.done.wait()
             backend._fleet = opened.result()
-            backend.tokenizer = await trio.to_thread.run_sync(load_tokenizer, config)
+            backend.tokenizer, backend.max_seq_len = await trio.to_thread.run_sync(load_tokenizer, config)
             yield backend
         finally:
             with trio.CancelScope(shield=True):
@@ -358,7 +369,7 @@ class FleetBackend:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """Text and chat messages tokenized here, as the engine does (``tickloom.prompts``); token ids are passed on,
         and the replica's engine checks them."""
-        ids = text_prompt_ids(self.tokenizer, prompt, self.config.max_seq_len)
+        ids = text_prompt_ids(self.tokenizer, prompt, self.max_seq_len)
         if ids is not None:
             return ids
         assert isinstance(prompt, list | tuple)  # text_prompt_ids refuses anything else

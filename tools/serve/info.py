@@ -67,7 +67,7 @@ def info_routes(engine: ServedEngine, model_name: str, created: int, limits: Bod
     config = engine.config
 
     async def models(request: Request) -> Response:
-        card = ModelCard(id=model_name, created=created, max_model_len=config.max_seq_len, root=config.model)
+        card = ModelCard(id=model_name, created=created, max_model_len=engine.max_seq_len, root=config.model)
         return json(ModelList(data=[card]))
 
     async def tokenize(request: Request) -> Response:
@@ -80,14 +80,14 @@ def info_routes(engine: ServedEngine, model_name: str, created: int, limits: Bod
         try:
             if isinstance(req, TokenizeChat):
                 messages = chat_messages(ChatCompletionRequest(model=model_name, messages=req.messages))
-                ids = text_prompt_ids(tokenizer, messages, config.max_seq_len)
+                ids = text_prompt_ids(tokenizer, messages, engine.max_seq_len)
             else:
-                ids = text_prompt_ids(tokenizer, req.prompt, config.max_seq_len)
+                ids = text_prompt_ids(tokenizer, req.prompt, engine.max_seq_len)
         except RequestRejected as exc:
             raise OpenAIError(400, str(exc), param="messages" if chat else "prompt") from None
         assert ids is not None
         strs = [tokenizer.decode([t], False) for t in ids] if req.return_token_strs else None
-        return json(TokenizeResponse(count=len(ids), max_model_len=config.max_seq_len, tokens=ids, token_strs=strs))
+        return json(TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids, token_strs=strs))
 
     async def detokenize(request: Request) -> Response:
         req: DetokenizeRequest = decode_request(await read_body(request, limits), DetokenizeRequest)
