@@ -34,8 +34,10 @@ from tickloom.fleet.router_log import RouterLogReader
 from tickloom.fleet.router_replay import ROUTER_LOG, replica_logs
 from tickloom.replay.header import ReplayConfigError
 from tickloom.replay.sim import Simulator
+from tickloom.replay.step_model import StepModel
 from tickloom.replay.whatif import LoggedTokenDevice, ModelTiming, read_log
-from tickloom.replay.whatif_measure import StepModel, fit_step_model, measure, percentile
+from tickloom.replay.whatif_measure import measure, percentile
+from tickloom.replay.whatif_model import LogSetting, log_model
 
 MAX_TICKS = 2_000_000
 
@@ -166,7 +168,9 @@ def read_fleet(fleet_dir: str | os.PathLike[str]) -> FleetLogs:
     arrivals = [(t, a) for t, a in arrivals if a.request_id in requests]
     return FleetLogs(config, arrivals, routed, last_finished, runs[0].config, requests, dict(followups),
                               deadline_after, dict(tokens), dict(logprobs), stops,
-                     fit_step_model([s for r in runs for s in r.samples]), original)
+                     log_model(runs[0].setting or LogSetting(None, None, "", "", "", 0),
+                               [s for r in runs for s in r.samples], [t for r in runs for t in r.latencies]),
+                     original)
 
 
 class _Replica:

@@ -28,18 +28,21 @@ Everything around it comes from the log:
   reported as a divergence. So the what-if degenerates to exact replay, and it checks its own token device, stop
   mapping and actors against the log.
 
-  *modelled*: the configuration changed, so the logged delivery ticks no longer apply. Step times come from
-  ``StepModel``: ``time = a + b·tokens + c·rows``, fitted by least squares on the log's ``StepDone.step_time_ns``,
-  plus the median overhead the core waited beyond the measured time (host work, result delivery), so that a
-  modelled step takes as long as the core saw logged steps take. A term whose column is degenerate is dropped. With
-  no measured step time, a step takes the median logged latency; with no step at all, 1 ms. The device is
-  one FIFO. A step starts when it is dispatched or when the device frees up, whichever is later, and runs for the
-  modelled time (``ModelTiming``). The next tick comes at the earliest of: the next step's end, the next client
-  input, the next watched deadline. It comes at once (same ``now_ns``) when the core asks for a tick, a completion
-  is due, or a spill copy sits at the head of the device's queue. Beyond the step-time model, the approximations
-  are these: spill copies, swap-ins and the retire actor's reports take no time; and faults are not carried over
-  (the what-if's device, spill store and swap-in never fail; the report says how many the log had).
-  ``modelled=True`` forces this mode with the log's own configuration, to see how well the model fits.
+  *modelled*: the configuration changed, so the logged delivery ticks no longer apply. Step times come from a
+  ``StepModel`` (``replay/step_model.py``: non-negative costs per step, per prefill token, per decode row and per
+  position of context read, plus the median overhead the core waited beyond a measured step). For a stub log it is
+  the stub's fixed step time, exact; otherwise the fit of the log's measured steps, or the model's calibration
+  profile when the log's steps do not span the what-if's (``replay/whatif_model.py`` chooses, and says why). The
+  what-if's steps outside the chosen model's range are counted and reported as an extrapolation. The run is
+  repeated ``DRAWS`` times with each step's time scaled by one of the model's residual ratios; the spread of each
+  figure over them is its interval. The device is one FIFO. A step starts when it is dispatched or when the device
+  frees up, whichever is later, and runs for the modelled time (``ModelTiming``). The next tick comes at the
+  earliest of: the next step's end, the next client input, the next watched deadline. It comes at once (same
+  ``now_ns``) when the core asks for a tick, a completion is due, or a spill copy sits at the head of the device's
+  queue. Beyond the step-time model, the approximations are these: spill copies, swap-ins and the retire actor's
+  reports take no time; and faults are not carried over (the what-if's device, spill store and swap-in never fail;
+  the report says how many the log had). ``modelled=True`` forces this mode with the log's own configuration, to
+  see how well the model fits.
 
 ``measure`` computes the same metrics from any run's ``(TickInputs, TickOutputs)``: the original column comes from
 the log itself, and the what-if column from the simulator's ticks.
@@ -85,7 +88,18 @@ from tickloom.replay.header import core_config_from_header
 from tickloom.replay.oracle import OracleExecutor
 from tickloom.replay.policy import Completion, Key, Policy
 from tickloom.replay.sim import Simulator
-from tickloom.replay.whatif_measure import RunMetrics, StepModel, StepSample, Tick, fit_step_model, measure
+from tickloom.replay.step_model import StepModel, StepSample, StepShape
+from tickloom.replay.whatif_measure import RunMetrics, Tick, intervals, measure
+from tickloom.replay.whatif_model import (
+    DRAWS,
+    DrawnModel,
+    Extrapolation,
+    LogSetting,
+    ModelChoice,
+    StepClock,
+    log_model,
+    run_on_chosen_model,
+)
 
 CLIENT_INPUTS = (RequestArrived, RequestCancelled, ClientGone, Shutdown)
 NEVER = 1 << 40
@@ -107,6 +121,8 @@ class LoggedRun:
     """What a what-if takes from a log."""
 
     config: CoreConfig
+    setting: LogSetting | None = None
+    """What the header says about the model that wrote the log."""
     ticks: list[Tick] = dataclasses.field(default_factory=list)
     tokens: dict[str, dict[int, int]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
     """request -> {output index: the token the log committed there}."""
@@ -120,6 +136,8 @@ class LoggedRun:
     stops: dict[str, int] = dataclasses.field(default_factory=dict)
     """request -> the output index of its first logged stop-string match."""
     samples: list[StepSample] = dataclasses.field(default_factory=list)
+    latencies: list[int] = dataclasses.field(default_factory=list)
+    """Every step's latency as the core saw it (``StepSample``), measured time or not."""
     last_result_ns: int = 0
     results_at: Counter[int] = dataclasses.field(default_factory=Counter)
     """tick -> step results delivered in it."""
@@ -134,16 +152,16 @@ class LoggedRun:
 def read_log(path: str | os.PathLike[str]) -> LoggedRun:
     """Read ``path`` (raises ``LogError`` if it cannot be read, ``ReplayConfigError`` for a bad configuration)."""
     with LogReader(path) as reader:
-        run = LoggedRun(core_config_from_header(reader.header))
-        steps: dict[int, tuple[int, int, int]] = {}
+        run = LoggedRun(core_config_from_header(reader.header), LogSetting.of(reader.header))
+        steps: dict[int, tuple[StepShape, int]] = {}
         for record in reader.ticks():
             _read_tick(run, record.inputs, record.outputs, steps)
     return run
 
 
 def _read_tick(run: LoggedRun, inputs: TickInputs, outputs: TickOutputs,
-               steps: dict[int, tuple[int, int, int]]) -> None:
-    """Take one logged tick in. ``steps``: step -> (tokens, rows, dispatched at), until its result comes."""
+               steps: dict[int, tuple[StepShape, int]]) -> None:
+    """Take one logged tick in. ``steps``: step -> (shape, dispatched at), until its result comes."""
     tick, now = inputs.tick, inputs.now_ns
     run.ticks.append((inputs, outputs))
     for msg in inputs.inputs:
@@ -151,9 +169,9 @@ def _read_tick(run: LoggedRun, inputs: TickInputs, outputs: TickOutputs,
             run.results_at[tick] += 1
             shape = steps.pop(msg.step_id, None)
             if shape is not None and isinstance(msg, StepDone):
-                tokens, rows, dispatched = shape
-                start = max(dispatched, run.last_result_ns)
-                run.samples.append(StepSample(tokens, rows, msg.step_time_ns, now - start))
+                start = max(shape[1], run.last_result_ns)
+                run.samples.append(StepSample(shape[0], msg.step_time_ns, now - start))
+                run.latencies.append(now - start)
             run.last_result_ns = now
         if isinstance(msg, StepDone):
             run.step_rows.update(((msg.step_id, r), t) for r, t in zip(msg.request_ids, msg.token_ids, strict=True))
@@ -176,7 +194,7 @@ def _read_tick(run: LoggedRun, inputs: TickInputs, outputs: TickOutputs,
             run.clients.append((inputs.now_ns, msg))
     for command in outputs.commands:
         if isinstance(command, RunStep):
-            steps[command.step_id] = (len(command.token_ids), len(command.request_ids), now)
+            steps[command.step_id] = (StepShape.of(command), now)
         elif isinstance(command, EmitTokens):
             for i, (rid, token, index) in enumerate(
                 zip(command.request_ids, command.token_ids, command.token_indices, strict=True)
@@ -195,7 +213,7 @@ class LoggedTokenDevice(OracleExecutor):
     logged: dict[str, dict[int, int]] = attrs.Factory(dict)
     logged_logprobs: dict[str, dict[int, float]] = attrs.Factory(dict)
     step_rows: dict[tuple[int, str], int] = attrs.Factory(dict)
-    model: StepModel | None = None
+    model: StepClock | None = None
     current_step: int = attrs.field(default=-1, init=False)
 
     def token(self, request_id: str, index: int) -> int:
@@ -260,7 +278,7 @@ class ModelTiming(Policy):
     """Modelled mode: the device runs its FIFO back to back with modelled step times; each tick comes at the next
     event (see the module docstring). The driver sets ``sim`` and, before each tick, ``next_client_ns``."""
 
-    model: StepModel
+    model: StepClock
     sim: Simulator | None = None
     next_client_ns: int | None = None
     busy_until: int = 0
@@ -336,6 +354,7 @@ class WhatIfResult:
     config: CoreConfig
     changes: dict[str, tuple[object, object]]
     model: StepModel
+    """The step-time model the what-if ran on (``model.source`` and ``model.why`` say which, and why)."""
     original: RunMetrics
     whatif: RunMetrics
     ticks: int
@@ -346,35 +365,48 @@ class WhatIfResult:
     """Replayed mode: where the re-simulation parted from the log (None: identical decisions)."""
     run_ticks: list[Tick] = dataclasses.field(default_factory=list, repr=False)
     """The what-if's own ticks (inputs and outputs), as its core saw and decided them."""
+    intervals: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    """Modelled mode: figure (``whatif_measure.FIGURES``) -> its (low, high) over the residual draws."""
+    extrapolation: Extrapolation | None = None
+    """Modelled mode: the what-if's steps outside the model's range."""
+
+    @property
+    def extrapolated(self) -> bool:
+        return self.extrapolation is not None and self.extrapolation.outside > 0
 
     def to_json(self) -> dict[str, object]:
-        m = self.model
         return {
             "log": self.path, "mode": self.mode, "ticks": self.ticks,
             "set": {k: {"was": was, "now": now} for k, (was, now) in self.changes.items()},
             "config": json.loads(self.config.to_json()),
-            "step_model": {"intercept_ns": m.intercept_ns, "per_token_ns": m.per_token_ns,
-                           "per_row_ns": m.per_row_ns, "overhead_ns": m.overhead_ns, "samples": m.samples,
-                           "mean_abs_error_ns": m.mean_abs_error_ns},
+            "step_model": self.model.to_json(), "extrapolated": self.extrapolated,
+            "extrapolation": None if self.extrapolation is None else self.extrapolation.to_json(),
             "original": self.original.summary(), "whatif": self.whatif.summary(),
+            "intervals": {k: list(v) for k, v in self.intervals.items()},
             "oracle_tokens": self.oracle_tokens, "notes": self.notes, "divergence": self.divergence,
         }
 
 
 def whatif(path: str | os.PathLike[str], config: CoreConfig | None = None, *, modelled: bool = False,
-           run: LoggedRun | None = None, max_ticks: int | None = None) -> WhatIfResult:
+           run: LoggedRun | None = None, max_ticks: int | None = None, step_model: ModelChoice = "auto",
+           draws: int = DRAWS) -> WhatIfResult:
     """Re-simulate the log at ``path`` (or its already read ``run``) under ``config`` (default: the log's own).
 
-    Raises ``LogError`` / ``ReplayConfigError`` for an unreadable log.
+    ``step_model``: ``auto`` chooses (``whatif_model.choose``), ``log`` keeps the log's own model, ``calibration``
+    takes the stored calibration profile (``ValueError`` if there is none). ``draws``: the residual draws the
+    intervals come from (0: none). Raises ``LogError`` / ``ReplayConfigError`` for an unreadable log.
     """
     run = run or read_log(path)
     config = config or run.config
     changes = {f: (getattr(run.config, f), getattr(config, f)) for f in CoreConfig.__struct_fields__
                if getattr(run.config, f) != getattr(config, f)}
-    model = fit_step_model(run.samples)
+    setting = run.setting or LogSetting(None, None, "", "", "", 0)
+    model = log_model(setting, run.samples, run.latencies)
     mode: Mode = "modelled" if changes or modelled else "replayed"
     notes: list[str] = []
     divergence = None
+    spread: dict[str, tuple[float, float]] = {}
+    extrapolation: Extrapolation | None = None
     sim: Simulator
     if mode == "replayed":
         sim, divergence = _replayed(run)
@@ -383,9 +415,20 @@ def whatif(path: str | os.PathLike[str], config: CoreConfig | None = None, *, mo
         notes.append(f"replayed: the configuration is the log's, every completion comes at its logged tick: {outcome}")
     else:
         limit = max_ticks or max(100_000, 50 * len(run.ticks))
-        sim = _modelled(run, config, model, limit)
+        sim, model, extrapolation = run_on_chosen_model(
+            lambda clock: _modelled(run, config, clock, limit), setting, model, step_model)
         ticks = len(sim.outputs)
         notes.append(f"modelled: {model.describe()}; spill copies, swap-ins and reports take no time")
+        notes.append(f"step model: {model.source}: {model.why}")
+        if extrapolation.outside:
+            notes.append(extrapolation.describe(model))
+        if draws and model.ratios:
+            point = measure(zip(sim.inputs, sim.outputs, strict=True))
+            spread = intervals(point, [measure(zip(d.inputs, d.outputs, strict=True)) for d in (
+                _modelled(run, config, DrawnModel(model, k), limit) for k in range(draws))])
+            notes.append(f"intervals: the least and most each figure came to over {draws} runs with every step's "
+                         f"time scaled by one of the model's {len(model.ratios)} residual ratios "
+                         f"({model.ratios[0]:.2f}-{model.ratios[-1]:.2f})")
         faults = [f"{what}: {n}" for n, what in ((len(run.failed_steps), "failed steps"),
                                                 (sum(not ok for v in run.spill_ok.values() for ok in v),
                                                  "failed spills"),
@@ -403,11 +446,11 @@ def whatif(path: str | os.PathLike[str], config: CoreConfig | None = None, *, mo
         notes.append(f"{rid}: the log has {len(original.outputs.get(rid, []))} of its tokens (the original ended "
                      f"with {reason!r}); the {n} after them came from the oracle")
     return WhatIfResult(os.fspath(path), mode, run.config, config, changes, model, original, result, ticks,
-                        oracle, notes, divergence, run_ticks)
+                        oracle, notes, divergence, run_ticks, spread, extrapolation)
 
 
 def _device(run: LoggedRun, config: CoreConfig, *, replayed: bool = False,
-            model: StepModel | None = None) -> LoggedTokenDevice:
+            model: StepClock | None = None) -> LoggedTokenDevice:
     avoid = tuple(config.eos_token_ids) + tuple(
         t for t in (config.think_start_token, config.think_end_token) if t is not None)
     return LoggedTokenDevice(config.vocab_size, avoid=avoid, logged=dict(run.tokens),
@@ -437,7 +480,7 @@ def _replayed(run: LoggedRun) -> tuple[LogOrderSimulator, str | None]:
     return sim, None
 
 
-def _modelled(run: LoggedRun, config: CoreConfig, model: StepModel, max_ticks: int) -> Simulator:
+def _modelled(run: LoggedRun, config: CoreConfig, model: StepClock, max_ticks: int) -> Simulator:
     """Modelled mode: client inputs at their logged times, steps at their modelled times, until drained."""
     timing = ModelTiming(model=model, spill_after_device=True, report_deadlines=True)
     sim = Simulator(SchedulerCore(config), _device(run, config, model=model), timing, stop_at=dict(run.stops),

@@ -1,10 +1,12 @@
-"""What a what-if (``replay/whatif.py``) measures: a run's metrics, and the step-time model of a log.
+"""What a what-if (``replay/whatif.py``) measures: a run's metrics, and the interval around each predicted figure.
 
 ``measure`` takes any run's ``(TickInputs, TickOutputs)``: a log's, or a simulator's. So the original column of a
 what-if comes from the log itself, and the what-if column from the re-simulated ticks, by one definition. Times are
 the ticks' ``now_ns``: a token's time is that of the tick that emitted it, an arrival's that of the tick it came in.
 
-``fit_step_model`` fits the logged steps' measured times (``StepSample``) to ``StepModel``, the modelled mode's clock.
+``intervals`` puts a range around each predicted figure: the least and the most it came to over the runs with the
+step times drawn from the model's residuals (``replay/whatif_model.py``). The step-time model itself, the modelled
+mode's clock, is ``replay/step_model.py``'s.
 """
 
 from __future__ import annotations
@@ -12,13 +14,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
-from tickloom.events import EmitTokens, Finish, Preempted, RequestArrived, RunStep, SwapIn, TickInputs, TickOutputs
-from tickloom.replay.sim import TICK_NS
+from tickloom.events import EmitTokens, Finish, Preempted, RequestArrived, SwapIn, TickInputs, TickOutputs
 
 Tick = tuple[TickInputs, TickOutputs]
 
@@ -125,89 +124,18 @@ def measure(ticks: Iterable[Tick]) -> RunMetrics:
     return m
 
 
-# -- the step-time model --------------------------------------------------------------------------------------
-class StepSample(NamedTuple):
-    """One logged step: its shape, its measured time, and its latency as the core saw it: from when the device
-    could start it (its dispatch, or the previous result if that came later) to the tick its result came in."""
-
-    tokens: int
-    rows: int
-    step_time_ns: int
-    latency_ns: int
+FIGURES = ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "throughput_tok_s",
+           "duration_s")
+"""The predicted figures that get an interval."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepModel:
-    """``time = intercept + per_token·tokens + per_row·rows + overhead`` (ns), at least 1 ns. The first three terms
-    are the least-squares fit of the measured step times; ``overhead`` is the median of what the core waited
-    beyond them (host work, result delivery)."""
-
-    intercept_ns: float
-    per_token_ns: float = 0.0
-    per_row_ns: float = 0.0
-    overhead_ns: float = 0.0
-    samples: int = 0
-    """Steps with a measured time that the fit used."""
-    mean_abs_error_ns: float = 0.0
-    """Of the fit, over those steps."""
-
-    def device_time(self, tokens: int, rows: int) -> float:
-        return self.intercept_ns + self.per_token_ns * tokens + self.per_row_ns * rows
-
-    def time(self, tokens: int, rows: int) -> int:
-        return max(1, round(self.device_time(tokens, rows) + self.overhead_ns))
-
-    def predict(self, step: RunStep) -> int:
-        return self.time(len(step.token_ids), len(step.request_ids))
-
-    def describe(self) -> str:
-        overhead = f" + {self.overhead_ns / 1e3:.1f} µs overhead (the median wait beyond the measured step time)"
-        if not self.samples:
-            return f"the log has no measured step times: every step takes {self.intercept_ns / 1e3:.1f} µs{overhead}"
-        return (f"step time = {self.intercept_ns / 1e3:.1f} µs + {self.per_token_ns / 1e3:.3f} µs·tokens + "
-                f"{self.per_row_ns / 1e3:.3f} µs·rows (least squares on {self.samples} logged steps, mean absolute "
-                f"error {self.mean_abs_error_ns / 1e3:.1f} µs){overhead}")
-
-
-def fit_step_model(samples: Sequence[StepSample]) -> StepModel:
-    """Least squares of the measured step times on (1, tokens, rows), dropping the terms the samples cannot
-    separate, plus the median overhead. No measured time at all: the median latency, or 1 ms without any step."""
-    measured = [s for s in samples if s.step_time_ns > 0]
-    if not measured:
-        latency = statistics.median(s.latency_ns for s in samples) if samples else TICK_NS
-        return StepModel(float(latency))
-    overhead = max(0.0, float(statistics.median(s.latency_ns - s.step_time_ns for s in measured)))
-    for terms in ((0, 1, 2), (0, 1), (0, 2), (0,)):
-        coef = _least_squares([[(1, s.tokens, s.rows)[t] for t in terms] for s in measured],
-                              [float(s.step_time_ns) for s in measured])
-        if coef is not None:
-            full = [0.0, 0.0, 0.0]
-            for term, value in zip(terms, coef, strict=True):
-                full[term] = round(value, 3) + 0.0  # + 0.0: no -0.0
-            model = StepModel(full[0], full[1], full[2], overhead, len(measured))
-            error = sum(abs(model.device_time(s.tokens, s.rows) - s.step_time_ns) for s in measured) / len(measured)
-            return dataclasses.replace(model, mean_abs_error_ns=error)
-    raise AssertionError("the intercept alone always fits")
-
-
-def _least_squares(x: list[list[int]], y: list[float]) -> list[float] | None:
-    """Solve the normal equations by Gaussian elimination; None if they are (numerically) singular."""
-    n = len(x[0])
-    if len(x) < n:
-        return None
-    a = [[float(sum(row[i] * row[j] for row in x)) for j in range(n)] for i in range(n)]
-    b = [float(sum(row[i] * v for row, v in zip(x, y, strict=True))) for i in range(n)]
-    scale = max(abs(a[i][i]) for i in range(n))
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) <= 1e-9 * scale:
-            return None
-        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
-        for r in range(col + 1, n):
-            f = a[r][col] / a[col][col]
-            a[r] = [v - f * w for v, w in zip(a[r], a[col], strict=True)]
-            b[r] -= f * b[col]
-    out = [0.0] * n
-    for i in reversed(range(n)):
-        out[i] = (b[i] - sum(a[i][j] * out[j] for j in range(i + 1, n))) / a[i][i]
+def intervals(point: RunMetrics, draws: Sequence[RunMetrics]) -> dict[str, tuple[float, float]]:
+    """Per figure of ``FIGURES``, the (least, most) it came to over ``point`` and ``draws`` (a figure some run
+    cannot give, such as a latency with no token, is left out)."""
+    out: dict[str, tuple[float, float]] = {}
+    runs = [m.summary() for m in (point, *draws)]
+    for key in FIGURES:
+        values = [v for s in runs if isinstance(v := s[key], int | float)]
+        if len(values) == len(runs):
+            out[key] = (float(min(values)), float(max(values)))
     return out
