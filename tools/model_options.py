@@ -47,6 +47,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("quant", ("--quant",), help="weight-only quantization on CPU: int8 per channel, int4 in groups of 32 (a "
                                            "GGUF's Q4 blocks as they are); none: the --dtype weights (default: the "
                                            "model's)"),
+    EngineFlag("chat_template", ("--chat-template",), "TEMPLATE",
+               help="a Jinja chat template replacing the model's: a file's path or the template itself, as vLLM's "
+                    "(default: the model's)"),
     EngineFlag("max_seq_len", ("--max-seq-len", "--max-model-len", "-c", "--ctx-size"), "N",
                help=f"prompt + output tokens of one sequence at most (default: the model's context, at most "
                     f"{MAX_SEQ_LEN_CAP}; the stub's: 2048)"),
