@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
                         help="seconds between stats lines on stderr: throughput, running, waiting, KV usage "
                              "(default 10; 0: none)")
+    parser.add_argument("--quiet", "-q", action="store_true",
+                        help="no progress lines on stderr (model loading and conversion), as in generate and chat; "
+                             "the access and stats lines have their own switches")
     add_engine_arguments(parser)
     edge = parser.add_argument_group("limits and access", "what one client may cost the server, and who may use it")
     edge.add_argument("--api-key", action="append", default=[], metavar="KEY",
