@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -13,10 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_serve import running, stub
+from tickloom import EngineConfig
+from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.tools.serve.info import VERSION
+from tickloom.tools.serve.server import ServeOptions, serve_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,3 +145,74 @@ def test_the_allowed_origins_flag(tmp_path: Path) -> None:
         assert answers[origin].status_code == 200
         assert answers[origin].headers["access-control-allow-origin"] == origin
     assert answers["http://c.example"].status_code == 400
+
+
+CONTEXT = 64
+"""The tiny model's context (max_position_embeddings) in the context tests, below the config's max_seq_len."""
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+
+
+def context_requests(c: httpx.Client) -> list[httpx.Response]:
+    """The routes whose answers depend on the context: the model card, /tokenize, max_tokens checks, chat's default."""
+    chat = [{"role": "user", "content": "hi"}]
+    return [c.get("/v1/models"), c.post("/tokenize", json={"prompt": "hello"}),
+            c.post("/tokenize", json={"messages": chat}),
+            c.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": CONTEXT}),
+            c.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": CONTEXT - 1}),
+            c.post("/v1/chat/completions", json={"model": "tiny", "messages": chat, "ignore_eos": True})]
+
+
+def check_context_answers(answers: list[httpx.Response], tokenizer: Any) -> None:
+    models, text, chat, too_many, no_room, default = answers
+    assert models.json()["data"][0]["max_model_len"] == CONTEXT
+    assert text.json()["max_model_len"] == CONTEXT == chat.json()["max_model_len"]
+    assert chat.json()["tokens"] == tokenizer.encode("user: hi\nassistant:", add_special_tokens=False)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
+    assert f"max_seq_len={CONTEXT} tokens" in too_many.json()["error"]["message"]
+    assert no_room.status_code == 400 and no_room.json()["error"]["param"] == "max_tokens"
+    assert f"context is max_seq_len={CONTEXT} tokens" in no_room.json()["error"]["message"]
+    # chat's default max_tokens fills what the prompt leaves of the engine's context, not of the config's
+    usage = default.json()["usage"]
+    assert default.json()["choices"][0]["finish_reason"] == "length" and usage["total_tokens"] == CONTEXT
+    assert usage["prompt_tokens"] == len(chat.json()["tokens"])
+
+
+def tiny_context_config(tmp_path: Path, **kw: Any) -> EngineConfig:
+    model = write_tiny_model(tmp_path / "tiny", seed=2, max_position_embeddings=CONTEXT)
+    return EngineConfig(model=str(model), max_seq_len=256, num_blocks=64, chat_template=TEMPLATE, **kw)
+
+
+async def test_the_server_reports_and_checks_the_engines_context_not_the_configs(tmp_path: Path) -> None:
+    """``max_seq_len=256`` on a model whose context is 64: the engine runs with 64, and so does the server."""
+    config = tiny_context_config(tmp_path, log_path=str(tmp_path / "t.tlog"))
+    async with running(config, model_name="tiny") as srv:
+        answers = await srv.http(context_requests)
+    from tickloom.engine.model.tokenizer import TokenizerWrapper
+
+    check_context_answers(answers, TokenizerWrapper.from_dir(Path(config.model)))
+
+
+@pytest.mark.slow
+async def test_a_fleet_server_reports_and_checks_the_replicas_context(ray_cluster: None, tmp_path: Path) -> None:
+    """The fleet backend caps ``max_seq_len`` at the model's context as each replica's engine does, and renders chats
+    with ``chat_template`` as they would."""
+    from tests.test_serve import Server
+    from tickloom.fleet.front import FleetConfig
+    from tickloom.fleet.router_replay import verify_fleet
+    from tickloom.tools.serve.fleet_backend import FleetBackend
+
+    config = tiny_context_config(tmp_path)
+    fleet_dir = tmp_path / "fleet"
+    fleet = FleetConfig(replicas=1, fleet_dir=str(fleet_dir))
+    shutdown = trio.Event()
+    with trio.fail_after(120):
+        async with FleetBackend.open(config, fleet) as backend, trio.open_nursery() as nursery:
+            assert backend.max_seq_len == CONTEXT and backend.config.max_seq_len == 256
+            binds = await nursery.start(functools.partial(serve_engine, backend, ServeOptions(port=0,
+                                                                                             model_name="tiny"),
+                                                          shutdown=shutdown))
+            answers = await Server(binds[0], fleet_dir).http(context_requests)
+            shutdown.set()
+        check_context_answers(answers, backend.tokenizer)
+    report = verify_fleet(fleet_dir)
+    assert report.status == "identical", report.format_text()
