@@ -4,11 +4,17 @@ the model loads or converts; the access and stats lines keep their own switches.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.tools.cli import main
 from tickloom.tools.serve import server
 
@@ -53,3 +59,22 @@ def test_serve_without_quiet_shows_them(model_logger: logging.Logger, served: li
                                         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--model", "stub", "--no-log"]) == 0
     assert len(served) == 1 and capsys.readouterr().err.splitlines() == LINES
+
+
+def test_serve_quiet_in_its_own_process_starts_with_the_listening_line(tmp_path: Path) -> None:
+    """A real model (a tiny checkpoint) loaded by ``tickloom serve``: without ``--quiet`` stderr says so first."""
+    model = write_tiny_model(tmp_path / "tiny", seed=1)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    first: dict[str, str] = {}
+    for quiet in (["--quiet"], []):
+        proc = subprocess.Popen([sys.executable, "-m", "tickloom", "serve", "--model", str(model), "--port", "0",
+                                 "--no-log", "--num-blocks", "64", "--max-seq-len", "256", *quiet],
+                                cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stderr is not None
+            first[" ".join(quiet)] = proc.stderr.readline()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    assert " on http://" in first["--quiet"], first
+    assert first[""].startswith(f"loading {model}"), first
