@@ -109,7 +109,15 @@ def with_placeholders(step: RunStep, dead: set[str], result: StepResult | None) 
         return StepResult(tokens, None, None, None)
     return StepResult(tokens, widen(result.logprobs, 0.0), widen(result.top_token_ids, []),
                       widen(result.top_logprobs, []), widen(result.prompt_logprobs, []),
-                      widen(result.prompt_top_token_ids, []), widen(result.prompt_top_logprobs, []))
+                      widen(result.prompt_top_token_ids, []), widen(result.prompt_top_logprobs, []),
+                      widen(result.extra_token_ids, []))
+
+
+def step_done(command: RunStep, result: StepResult, elapsed_ns: int) -> StepDone:
+    """The ``StepDone`` reporting ``result`` for ``command``'s sampling rows."""
+    return StepDone(command.step_id, sampled_ids(command), result.token_ids, elapsed_ns, result.logprobs,
+                    result.top_token_ids, result.top_logprobs, result.prompt_logprobs, result.prompt_top_token_ids,
+                    result.prompt_top_logprobs, result.extra_token_ids)
 
 
 def sampled_ids(step: RunStep) -> list[str]:
@@ -193,9 +201,7 @@ class ThreadDevice:
                 return
             elapsed = time.perf_counter_ns() - start
             self.busy_ns += elapsed
-            self._report(StepDone(command.step_id, sampled_ids(command), result.token_ids, elapsed,
-                                  result.logprobs, result.top_token_ids, result.top_logprobs, result.prompt_logprobs,
-                                  result.prompt_top_token_ids, result.prompt_top_logprobs))
+            self._report(step_done(command, result, elapsed))
         elif isinstance(command, BindRequest):
             ex.bind(command)
         elif isinstance(command, ReleaseRequest):
@@ -246,7 +252,7 @@ class StubDevice:
     def __init__(self, outbox: Outbox, spill: SpillActor | None, limit: int, *, vocab_size: int,
                  step_time: Callable[[RunStep], float], avoid: tuple[int, ...] = (),
                  fail_steps: frozenset[int] = frozenset(),
-                 script: dict[str, dict[int, int]] | None = None, block_size: int = 16) -> None:
+                 script: dict[str, dict[int, int]] | None = None, block_size: int = 16, extras: int = 0) -> None:
         self._outbox = outbox
         self._spill = spill
         self._send, self._receive = trio.open_memory_channel[Command](limit)
@@ -256,6 +262,9 @@ class StubDevice:
         self.avoid = avoid
         self.fail_steps = fail_steps
         self.script = script or {}
+        self.extras = extras
+        """Up to this many extra tokens per sampling row (``StepDone.extra_token_ids``), as a constraint's forced
+        tokens come; they are the oracle's own next tokens, so a request's output does not change. 0: none."""
         self.seeds: dict[str, int] = {}
         self.specs: dict[str, tuple[SamplingSpec, list[int]]] = {}
         self.released: list[str] = []
@@ -318,12 +327,23 @@ class StubDevice:
                 if index != NO_SAMPLE]
         out = oracle_step(rows, self.vocab_size, self.avoid)
         result = StepResult(out.token_ids, *out.columns)
+        if self.extras:
+            extras = [self._extras(row.seed, rid, row.output_index) for rid, row in zip(
+                (r for r, k in zip(step.request_ids, step.sample_indices, strict=True) if k != NO_SAMPLE), rows,
+                strict=True)]
+            result.extra_token_ids = extras if any(extras) else None
         if dead:
             result = with_placeholders(command, dead, result)
-        await self._outbox.send(StepDone(command.step_id, sampled_ids(command), result.token_ids,
-                                         int(seconds * 1e9), result.logprobs, result.top_token_ids,
-                                         result.top_logprobs, result.prompt_logprobs, result.prompt_top_token_ids,
-                                         result.prompt_top_logprobs))
+        await self._outbox.send(step_done(command, result, int(seconds * 1e9)))
+
+    def _extras(self, seed: int, request_id: str, index: int) -> list[int]:
+        """The oracle's own next tokens, 0 to ``extras`` of them (stable per (seed, index)), within max_tokens."""
+        mixed = (seed * 2654435761 + index * 40503 + 12345) & 0xFFFFFFFF
+        count = (mixed >> 11) % (3 * self.extras)
+        spec = self.specs.get(request_id, (None, []))[0]
+        room = (spec.max_tokens if spec is not None else 16) - index - 1
+        count = min(count + 1 if count < self.extras else 0, room)
+        return [self.token(request_id, index + 1 + j) for j in range(count)]
 
     def row(self, request_id: str, index: int) -> OracleRow:
         """A sampling row for the oracle: the request's seed, params and prompt, and a scripted token if any."""

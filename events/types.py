@@ -54,7 +54,8 @@ class Structured(Record, frozen=True, kw_only=True):
 
     kind: StructuredKind
     text: str = ""
-    """The JSON schema (canonical JSON: sorted keys, no spaces), the regex or the grammar; "" for the others."""
+    """The JSON schema (compact JSON, keys in the order given: the output's properties follow it), the regex or the
+    grammar; "" for the others."""
     choices: list[str] = []
     """The strings a ``choice`` constraint allows, in the order given."""
 

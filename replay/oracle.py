@@ -51,6 +51,11 @@ class OracleExecutor:
 
     shaped: dict[str, SamplingSpec] = attrs.Factory(dict)
     """The params of bound requests with a ``logit_bias`` or ``allowed_token_ids``, which shape their tokens."""
+    extras: int = 0
+    """At most this many extra tokens per sampling row (``StepDone.extra_token_ids``), as a constraint's forced
+    tokens come: how many is a stable function of (seed, output index), and they are the oracle's own next
+    tokens, so a request's output is the same with or without them. 0: none (and no extra column)."""
+    max_tokens: dict[str, int] = attrs.Factory(dict)
 
     def token(self, request_id: str, index: int) -> int:
         script = self.scripted.get(request_id)
@@ -68,6 +73,7 @@ class OracleExecutor:
         for command in commands:
             if isinstance(command, BindRequest):
                 self.seeds[command.request_id] = command.seed
+                self.max_tokens[command.request_id] = command.params.max_tokens
                 if command.params.logit_bias or command.params.allowed_token_ids is not None:
                     self.shaped[command.request_id] = command.params
                 self.tables[command.request_id] = []
@@ -77,6 +83,7 @@ class OracleExecutor:
                 self.tables[command.request_id] = list(command.block_ids)
             elif isinstance(command, ReleaseRequest):
                 self.seeds.pop(command.request_id, None)
+                self.max_tokens.pop(command.request_id, None)
                 self.shaped.pop(command.request_id, None)
                 self.tables.pop(command.request_id, None)
         return results
@@ -86,6 +93,7 @@ class OracleExecutor:
         new_offset = 0
         ids: list[str] = []
         tokens: list[int] = []
+        extras: list[list[int]] = []
         sampled: dict[str, int] = {}
         for i, request_id in enumerate(step.request_ids):
             table = self.tables[request_id]
@@ -98,15 +106,27 @@ class OracleExecutor:
             start, count = step.positions[i], step.num_tokens[i]
             self.written.setdefault(request_id, []).extend(range(start, start + count))
             offset += count
-            if step.sample_indices[i] != NO_SAMPLE:
-                token = self.token(request_id, step.sample_indices[i])
+            index = step.sample_indices[i]
+            if index != NO_SAMPLE:
+                token = self.token(request_id, index)
                 ids.append(request_id)
                 tokens.append(token)
                 sampled[request_id] = token
+                if self.extras:
+                    count = min(self._extra_count(request_id, index), self.max_tokens[request_id] - index - 1)
+                    extras.append([self.token(request_id, index + 1 + j) for j in range(count)])
         if offset != len(step.token_ids):
             raise AssertionError(f"step {step.step_id}: rows cover {offset} tokens, not {len(step.token_ids)}")
         self.sampled[step.step_id] = sampled
         self.sampled.pop(step.step_id - 4, None)
         if step.step_id in self.fail_steps:
             return StepFailed(step.step_id, "scripted failure")
+        if any(extras):
+            return StepDone(step.step_id, ids, tokens, self.step_time_ns, extra_token_ids=extras)
         return StepDone(step.step_id, ids, tokens, self.step_time_ns)
+
+    def _extra_count(self, request_id: str, index: int) -> int:
+        """0 for about two thirds of the rows, else 1 to ``extras``: stable per (seed, index)."""
+        mixed = (self.seeds[request_id] * 2654435761 + index * 40503 + 12345) & 0xFFFFFFFF
+        count = (mixed >> 11) % (3 * self.extras)
+        return count + 1 if count < self.extras else 0

@@ -57,14 +57,14 @@ VOCAB = 1000
 class BlastHarness(Harness):
     """A ``Harness`` whose actors act at random (see the module docstring); ``rng`` decides everything."""
 
-    def __init__(self, config: CoreConfig, seed: int, *, fail_rate: float = 0.004) -> None:
+    def __init__(self, config: CoreConfig, seed: int, *, fail_rate: float = 0.004, extras: int = 0) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.random_policy = RandomPolicy(
             rng=self.rng, fail_rate=fail_rate,
             step_choices=(0, 1, 1, 1, 2, 2) if config.pipeline_depth == 2 else (0, 1, 1, 1, 1),
         )
-        super().__init__(config, oracle=OracleExecutor(config.vocab_size, avoid=(EOS, STOP_TOKEN)),
+        super().__init__(config, oracle=OracleExecutor(config.vocab_size, avoid=(EOS, STOP_TOKEN), extras=extras),
                          policy=self.random_policy)
         self.arrived: dict[str, RequestArrived] = {}
         self.stop_sent: set[str] = set()
@@ -189,9 +189,10 @@ def _tick(h: BlastHarness, inputs: Iterable[Input], stall: int) -> int:
     return stall
 
 
-def run_blast(seed: int, ticks: int, config: CoreConfig, *, shutdown: bool = False) -> BlastHarness:
-    """``ticks`` random ticks, then drain (or shut down and drain); checks everything C26 asks for."""
-    h = BlastHarness(config, seed)
+def run_blast(seed: int, ticks: int, config: CoreConfig, *, shutdown: bool = False, extras: int = 0) -> BlastHarness:
+    """``ticks`` random ticks, then drain (or shut down and drain); checks everything C26 asks for. With ``extras``
+    the oracle accepts up to that many extra tokens per row (``OracleExecutor.extras``)."""
+    h = BlastHarness(config, seed, extras=extras)
     rng = h.rng
     stall = 0
     try:

@@ -22,7 +22,7 @@ from tickloom.engine.core.config import CoreConfig
 from tickloom.engine.errors import EngineError, EngineOverloaded, RequestRejected
 from tickloom.engine.outputs import RequestOutput, RequestUsage
 from tickloom.events import RequestArrived, RequestCancelled
-from tickloom.events.types import INT64_MAX
+from tickloom.events.types import INT64_MAX, Structured
 from tickloom.params import SamplingParams
 from tickloom.prompts import Prompt, text_prompt_ids
 from tickloom.request import (
@@ -198,10 +198,23 @@ class Engine(Completing):
             raise RequestRejected(f"the prompt has {len(ids)} tokens; max_seq_len={limits.max_seq_len}")
         rid = self._ids.assign(request.request_id, lambda i: self._taken(i, choice_ids(i, n)))
         spec = params.to_spec()
+        if spec.structured is not None:
+            self._check_structured(spec.structured)
         arrivals = [RequestArrived(core_id, ids, spec, None if params.seed is None else params.seed + i,
                                    request.priority, None, request.cache_salt)
                     for i, core_id in enumerate(choice_ids(rid, n))]
         return rid, arrivals, request.deadline
+
+    def _check_structured(self, structured: Structured) -> None:
+        """Compile the constraint for this model's tokenizer before anything is logged (cached for the device)."""
+        constraints = self.runtime.constraints
+        if constraints is None:
+            where = "the stub model" if self.runtime.config.model == "stub" else "a tensor-parallel engine"
+            raise RequestRejected(f"SamplingParams.structured: {where} runs no structured-output constraints")
+        try:
+            constraints.check(structured)
+        except ValueError as exc:
+            raise RequestRejected(f"SamplingParams.{exc}") from None
 
     def _prompt_ids(self, prompt: Prompt, keep: int | None = None) -> list[int]:
         """The prompt's token ids: text is tokenized, chat messages rendered first, token ids checked; only the last

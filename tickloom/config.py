@@ -31,6 +31,9 @@ class _FaultFields(msgspec.Struct, frozen=True, kw_only=True):
     crash_after: Seconds = 0.0
     report_delay: Seconds = 0.0
     """Seconds the retire actor's reports (stop matches, clients gone) are held back: a late-noticed match."""
+    stub_extras: Annotated[int, Meta(ge=0, le=64)] = 0
+    """The stub device accepts up to this many extra tokens after a row's sampled one, as a constraint's forced
+    tokens come (the oracle's own next tokens, so no output changes): the extra-token path under any timing."""
 
 
 class FaultPlan(_FaultFields, frozen=True, kw_only=True):

@@ -41,8 +41,8 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
     ``json`` is a JSON schema (a dict, or its JSON text); ``json_object`` any JSON object; ``regex`` a regular
     expression the whole output matches; ``choice`` one of these strings; ``grammar`` a Lark grammar, or a GBNF/EBNF
-    one (llama.cpp's form, recognised by ``::=``). Logged in canonical form (``events.Structured``); whether it
-    compiles for the model's tokenizer is checked at submit, before anything is logged.
+    one (llama.cpp's form, recognised by ``::=``). Logged as ``events.Structured`` (a schema as compact JSON);
+    whether it compiles for the model's tokenizer is checked at submit, before anything is logged.
     """
 
     json: dict[str, Any] | _Text | None = None
@@ -69,7 +69,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                     raise RequestRejected(f"SamplingParams.structured.json is not JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise RequestRejected("SamplingParams.structured.json must be a JSON schema object")
-            text = msgspec.json.encode(schema, order="sorted").decode()
+            text = msgspec.json.encode(schema).decode()  # compact; key order kept: the output's follows it
             if len(text) > MAX_STRUCTURED_CHARS:
                 raise RequestRejected(f"SamplingParams.structured.json is {len(text)} characters as JSON, more than "
                                       f"{MAX_STRUCTURED_CHARS}")

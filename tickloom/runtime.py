@@ -44,6 +44,7 @@ from tickloom.events import (
 
 if TYPE_CHECKING:
     from tickloom.engine.model.loaders import LoadedModel
+    from tickloom.engine.model.structured import Constraints
     from tickloom.engine.model.tp_launch import TensorParallelRanks
 
 INBOX_SIZE = 4096
@@ -75,6 +76,9 @@ class Runtime:
         """The other ranks of a tensor-parallel engine (``tensor_parallel_size > 1``), stopped by ``close``."""
         self.core_config = core_config
         self.tokenizer = tokenizer
+        self.constraints: Constraints | None = getattr(executor, "constraints", None)
+        """The grammar engine that checks and runs structured-output constraints; None where none runs (the stub
+        model, tensor parallelism)."""
         self.fatal: EngineError | None = None
         self.closing = False
         self.live: set[str] = set()
@@ -122,7 +126,8 @@ class Runtime:
             self.device = StubDevice(device_outbox, self.spill, limit * 4, vocab_size=core_config.vocab_size,
                                      step_time=lambda _step: step_time, avoid=core_config.eos_token_ids,
                                      fail_steps=frozenset(faults.fail_steps) if faults else frozenset(),
-                                     block_size=core_config.block_size)
+                                     block_size=core_config.block_size,
+                                     extras=faults.stub_extras if faults else 0)
         else:
             self.device = ThreadDevice(executor, device_outbox, self.spill, limit * 4,
                                        fail_steps=frozenset(faults.fail_steps) if faults else frozenset())
@@ -387,7 +392,10 @@ async def build_runtime(config: EngineConfig) -> Runtime:
                                       vocab_size=mcfg.vocab_size, eos_token_ids=tuple(mcfg.eos_token_ids))
         executor: Any
         if ranks is None:
-            executor = ModelExecutor(loaded.model, num_blocks, config.block_size)
+            from tickloom.engine.model.structured import Constraints
+
+            constraints = Constraints(loaded.tokenizer, mcfg.vocab_size, tuple(mcfg.eos_token_ids))
+            executor = ModelExecutor(loaded.model, num_blocks, config.block_size, constraints)
         else:
             executor = await trio.to_thread.run_sync(ranks.connect, num_blocks, config.block_size)
         dtype_name = str(loaded.model.dtype).removeprefix("torch.")

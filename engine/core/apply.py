@@ -197,29 +197,61 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
     _check_columns(msg)
     state.settled_step = msg.step_id
     _settle_kv(ctx, step)
+    extras = msg.extra_token_ids
     if (msg.logprobs is None and msg.top_token_ids is None and msg.prompt_logprobs is None and ctx.plain
-            and state.config.think_start_token is None):
+            and state.config.think_start_token is None and extras is None and not state.void_rows):
         _commit_in_bulk(state, ctx, step, msg)
     else:
         running = Status.RUNNING
         logprobs = msg.logprobs
         for i, seq in enumerate(step.samplers):
             seq.inflight -= 1
+            if seq.void:  # a void row is the sequence's earliest in flight: steps settle in order
+                seq.void -= 1
+                state.void_rows -= 1
+                continue
+            index = step.sampler_indices[i]
             if seq.status is running:
-                index = step.sampler_indices[i]
                 _check_index(msg.step_id, seq, index)
                 commit_token(state, ctx, seq, msg.token_ids[i], None if logprobs is None else logprobs[i],
                              _top_of(msg, i), _prompt_of(msg, i) if index == 0 and _asks_prompt(seq) else None)
+                if extras is not None and extras[i]:
+                    _commit_extras(state, ctx, seq, extras[i])
+    if extras is not None and any(extras):
+        state.lane = None  # the lane derives a step from one token per row
     if state.lane is not None:
         hand_tokens(state.lane, msg.step_id, msg.token_ids)
     release_fences(state, ctx)
+
+
+def _commit_extras(state: CoreState, ctx: TickContext, seq: Seq, extras: list[int]) -> None:
+    """Commit the tokens a step accepted after a row's sampled one, in order, each through the stop rules.
+
+    Their KV is not written yet: the sequence's next row writes them (``catch_up``). A row already in flight
+    for it (running ahead, fed from this step) was planned to sample the output the first extra token now is:
+    it becomes void, and settles without a token. Its input, the sampled token, is still the right one, so the
+    KV it writes is kept.
+    """
+    running = Status.RUNNING
+    committed = 0
+    for token in extras:
+        if seq.status is not running:
+            break
+        commit_token(state, ctx, seq, token, None)
+        committed += 1
+    if seq.status is not running or not committed:
+        return
+    voided = min(seq.inflight - seq.void, committed)
+    seq.void += voided
+    state.void_rows += voided
+    seq.catch_up = max(0, seq.num_tokens - 1 - seq.num_computed)
 
 
 def _check_columns(msg: StepDone) -> None:
     """Every optional column of a ``StepDone`` has one entry per sampled token (top-k ids and logprobs alike)."""
     rows = len(msg.token_ids)
     columns = (msg.logprobs, msg.top_token_ids, msg.top_logprobs, msg.prompt_logprobs, msg.prompt_top_token_ids,
-               msg.prompt_top_logprobs)
+               msg.prompt_top_logprobs, msg.extra_token_ids)
     if any(column is not None and len(column) != rows for column in columns):
         raise InvariantViolation("step results match their step",
                                  f"step {msg.step_id}: a logprob column's length differs from its {rows} tokens")

@@ -131,6 +131,8 @@ def check_bounds(state: CoreState) -> None:
             raise InvariantViolation("bounds", f"{seq.request_id!r} has {len(seq.outputs)} > max_tokens outputs")
         if seq.inflight < 0 or seq.inflight > config.pipeline_depth:
             raise InvariantViolation("fences", f"{seq.request_id!r} has {seq.inflight} tokens in flight")
+        if not 0 <= seq.void <= seq.inflight:
+            raise InvariantViolation("fences", f"{seq.request_id!r} has {seq.void} void rows, {seq.inflight} in flight")
 
 
 def check_lane(state: CoreState) -> None:

@@ -7,6 +7,12 @@ need it: not when the in-flight token may be its last (``remaining <= 1``, the c
 the next token will be forced (the thinking budget). If that token ends the request anyway (EOS, a stop), the
 row is an over-run: ``settle_step`` discards it, and the blocks it references stay fenced until it settles.
 
+Extra tokens (``StepDone.extra_token_ids``, accepted after a row's sampled token without a forward pass): the row
+fed from that step was planned to sample the output the first extra token now is, so it is void (``Seq.void``):
+it still writes its input's KV, and settles without a token. The extra tokens' KV is written by the sequence's
+next row, a catch-up row (``Seq.catch_up``) planned with the prefill chunks: it runs from the first position
+without KV through the pending token, and samples the next output as a decode row would.
+
 KV exhaustion: reclaim prefix-cache blocks first, then preempt a victim (``preemption.choose_victim``). Rows of
 unsettled steps are never victims; if only they could give blocks, the row waits for the next step instead.
 
@@ -54,7 +60,7 @@ def can_run_ahead(state: CoreState, seq: Seq) -> bool:
     if seq.inflight >= state.config.pipeline_depth:
         return False
     params = seq.params
-    produced = len(seq.outputs) + seq.inflight
+    produced = len(seq.outputs) + seq.inflight - seq.void
     if produced + 1 > params.max_tokens or len(seq.prompt) + produced + 1 > state.config.max_seq_len:
         return False
     budget = params.thinking_budget
@@ -88,7 +94,7 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
     remaining, completed = plan_prefill(state, ctx, planned, prefilling, config.max_batch_tokens - decode_rows)
     if not planned.seqs:
         return None
-    if prefilling is not None and not ctx.lane_broken and config.think_start_token is None:
+    if prefilling is not None and not ctx.lane_broken and config.think_start_token is None and not state.void_rows:
         start_lane(state, planned, decode_rows, remaining, completed, left_out)
     return emit_step(state, ctx, planned)
 
@@ -139,7 +145,8 @@ def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None
             prefilling.append(seq)
             continue
         inflight = seq.inflight
-        if inflight and not can_run_ahead(state, seq):
+        live = inflight - seq.void  # rows in flight that will bring a new output
+        if live and not can_run_ahead(state, seq):
             left_out.append(seq)
             continue
         if position // block_size >= len(seq.block_ids) and not ensure_blocks(
@@ -147,14 +154,14 @@ def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None
         ):
             left_out.append(seq)
             continue
-        if inflight:
+        if live:
             fed.append((len(seqs), seq.last_step))
             token_ids_append(0)
         else:
             token_ids_append(outputs[-1])
         seqs_append(seq)
         positions_append(position)
-        sample_indices_append(num_outputs + inflight)
+        sample_indices_append(num_outputs + live)
         seq.num_computed = position + 1
         seq.inflight = inflight + 1
         seq.last_step = step_id
@@ -212,7 +219,10 @@ def plan_prefill(
         if fresh:
             _claim_prefix(state, seq)
         start = seq.num_computed
-        count = min(seq.prefill_target - start, prefill_budget)
+        catch_up = seq.catch_up
+        # A catch-up row runs through the pending token and samples, as a decode row does.
+        target = seq.num_tokens if catch_up else seq.prefill_target
+        count = min(target - start, prefill_budget)
         if not ensure_blocks(state, ctx, seq, (start + count - 1) // block_size + 1, step_id):
             if fresh and seq.status is Status.RUNNING:
                 _unclaim_prefix(state, seq)
@@ -232,8 +242,19 @@ def plan_prefill(
             planned.samplers.append(seq)
             planned.sampler_indices.append(0)
             seq.inflight += 1
+        elif catch_up and end == target:
+            index = len(seq.outputs)
+            planned.sample_indices.append(index)
+            if index + 1 >= stop_rule(config, seq)[1]:
+                planned.ending.append(len(planned.samplers))
+            planned.samplers.append(seq)
+            planned.sampler_indices.append(index)
+            seq.inflight += 1
         else:
             planned.sample_indices.append(NO_SAMPLE)
+        if catch_up:
+            seq.catch_up = max(0, target - 1 - end)
+            ctx.lane_broken = True
         planned.kv_ends.append(end)
         seq.num_computed = end
         seq.last_step = step_id

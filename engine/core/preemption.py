@@ -71,6 +71,7 @@ def take_off_device(state: CoreState, ctx: TickContext, victim: Seq) -> None:
     release_blocks(state, ctx, victim)
     victim.num_computed = 0
     victim.kv_settled = 0
+    victim.catch_up = 0  # a requeued history is prefilled whole; a swapped one kept its settled KV
     victim.first_planned = False
     victim.reserve = 0
 

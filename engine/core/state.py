@@ -61,6 +61,13 @@ class Seq:
     """Blocks the admission gate reserved for it; the unallocated rest counts as in-flight demand."""
     immune_until: int = -1
     """Output count below which it is skipped as a victim (set on resume)."""
+    catch_up: int = 0
+    """Outputs past the pending token whose KV no planned row writes yet: tokens a step accepted after its sampled
+    one (``StepDone.extra_token_ids``). The next row of the sequence writes them, with the pending token, and
+    samples; until then it counts as prefilling (``num_computed + catch_up == prefill_target``)."""
+    void: int = 0
+    """Rows in flight whose output an earlier step's extra tokens already supplied: they settle without a token.
+    At most one (``pipeline_depth`` <= 2), and never together with ``catch_up``'s row in flight before it."""
     thinking: bool = False
     thinking_tokens: int = 0
     bound: bool = False
@@ -289,6 +296,8 @@ class CoreState:
     next_admission: int = 0
     digest: bytes = GENESIS_DIGEST
     shut_down: bool = False
+    void_rows: int = 0
+    """The sum of every sequence's ``void``: while it is 0 (always, without extra tokens) a step settles in bulk."""
     stop_tokens: set[int] = attrs.Factory(set)
     """Every token that may stop some live request: a step whose tokens miss it stops nothing. Kept exact by
     ``stop_refs`` (``finish.track_stops`` / ``untrack_stops``), so finished requests do not widen it."""

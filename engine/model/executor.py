@@ -11,9 +11,9 @@ from tickloom.engine.model.batch import RowSpec, build_step_batch
 from tickloom.engine.model.host_pool import CopyEngine
 from tickloom.engine.model.kv_cache import HostKV, PagedKVCache
 from tickloom.engine.model.llama import LlamaModel
-from tickloom.engine.model.sampling import Sampler, SampleRow, has_penalties
+from tickloom.engine.model.sampling import SampleOutput, Sampler, SampleRow, has_penalties
 from tickloom.engine.model.tables import BoundRequests, step_inputs
-from tickloom.engine.model.types import StepResult
+from tickloom.engine.model.types import ConstraintEngine, PendingMasks, StepResult
 from tickloom.events import SamplingSpec
 from tickloom.events.commands import BindRequest, PromptLogprobs, RunStep
 
@@ -37,8 +37,14 @@ class ModelExecutor(BoundRequests[_RequestState]):
     """Owns the model, its KV blocks and every bound request's state. Not thread-safe: one thread
     (the step actor's executor thread) calls it, in command order."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16) -> None:
+    MAX_EXTRAS = 32
+    """Forced tokens accepted after one sampled token at most (a long JSON key is a few tokens)."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
+                 constraints: ConstraintEngine | None = None) -> None:
         super().__init__(block_size)
+        self.constraints = constraints
+        """The grammar engine for structured outputs (None: a request with a constraint cannot be bound)."""
         self.model = model
         self.kv: PagedKVCache = model.new_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(model.cfg.vocab_size, model.device)
@@ -54,6 +60,10 @@ class ModelExecutor(BoundRequests[_RequestState]):
         prompt_len, prompt_token_ids = command.prompt_len, command.prompt_token_ids
         state = _RequestState(command.params, command.seed, prompt_len, list(command.masked_token_ids))
         state.tokens.extend(prompt_token_ids)
+        if command.params.structured is not None:
+            if self.constraints is None:
+                raise ValueError(f"{command.request_id}: this executor runs no structured outputs")
+            self.constraints.bind(command.request_id, command.params.structured)
         if command.params.prompt_logprobs is not None and len(prompt_token_ids) == prompt_len:
             # The prompt is needed whole: a chunk's last row predicts the first token of the next chunk.
             state.prompt_ids = list(prompt_token_ids)
@@ -61,14 +71,27 @@ class ModelExecutor(BoundRequests[_RequestState]):
             state.prompt = ([math.nan] * blanks, [[] for _ in range(blanks)], [[] for _ in range(blanks)])
         self._requests[command.request_id] = state
 
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        if self.constraints is not None:
+            self.constraints.release(request_id)
+
     def run_step(self, step: RunStep) -> StepResult:
         """Run one mixed step. A row fed from a step still in flight when the command was made (``fed_from``)
-        takes the token its request sampled for that position."""
+        takes the token its request sampled for that position.
+
+        A sampling row whose next output this executor already holds is void: an earlier step accepted extra
+        tokens after its sampled one (a constraint forced them) and the core planned this row, running ahead,
+        before it knew. It writes its input's KV as planned, skips the LM head and the sampler, and reports the
+        token it holds, which the core discards. A constrained row's mask is computed on worker threads while
+        the forward pass runs; after sampling, the tokens its constraint forces next are appended as extras.
+        """
         states = self.start_step(step)
         request_ids, positions, num_tokens, sample_indices = (step.request_ids, step.positions, step.num_tokens,
                                                               step.sample_indices)
         tokens = step_inputs(step)
         rows: list[RowSpec] = []
+        held: dict[int, int] = {}  # void row -> the output it already holds
         off = 0
         for i, st in enumerate(states):
             p, n = positions[i], num_tokens[i]
@@ -80,21 +103,27 @@ class ModelExecutor(BoundRequests[_RequestState]):
                     if pos >= len(st.tokens):
                         raise ValueError(f"{request_ids[i]}: no sampled token for position {pos}")
                     tokens[j] = st.tokens[pos]
-            del st.tokens[p:]
-            st.tokens.extend(tokens[off : off + n])
+            samples = sample_indices[i] >= 0
+            if samples and len(st.tokens) > p + n:
+                held[i] = st.tokens[p + n]
+            else:
+                del st.tokens[p:]
+                st.tokens.extend(tokens[off : off + n])
             # Logits at every position for a chunk that holds prompt positions whose next token is a prompt token.
             whole = st.prompt is not None and p < st.prompt_len - 1
-            rows.append(RowSpec(p, n, st.block_table, sample_indices[i] >= 0, whole))
+            rows.append(RowSpec(p, n, st.block_table, samples and i not in held, whole))
             off += n
+        masks = self._start_masks(step, states, held)
         batch = build_step_batch(rows, tokens, self.block_size, self._gqa, self.model.device)
         self.copier.before_compute()
         logits = self.model.forward(batch, self.kv)
         if any(row.all_logits for row in rows):
             logits = self._prompt_logprobs(rows, states, logits)
+        allowed = masks[1].wait() if masks is not None else None
         sample_rows: list[SampleRow] = []
         for i, st in enumerate(states):
             k = sample_indices[i]
-            if k < 0:
+            if k < 0 or i in held:
                 continue
             end = positions[i] + num_tokens[i]
             sample_rows.append(
@@ -105,26 +134,83 @@ class ModelExecutor(BoundRequests[_RequestState]):
                     prompt_tokens=st.tokens[: st.prompt_len] if has_penalties(st.spec) else [],
                     output_tokens=st.tokens[st.prompt_len : end] if has_penalties(st.spec) else [],
                     masked_token_ids=st.masked_token_ids,
+                    allowed=None if allowed is None or i not in masks[0] else allowed[masks[0][i]],  # type: ignore[index]
                 )
             )
         out = self.sampler.sample(logits, sample_rows)
-        t_i = 0
-        prompts: list[PromptLogprobs] = []
+        return self._collect(step, states, held, out)
+
+    def _start_masks(self, step: RunStep, states: list[_RequestState],
+                     held: dict[int, int]) -> tuple[dict[int, int], PendingMasks] | None:
+        """Start the masks of the constrained sampling rows: (row -> mask row, the job), or None if there are none.
+
+        A row's mask depends only on its request's output tokens before the sampled position, all known now
+        (the fed inputs were resolved above), so it is computed while the forward pass runs."""
+        constraints = self.constraints
+        if constraints is None:
+            return None
+        which: dict[int, int] = {}
+        wanted: list[tuple[str, list[int]]] = []
         for i, st in enumerate(states):
-            if sample_indices[i] < 0:
+            rid = step.request_ids[i]
+            if step.sample_indices[i] >= 0 and i not in held and rid in constraints:
+                which[i] = len(wanted)
+                wanted.append((rid, st.tokens[st.prompt_len :]))
+        return (which, constraints.start_masks(wanted)) if wanted else None
+
+    def _collect(self, step: RunStep, states: list[_RequestState], held: dict[int, int],
+                 out: SampleOutput) -> StepResult:
+        """The step's result in row order: sampled tokens, held ones for void rows, and each row's extras."""
+        constraints = self.constraints
+        tokens: list[int] = []
+        extras: list[list[int]] = []
+        prompts: list[PromptLogprobs] = []
+        logprobs: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        t_i = 0
+        for i, st in enumerate(states):
+            k = step.sample_indices[i]
+            if k < 0:
                 continue
-            st.tokens.append(out.token_ids[t_i])
+            if i in held:
+                tokens.append(held[i])
+                extras.append([])
+                prompts.append(([], [], []))
+                logprobs.append(0.0)
+                top_ids.append([])
+                top_lps.append([])
+                continue
+            token = out.token_ids[t_i]
+            if out.logprobs is not None:
+                logprobs.append(out.logprobs[t_i])
+                top_ids.append(out.top_token_ids[t_i] if out.top_token_ids is not None else [])
+                top_lps.append(out.top_logprobs[t_i] if out.top_logprobs is not None else [])
             t_i += 1
-            if sample_indices[i] == 0 and st.prompt is not None:
+            st.tokens.append(token)
+            tokens.append(token)
+            forced: list[int] = []
+            rid = step.request_ids[i]
+            if constraints is not None and rid in constraints and not _wants_logprobs(st.spec):
+                limit = min(self.MAX_EXTRAS, st.spec.max_tokens - k - 1)
+                if limit > 0:
+                    forced = constraints.forced(rid, st.tokens[st.prompt_len :], limit)
+                    st.tokens.extend(forced)
+            extras.append(forced)
+            if k == 0 and st.prompt is not None:
                 prompts.append(st.prompt)
                 st.prompt = None
             else:
                 prompts.append(([], [], []))
-        result = StepResult(out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
+        result = StepResult(tokens)
+        if out.logprobs is not None:
+            result.logprobs, result.top_token_ids, result.top_logprobs = logprobs, top_ids, top_lps
         if any(p[0] for p in prompts):
             result.prompt_logprobs = [p[0] for p in prompts]
             result.prompt_top_token_ids = [p[1] for p in prompts]
             result.prompt_top_logprobs = [p[2] for p in prompts]
+        if any(extras):
+            result.extra_token_ids = extras
         return result
 
     def _prompt_logprobs(self, rows: list[RowSpec], states: list[_RequestState], logits: torch.Tensor) -> torch.Tensor:
@@ -176,3 +262,8 @@ class ModelExecutor(BoundRequests[_RequestState]):
         self.copier.copy_in(self.kv, block_ids, host_kv)
         st.block_table[:] = list(block_ids)
 
+
+
+def _wants_logprobs(spec: SamplingSpec) -> bool:
+    """Forced tokens come without logits, so a request that asks for logprobs samples each one (masked to it)."""
+    return spec.logprobs or spec.top_logprobs > 0

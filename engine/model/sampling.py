@@ -3,13 +3,14 @@
 Every row is processed with batched torch ops. Because the noise never depends on generator state or
 on the other rows, a request's tokens are the same alone, in any batch, after preemption or a re-run.
 
-Order of operations per row: penalties, ``logit_bias``, the ``allowed_token_ids`` mask, the ``min_tokens``
-logit mask, logprobs (of this processed distribution, before temperature), then greedy argmax (temperature 0)
-or temperature, top-k, top-p, min-p and Gumbel-max over the hash noise. So greedy picks the argmax after the
-bias and the masks. A temperature below ``MIN_TEMPERATURE`` is greedy. Every row is ``sanitize``d, so no
-accepted parameter value can produce NaN or fail another row of the batch; a row that the masks leave with no
-token (its allowed tokens are all EOS or stop tokens while ``min_tokens`` masks them) falls back to its raw
-logits restricted to its allowed tokens, so a sampled token is always an allowed one.
+Order of operations per row: penalties, ``logit_bias``, the ``allowed_token_ids`` mask, a structured-output
+constraint's mask, the ``min_tokens`` logit mask, logprobs (of this processed distribution, before temperature),
+then greedy argmax (temperature 0) or temperature, top-k, top-p, min-p and Gumbel-max over the hash noise. So greedy
+picks the argmax after the bias and the masks. A temperature below ``MIN_TEMPERATURE`` is greedy. Every row is
+``sanitize``d, so no accepted parameter value can produce NaN or fail another row of the batch; a row that the masks
+leave with no token (its allowed tokens are all EOS or stop tokens while ``min_tokens`` masks them) falls back to
+its raw logits restricted to its allowed tokens (and its constraint's), so a sampled token is always an allowed one:
+a complete constraint allows only EOS, which ``min_tokens`` may mask; the row then still samples EOS.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class SampleRow:
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     masked_token_ids: list[int] = field(default_factory=list)
+    allowed: torch.Tensor | None = None
+    """A structured-output constraint's mask (bool, one entry per token, True = allowed), applied with
+    ``allowed_token_ids``; None: unconstrained."""
 
 
 @dataclass(slots=True)
@@ -178,6 +182,27 @@ def apply_allowed_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.T
     return logits
 
 
+def apply_constraint_masks(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Set every token a row's constraint forbids (``SampleRow.allowed``) to -inf."""
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not masked:
+        return logits
+    dev = logits.device
+    v = logits.shape[1]
+    keep = torch.stack([_widen(rows[i].allowed, v) for i in masked]).to(dev)  # type: ignore[arg-type]
+    idx = torch.tensor(masked, device=dev)
+    logits = logits.clone()
+    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def _widen(allowed: torch.Tensor, width: int) -> torch.Tensor:
+    """A mask as wide as the logits: tokens past the mask's end are forbidden."""
+    if allowed.shape[0] >= width:
+        return allowed[:width]
+    return torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
+
+
 def sanitize(logits: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
     """Make any row safe to sample from: NaN becomes -inf, +inf the largest finite value, and a row left with no
     finite value takes its ``fallback`` row (the logits before penalties and masks), or zeros.
@@ -246,8 +271,10 @@ class Sampler:
         if not rows:
             return SampleOutput([], None, None, None)
         dev = logits.device
-        shaped = apply_allowed_tokens(apply_logit_bias(apply_penalties(logits, rows), rows), rows)
-        logits = sanitize(apply_min_tokens_mask(shaped, rows), apply_allowed_tokens(logits, rows))
+        shaped = apply_constraint_masks(
+            apply_allowed_tokens(apply_logit_bias(apply_penalties(logits, rows), rows), rows), rows)
+        logits = sanitize(apply_min_tokens_mask(shaped, rows),
+                          apply_constraint_masks(apply_allowed_tokens(logits, rows), rows))
         tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if r.spec.temperature >= MIN_TEMPERATURE]
         if rand:

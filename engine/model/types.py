@@ -3,11 +3,14 @@ wire ``events.SamplingSpec`` itself."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from tickloom.events import Structured
 
 
 @dataclass(slots=True)
@@ -54,3 +57,28 @@ class HostKV:
         if self.k is None or self.v is None:
             return 0
         return int(self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size())
+
+
+class PendingMasks(Protocol):
+    def wait(self) -> torch.Tensor:
+        """The masks, one bool row per requested row (True = allowed), once the worker threads are done."""
+        ...
+
+
+class ConstraintEngine(Protocol):
+    """What the executor needs of a grammar engine (``engine.model.structured.Constraints``): a matcher per bound
+    request whose state is a pure function of (constraint, output tokens)."""
+
+    def bind(self, request_id: str, spec: Structured) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def __contains__(self, request_id: object) -> bool: ...
+
+    def start_masks(self, rows: Sequence[tuple[str, Sequence[int]]]) -> PendingMasks:
+        """Start computing each row's mask for the output after the given output tokens, on worker threads."""
+        ...
+
+    def forced(self, request_id: str, outputs: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens the constraint forces after ``outputs`` (EOS last when it must end there)."""
+        ...
