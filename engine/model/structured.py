@@ -77,7 +77,7 @@ class ConstraintLimits:
 
 
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
-_LARK_AT = re.compile(r"^at (\d+)\((\d+)\): (.*)")
+_LARK_AT = re.compile(r"^(?:at )?(\d+)\((\d+)\): (.*)")
 
 
 def _field(spec: Structured) -> str:
@@ -279,6 +279,12 @@ class Constraints:
 
     def __len__(self) -> int:
         return len(self._bound)
+
+    @property
+    def cached(self) -> int:
+        """Compiled grammars in the cache now (at most ``limits.max_cached``)."""
+        with self._cache_lock:
+            return len(self._cache)
 
     def start_masks(self, rows: Sequence[tuple[str, Sequence[int]]]) -> MaskJob:
         """Sync each row's matcher to its output tokens (those before the position being sampled), then fill the
