@@ -109,7 +109,8 @@ def test_masks_allow_exactly_the_grammars_next_tokens(cons: Constraints, tok: To
     assert mask(cons, "d", []).equal(reference_mask(cons, DIGITS, []))
 
 
-def test_eos_only_where_the_constraint_may_end_and_alone_when_complete(cons: Constraints, tok: TokenizerWrapper) -> None:
+def test_eos_only_where_the_constraint_may_end_and_alone_when_complete(cons: Constraints,
+                                                                       tok: TokenizerWrapper) -> None:
     eos = list(cons.eos_token_ids)
     cons.bind("d", DIGITS)
     assert not mask(cons, "d", [])[eos].any()
@@ -214,7 +215,7 @@ def test_forced_respects_the_limit(cons: Constraints, tok: TokenizerWrapper) -> 
     assert cons.forced("p", [], 0) == []
     done = enc(tok, '{"age": 3, "name": "Bo"')
     assert tok.decode(cons.forced("p", done, 1)) == "}"  # full: no room for the EOS
-    assert cons.forced("p", enc(tok, "{") + [tok.vocab_size + 1], 4) == []  # a refused token forces nothing
+    assert cons.forced("p", [*enc(tok, "{"), tok.vocab_size + 1], 4) == []  # a refused token forces nothing
 
 
 # -- every kind -------------------------------------------------------------------------------------------------
