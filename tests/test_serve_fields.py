@@ -16,10 +16,10 @@ import httpx
 import trio
 
 from tests.test_serve_protocol import OnlyTheProtocol
-from tickloom import Engine, EngineConfig
+from tickloom import Engine, EngineConfig, StructuredOutputs
 from tickloom.engine.model.stub import StubTokenizer
 from tickloom.request import Request
-from tickloom.tools.serve import fields
+from tickloom.tools.serve import fields, tool_calls
 from tickloom.tools.serve.server import ServeOptions, serve_engine
 
 Check = Callable[[dict[str, Any], Request], None]
@@ -29,6 +29,7 @@ HELLO = [{"role": "user", "content": "Hello"}]
 GUIDELLM = {"model": "stub", "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "stop": None, "ignore_eos": True}
 """What guidellm's OpenAI backend sends with every streamed request."""
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
 
 
 def param(name: str, expected: Any) -> Check:
@@ -137,6 +138,26 @@ def answer_id(expected: str) -> Check:
     return check
 
 
+def constrained(**expected: Any) -> Check:
+    """Reaches the engine as ``SamplingParams.structured`` (``tests/test_serve_structured.py`` checks the mapping of
+    every form, and the constraint's effect on a real model). The stub model runs no constraint: the engine
+    refuses it at submit, and the server answers that refusal as a 400 naming the request's field."""
+
+    def check(answer: dict[str, Any], request: Request) -> None:
+        assert request.params.structured == StructuredOutputs(**expected), request.params.structured
+        if "error" in answer:
+            assert "structured-output" in answer["error"]["message"], answer
+
+    check.engine_may_refuse = True  # type: ignore[attr-defined]
+    return check
+
+
+def tools_in_prompt(answer: dict[str, Any], request: Request) -> None:
+    """The tools reach the prompt (the stub's template has none: the fallback writes them into a system message)."""
+    text = StubTokenizer().decode(request.prompt)
+    assert "<tools>" in text and '"name": "f"' in text, text
+
+
 def accepted(answer: dict[str, Any], request: Request) -> None:
     """Accepted with no effect on the output, by its definition (an end user's id, as in OpenAI)."""
     assert answer["choices"]
@@ -152,7 +173,7 @@ COMMON: dict[str, Field] = {
     "max_tokens": (3, {}, tokens(3)),
     "n": (2, {}, choices(2)),
     "presence_penalty": (0.5, {}, param("presence_penalty", 0.5)),
-    "response_format": ({"type": "json_object"}, {}, None),
+    "response_format": ({"type": "json_object"}, {}, constrained(json_object=True)),
     "seed": (7, {}, param("seed", 7)),
     "stop": (["zz"], {}, param("stop", ["zz"])),
     "stream": (True, {}, streamed),
@@ -175,13 +196,15 @@ COMMON: dict[str, Field] = {
     "truncate_prompt_tokens": (3, {}, prompt_cut_to_3),
     "allowed_token_ids": ([65], {}, only_letter_a),
     "prompt_logprobs": (1, {}, prompt_logprobs_listed),
-    "guided_json": ({"type": "object"}, {}, None),
-    "guided_regex": ("a+", {}, None),
-    "guided_choice": (["yes", "no"], {}, None),
-    "guided_grammar": ("root ::= 'a'", {}, None),
+    "guided_json": ({"type": "object"}, {}, constrained(json={"type": "object"})),
+    "guided_regex": ("a+", {}, constrained(regex="a+")),
+    "guided_choice": (["yes", "no"], {}, constrained(choice=["yes", "no"])),
+    "guided_grammar": ("root ::= 'a'", {}, constrained(grammar="root ::= 'a'")),
     "guided_decoding_backend": ("xgrammar", {}, None),
     "guided_whitespace_pattern": (" ", {}, None),
-    "structured_outputs": ({"choice": ["yes", "no"]}, {}, None),
+    "structured_outputs": ({"choice": ["yes", "no"]}, {}, constrained(choice=["yes", "no"])),
+    "grammar": ('root ::= "a"', {}, constrained(grammar='root ::= "a"')),
+    "json_schema": ({"type": "object"}, {}, constrained(json={"type": "object"})),
     "priority": (3, {}, request_field("priority", 3)),
     "logits_processors": (["my.Processor"], {}, None),
     "return_tokens_as_token_ids": (True, {}, None),
@@ -198,11 +221,13 @@ CHAT: dict[str, Field] = {
     "top_logprobs": (2, {"logprobs": True}, chat_logprobs),
     "max_completion_tokens": (3, {"max_tokens": None}, tokens(3)),
     "best_of": (2, {"n": 2}, None),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], {}, None),
-    "tool_choice": ("auto", {}, None),
+    "tools": (TOOLS, {}, tools_in_prompt),
+    "tool_choice": ({"type": "function", "function": {"name": "f"}}, {"tools": TOOLS},
+                    constrained(json={"type": "object"})),
     "reasoning_effort": ("low", {}, None),
     "include_reasoning": (False, {}, no_reasoning),
-    "parallel_tool_calls": (True, {}, None),
+    "parallel_tool_calls": (False, {"tools": TOOLS, "tool_choice": "required"},
+                            constrained(json=tool_calls.required_schema(TOOLS, parallel=False))),
     "echo": (True, {}, None),
     "add_generation_prompt": (False, {}, None),
     "continue_final_message": (True, {}, None),
@@ -228,8 +253,8 @@ COMPLETION: dict[str, Field] = {
 
 
 async def _each_field(tmp_path: Path, chat: bool, table: dict[str, Field]) -> None:
-    config = EngineConfig(model="stub", log_path=str(tmp_path / "s.tlog"), num_blocks=256, max_seq_len=256,
-                          stub_step_time=0.001)
+    config = EngineConfig(model="stub", log_path=str(tmp_path / "s.tlog"), num_blocks=256, max_seq_len=1024,
+                          stub_step_time=0.001)  # room for the tools' fallback prompt (a stub token per character)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     base: dict[str, Any] = {"model": "stub", "max_tokens": 4, **({"messages": HELLO} if chat else {"prompt": "Hello"})}
     honoured = set(fields.honoured_fields(chat))
@@ -250,12 +275,16 @@ async def _each_field(tmp_path: Path, chat: bool, table: dict[str, Field]) -> No
                         r = client.post(path, json=body)
                         if name in honoured:
                             assert check is not None, f"{name} is honoured: name the behaviour to check"
-                            assert r.status_code == 200, (name, r.text)
                             answer: dict[str, Any]
-                            if body.get("stream"):
+                            if r.status_code == 400 and getattr(check, "engine_may_refuse", False):
+                                answer = r.json()
+                                assert answer["error"]["param"] in (name, "tools"), (name, r.text)
+                            elif body.get("stream"):
+                                assert r.status_code == 200, (name, r.text)
                                 events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
                                 answer = {"stream": True, "events": events}
                             else:
+                                assert r.status_code == 200, (name, r.text)
                                 answer = r.json()
                             check(answer, served.requests[-1])
                         else:

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from tickloom.engine.errors import RequestRejected
+from tickloom.engine.model.tool_prompt import fit_template
 from tickloom.validation import checked, encodable, unencodable
 
 Prompt = str | list[int] | Sequence[dict[str, Any]]
@@ -24,9 +25,12 @@ MAX_CHARS_PER_TOKEN = 1024
 """A text prompt longer than this many characters per ``max_seq_len`` token is refused before tokenizing."""
 
 
-def text_prompt_ids(tokenizer: Any, prompt: Prompt, max_seq_len: int) -> list[int] | None:
+def text_prompt_ids(tokenizer: Any, prompt: Prompt, max_seq_len: int, *,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int] | None:
     """The token ids of a text or chat prompt (``RequestRejected`` names what is wrong); ``None`` for a list or tuple
-    that is not chat messages (token ids, which the caller checks); ``RequestRejected`` for anything else."""
+    that is not chat messages (token ids, which the caller checks); ``RequestRejected`` for anything else. ``tools``
+    (OpenAI's form) go to the chat template, or into the messages for a template without tools
+    (``engine.model.tool_prompt``)."""
     if isinstance(prompt, str):
         encodable(prompt, "prompt")
         if len(prompt) > MAX_CHARS_PER_TOKEN * max_seq_len:
@@ -34,23 +38,29 @@ def text_prompt_ids(tokenizer: Any, prompt: Prompt, max_seq_len: int) -> list[in
                                   f"max_seq_len={max_seq_len} tokens")
         return tokenize(tokenizer, prompt)
     if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
-        return tokenize(tokenizer, [_chat_message(i, m) for i, m in enumerate(prompt)])
+        return tokenize(tokenizer, [_chat_message(i, m) for i, m in enumerate(prompt)], tools=tools)
     if isinstance(prompt, list | tuple):
         return None
     raise RequestRejected("prompt must be a str, a list of token ids, or a list of chat messages, not "
                           f"{type(prompt).__name__}")
 
 
-def tokenize(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
-    """Text encoded as is, or checked chat messages rendered with the generation prompt and encoded without adding
-    special tokens again (the template has them)."""
+def tokenize(tokenizer: Any, prompt: str | list[dict[str, Any]], *,
+             tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    """Text encoded as is, or checked chat messages rendered with the generation prompt (and ``tools``: see
+    ``text_prompt_ids``) and encoded without adding special tokens again (the template has them)."""
     if isinstance(prompt, str):
         try:
             return list(tokenizer.encode(prompt))
         except ValueError as exc:
             raise RequestRejected(f"the prompt cannot be tokenized: {exc}") from None
+    bad = unencodable(list(tools or ()))
+    if bad is not None:
+        raise RequestRejected(f"tools{bad} is not encodable as UTF-8 (a lone surrogate)")
+    messages, template_tools = fit_template(getattr(tokenizer, "chat_template", None), prompt, tools)
+    extra = {} if template_tools is None else {"tools": template_tools}
     try:
-        text = tokenizer.render_chat(prompt, add_generation_prompt=True)
+        text = tokenizer.render_chat(messages, add_generation_prompt=True, **extra)
         return list(tokenizer.encode(text, add_special_tokens=False))
     except (ValueError, KeyError, TypeError) as exc:
         raise RequestRejected(f"the prompt's chat messages cannot be rendered and tokenized: {exc}") from None

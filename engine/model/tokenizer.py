@@ -17,6 +17,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from tickloom.engine.model.errors import ModelLoadError
+from tickloom.engine.model.tool_prompt import fit_template
 
 
 def _raise_exception(message: str) -> None:
@@ -133,10 +134,17 @@ class TokenizerWrapper:
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
-        """Render messages with the model's chat template, as transformers' tokenizer does."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None, **extra: Any) -> str:
+        """Render messages with the model's chat template, as transformers' tokenizer does. ``tools`` (OpenAI's
+        ``{"type": "function", "function": {...}}`` form) reach the template as its ``tools`` variable, as with
+        ``apply_chat_template(tools=...)``; a template that does not read them gets them, and the earlier calls and
+        tool results, written into the messages instead (``tool_prompt``'s fallback)."""
         if self._template is None:
             raise ValueError("this model has no chat template")
+        messages, template_tools = fit_template(self.chat_template, messages, tools)
+        if template_tools is not None:
+            extra["tools"] = template_tools
         try:
             return str(
                 self._template.render(
@@ -150,8 +158,9 @@ class TokenizerWrapper:
         except jinja2.exceptions.TemplateError as exc:  # raise_exception(), undefined fields, sandbox refusals
             raise ChatTemplateError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     @classmethod
     def from_dir(cls, path: Path) -> TokenizerWrapper:

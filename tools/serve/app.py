@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tickloom import EngineError, EngineOverloaded, RequestOutput, RequestRejected
 from tickloom.prompts import Prompt
 from tickloom.request import Request as EngineRequest
-from tickloom.tools.serve import fields, scoring, translate
+from tickloom.tools.serve import fields, scoring, tool_calls, translate
 from tickloom.tools.serve.backend import ServedEngine, ServedStream
 from tickloom.tools.serve.chunks import ChunkWriter
 from tickloom.tools.serve.ending import OpenRequests
@@ -263,7 +263,9 @@ def build_app(state: ServerState) -> Starlette:
         try:
             params = translate.sampling_params(req, default_max, max_seq_len)
             echo = isinstance(req, CompletionRequest) and req.echo
-            tokenized = scoring.engine_prompts(engine.tokenizer, prompts, req, max_seq_len, with_text=echo)
+            tools = translate.chat_tools(req) if isinstance(req, ChatCompletionRequest) else None
+            tokenized = scoring.engine_prompts(engine.tokenizer, prompts, req, max_seq_len, with_text=echo,
+                                               tools=tools)
             longest = max(len(p.ids) for p in tokenized)
             translate.check_room(req, longest, max_seq_len)
             if not req.stream:
@@ -278,8 +280,9 @@ def build_app(state: ServerState) -> Starlette:
             raise translate.rejected(exc, req) from None
         group = Group(streams, req.n, state.metrics, keep=not req.stream)
         created = int(time.time())
+        tool_plan = tool_calls.plan(req) if isinstance(req, ChatCompletionRequest) else None
         writer = ChunkWriter(req, rid, created, state.model_name, state.token_text, tokenized if echo else (),
-                             sum(len(p.ids) for p in tokenized))
+                             sum(len(p.ids) for p in tokenized), tool_plan)
         try:
             gone, _ = await run_until_disconnect(request.receive, group.start)
         except RequestRejected as exc:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tickloom import EngineError, RequestOutput
-from tickloom.tools.serve import scoring, translate
+from tickloom.tools.serve import scoring, tool_calls, translate
 from tickloom.tools.serve.openai_types import (
     AssistantMessage,
     ChatChoice,
@@ -20,11 +20,15 @@ from tickloom.tools.serve.openai_types import (
     CompletionChoice,
     CompletionRequest,
     Delta,
+    DeltaFunction,
+    DeltaToolCall,
     OpenAIError,
     PromptLogprobs,
+    ToolCall,
 )
 from tickloom.tools.serve.scoring import EchoedPrompt
 from tickloom.tools.serve.sse import DONE, EventSink, event
+from tickloom.tools.serve.tool_calls import CallReader, JsonCalls, Piece, ToolPlan
 from tickloom.tools.serve.translate import Choice, Decode, OpenAIRequest
 
 log = logging.getLogger("tickloom.serve")
@@ -34,7 +38,8 @@ class ChunkWriter:
     """Builds the chunks of a streamed answer and the body of a whole one."""
 
     def __init__(self, req: OpenAIRequest, rid: str, created: int, model_name: str, token_text: Decode,
-                 echoes: Sequence[EchoedPrompt] = (), prompt_tokens: int = 0) -> None:
+                 echoes: Sequence[EchoedPrompt] = (), prompt_tokens: int = 0,
+                 tool_plan: ToolPlan | None = None) -> None:
         self.model_name = model_name
         self.echoes = list(echoes)
         """With ``echo``, each prompt as the engine took it (a whole answer only)."""
@@ -59,6 +64,9 @@ class ChunkWriter:
         self.prompt_tokens = prompt_tokens
         self.sent_tokens = 0
         self.offsets: dict[int, int] = {}
+        self.tool_plan = tool_plan
+        """With tools: each choice's text is read for calls (``tool_calls``)."""
+        self.readers: dict[int, CallReader] = {}
 
     def _chat_chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.rid, object="chat.completion.chunk", created=self.created,
@@ -78,14 +86,18 @@ class ChunkWriter:
         generated = not self.echo_only
         logprobs = translate.frame_logprobs(out) if self.want_logprobs and out.token_ids and generated else None
         reasoning = out.reasoning_delta if self.include_reasoning else ""
-        if not (out.text_delta or reasoning or out.finished or logprobs or echo_now):
-            return
         finish = out.finish_reason if out.finished else None
+        content, calls = out.text_delta, Piece()
+        if self.chat and self.tool_plan is not None:
+            content, calls, finish = self._read_calls(choice.index, out, finish)
+        if not (content or reasoning or out.finished or logprobs or echo_now or calls.calls):
+            return
         decode = self.token_text
         self.sent_tokens += len(out.token_ids) if generated else 0
         usage = translate.running_usage(self.prompt_tokens, self.sent_tokens) if self.continuous_usage else None
         if self.chat:
-            delta = Delta(content=out.text_delta or None, reasoning_content=reasoning or None)
+            delta = Delta(content=content or None, reasoning_content=reasoning or None,
+                          tool_calls=_tool_deltas(calls) or None)
             lp = None if logprobs is None else translate.chat_logprobs(out.token_ids, logprobs, decode,
                                                                          translate.frame_tops(out), self.top_k)
             chunk: Any = self._chat_chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lp,
@@ -113,6 +125,23 @@ class ChunkWriter:
         if finish == "error":
             await sink.write(event(OpenAIError(500, f"choice {choice.index} failed: {out.error}",
                                                type="server_error", code="request_failed").body_struct()))
+
+    def _read_calls(self, index: int, out: RequestOutput, finish: str | None) -> tuple[str, Piece, str | None]:
+        """A frame's text through its choice's call reader: the content to send, the call pieces, the finish
+        (``tool_calls`` where the choice made calls that parse and the engine said ``stop``)."""
+        assert self.tool_plan is not None
+        reader = self.readers.get(index)
+        if reader is None:
+            reader = self.readers[index] = self.tool_plan.reader()
+        piece = reader.feed(out.text_delta)
+        if out.finished:
+            tail = reader.finish()
+            piece.content += tail.content
+            piece.calls += tail.calls
+            complete = not isinstance(reader, JsonCalls) or reader.parsed()
+            if finish == "stop" and reader.count and complete:
+                finish = "tool_calls"
+        return piece.content, piece, finish
 
     async def end(self, sink: EventSink, choices: Sequence[Choice], n: int, errors: Sequence[EngineError]) -> None:
         """After the last frame: an engine crash's error event, or the usage chunk (if asked for); then DONE."""
@@ -146,9 +175,12 @@ class ChunkWriter:
                 reasoning = "".join(c.reasoning) if self.include_reasoning else ""
                 lp = (translate.chat_logprobs(c.token_ids, c.logprobs, decode, c.tops, self.top_k)
                       if self.want_logprobs else None)
-                message = AssistantMessage(content="".join(c.text), reasoning_content=reasoning or None)
-                chat_choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
-                                               finish_reason=c.finish_reason))
+                content: str | None = "".join(c.text)
+                finish, calls = c.finish_reason, list[ToolCall]()
+                if self.tool_plan is not None:
+                    content, calls, finish = tool_calls.read_whole(self.tool_plan, content or "", finish)
+                message = AssistantMessage(content=content, reasoning_content=reasoning or None, tool_calls=calls)
+                chat_choices.append(ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=finish))
             return ChatCompletion(id=self.rid, object="chat.completion", created=self.created,
                                   model=self.model_name, choices=chat_choices, usage=usage,
                                   prompt_logprobs=self._prompt_logprobs(choices[0]) if choices else None)
@@ -175,3 +207,16 @@ class ChunkWriter:
         if self.prompt_k is None:
             return None
         return scoring.prompt_logprobs(choice.prompt_logprobs, self.prompt_k, self.token_text)
+
+
+def _tool_deltas(piece: Piece) -> list[DeltaToolCall]:
+    """Call pieces as OpenAI's deltas: a call's first with its id, type and name (and empty arguments), then its
+    argument text."""
+    deltas = []
+    for index, call_id, name, arguments in piece.calls:
+        if call_id is not None:
+            deltas.append(DeltaToolCall(index=index, id=call_id, type="function",
+                                        function=DeltaFunction(name=name, arguments=arguments)))
+        elif arguments:
+            deltas.append(DeltaToolCall(index=index, function=DeltaFunction(arguments=arguments)))
+    return deltas

@@ -19,8 +19,8 @@ import msgspec
 
 from tickloom.tools.serve.openai_types import ChatCompletionRequest, CompletionRequest, OpenAIError
 
-NOT_YET = "structured outputs are not supported yet"
-TOOLS_NOT_YET = "tools and function calling are not supported yet"
+BACKEND = "the grammar engine is the server's own (llguidance)"
+LEGACY_FUNCTIONS = "the deprecated functions API is not supported: use tools and tool_choice"
 
 
 @dataclass(frozen=True)
@@ -36,24 +36,13 @@ _CHAT = "chat"
 _COMPLETION = "completion"
 
 REFUSED: tuple[tuple[str, str, Refused], ...] = (
-    # Structured outputs (a later issue).
-    ("response_format", _BOTH, Refused(f"{NOT_YET}: only {{'type': 'text'}}", (None, {"type": "text"}))),
-    ("guided_json", _BOTH, Refused(NOT_YET)),
-    ("guided_regex", _BOTH, Refused(NOT_YET)),
-    ("guided_choice", _BOTH, Refused(NOT_YET)),
-    ("guided_grammar", _BOTH, Refused(NOT_YET)),
-    ("guided_decoding_backend", _BOTH, Refused(NOT_YET)),
-    ("guided_whitespace_pattern", _BOTH, Refused(NOT_YET)),
-    ("structural_tag", _BOTH, Refused(NOT_YET)),
-    ("structured_outputs", _BOTH, Refused(NOT_YET)),
-    ("grammar", _BOTH, Refused(NOT_YET)),
-    ("json_schema", _BOTH, Refused(NOT_YET)),
-    # Tools (a later issue).
-    ("tools", _CHAT, Refused(TOOLS_NOT_YET, (None, []))),
-    ("tool_choice", _CHAT, Refused(TOOLS_NOT_YET, (None, "none"))),
-    ("parallel_tool_calls", _CHAT, Refused(TOOLS_NOT_YET, (None, False))),
-    ("functions", _CHAT, Refused(TOOLS_NOT_YET, (None, []))),
-    ("function_call", _CHAT, Refused(TOOLS_NOT_YET, (None, "none"))),
+    # Structured outputs and tools: the constraint itself is honoured (``tools.serve.structured``), not these.
+    ("guided_decoding_backend", _BOTH, Refused(f"{BACKEND}: guided_decoding_backend is not supported",
+                                               (None, "auto", "guidance"))),
+    ("guided_whitespace_pattern", _BOTH, Refused("a whitespace pattern for JSON is not supported")),
+    ("structural_tag", _BOTH, Refused("structural tags are not supported")),
+    ("functions", _CHAT, Refused(LEGACY_FUNCTIONS, (None, []))),
+    ("function_call", _CHAT, Refused(LEGACY_FUNCTIONS, (None, "none"))),
     # Chat templating: the engine renders every conversation with its generation prompt, nothing else.
     ("add_generation_prompt", _CHAT, Refused("the chat template always adds the generation prompt", (None, True))),
     ("continue_final_message", _CHAT, Refused("continuing the final message is not supported", (None, False))),

@@ -65,6 +65,38 @@ class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     the engine's own count, cached tokens included)."""
 
 
+JsonValue = dict[str, Any]
+"""A JSON object as given (a schema, a tool's parameters): checked where it is used."""
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``response_format.json_schema``, as OpenAI has it. A missing ``schema`` asks for any JSON object."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=256)] = "response"
+    description: str | None = None
+    schema: JsonValue | None = None
+    strict: bool | None = None
+    """Enforced either way: the engine only samples what the schema allows."""
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's ``response_format``; ``schema`` with ``json_object`` is llama.cpp's form of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema: JsonValue | None = None
+
+
+class StructuredOutputsField(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` (``StructuredOutputsParams``): one of these is set."""
+
+    json: JsonValue | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Request(msgspec.Struct, kw_only=True):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``. ``None`` means "the default"."""
 
@@ -103,6 +135,17 @@ class _Request(msgspec.Struct, kw_only=True):
     """The answer's id is ``cmpl-<request_id>`` (``chatcmpl-`` for chat), as in vLLM; it must not be in use."""
     timeout: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
     """Seconds from submit; the request finishes ``timeout`` when it passes (default: the server's)."""
+    # Structured outputs: at most one of these (``tools.serve.structured`` maps them to ``StructuredOutputs``).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: JsonValue | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    """llama.cpp's: a GBNF grammar."""
+    json_schema: JsonValue | None = None
+    """llama.cpp's: a JSON schema."""
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -136,10 +179,50 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+    """The arguments as JSON text (OpenAI's form)."""
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    """None only in an assistant message with ``tool_calls``."""
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant message's calls (an earlier turn of an agent loop)."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: JsonValue | None = None
+    """A JSON schema of the arguments (none: any object)."""
+    strict: bool | None = None
+    """Enforced either way when the call is required (``tool_choice``); with ``auto`` the call is parsed."""
+
+
+class Tool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request, kw_only=True):
@@ -149,6 +232,11 @@ class ChatCompletionRequest(_Request, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     include_reasoning: bool = True
     """False: the answer leaves the model's reasoning (``reasoning_content``) out, as in vLLM."""
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: ``auto`` with tools, ``none`` without (``tools.serve.tool_calls``)."""
+    parallel_tool_calls: bool | None = None
+    """Default true: the model may make several calls in one answer."""
 
 
 def decode_request(body: bytes, type_: type[Any]) -> Any:
@@ -261,6 +349,8 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    """The calls the model made (``finish_reason`` is then ``tool_calls``); empty otherwise, as in vLLM."""
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -281,10 +371,26 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunction(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One piece of a streamed call: the first has its ``id``, ``type`` and name, the later ones argument text
+    (the client joins the pieces of one ``index``)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction | None = None
+
+
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

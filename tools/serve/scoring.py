@@ -32,15 +32,15 @@ class EchoedPrompt:
 
 
 def engine_prompts(tokenizer: Any, prompts: Sequence[Prompt], req: OpenAIRequest, max_seq_len: int, *,
-                   with_text: bool = False) -> list[EchoedPrompt]:
+                   with_text: bool = False, tools: Sequence[dict[str, Any]] | None = None) -> list[EchoedPrompt]:
     """A request's prompts tokenized and truncated as the engine does (``RequestRejected`` names what is wrong):
     the server submits these ids (so a prompt is tokenized once), counts them against ``max_tokens``, and echoes
-    them. ``with_text``: each prompt's text too (for ``echo``)."""
+    them. ``with_text``: each prompt's text too (for ``echo``). ``tools``: a chat's tools, for its template."""
     truncate = req.truncate_prompt_tokens
     keep = max_seq_len - 1 if truncate == -1 else truncate or None  # 0: the engine refuses it
     out = []
     for prompt in prompts:
-        ids = text_prompt_ids(tokenizer, prompt, max_seq_len)
+        ids = text_prompt_ids(tokenizer, prompt, max_seq_len, tools=tools)
         chat = ids is not None and not isinstance(prompt, str)
         if ids is None:
             assert isinstance(prompt, list)

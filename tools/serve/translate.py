@@ -3,13 +3,14 @@ OpenAI error naming the request's field, and ``RequestOutput`` frames to choices
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tickloom import EngineError, EngineOverloaded, RequestOutput, RequestRejected, SamplingParams
-from tickloom.tools.serve import fields
+from tickloom.tools.serve import fields, structured, tool_calls
 from tickloom.tools.serve.backend import ReplicaUnavailable
 from tickloom.tools.serve.openai_types import (
     ChatCompletionRequest,
@@ -17,6 +18,7 @@ from tickloom.tools.serve.openai_types import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionTokensDetails,
+    ContentPart,
     OpenAIError,
     PromptTokensDetails,
     TokenLogprob,
@@ -34,6 +36,7 @@ def check_supported(req: OpenAIRequest) -> None:
     """Refuse what depends on a field's value or on two fields together, naming the field; the fields this server
     never does are refused by the table in ``tools.serve.fields``."""
     fields.check_refused(req)
+    structured.constraint(req)  # two constraints at once, or a malformed one, are a 400 naming the field
     if req.stream and req.prompt_logprobs is not None:
         raise OpenAIError(400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs")
     if isinstance(req, CompletionRequest):
@@ -52,23 +55,60 @@ def check_supported(req: OpenAIRequest) -> None:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The messages as the engine takes them: text content (text parts joined), ``developer`` as ``system``."""
+    """The messages as the engine takes them: text content (text parts joined), ``developer`` as ``system``; an
+    assistant's earlier ``tool_calls`` (its content may be null) with their arguments as JSON objects, as chat
+    templates read them (text that is no JSON object stays text), and ``tool`` messages with their
+    ``tool_call_id``."""
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
-        if m.content is None:
+        if m.tool_calls is not None and m.role != "assistant":
+            raise OpenAIError(400, "only an assistant message has tool_calls", param=f"messages[{i}].tool_calls")
+        if m.role == "tool" and m.tool_call_id is None:
+            raise OpenAIError(400, "a tool message needs the tool_call_id of the call it answers",
+                              param=f"messages[{i}].tool_call_id")
+        if m.content is None and not m.tool_calls:
             raise OpenAIError(400, "a message needs content", param=f"messages[{i}].content")
-        if isinstance(m.content, str):
-            text = m.content
-        else:
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise OpenAIError(400, f"content part type {part.type!r} is not supported (text only)",
-                                      param=f"messages[{i}].content[{j}]")
-                parts.append(part.text)
-            text = "".join(parts)
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": _text(m.content, i)}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type,
+                                      "function": {"name": c.function.name,
+                                                   "arguments": _arguments(c.function.arguments)}}
+                                     for c in m.tool_calls]
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+        messages.append(message)
     return messages
+
+
+def _text(content: str | list[ContentPart] | None, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise OpenAIError(400, f"content part type {part.type!r} is not supported (text only)",
+                              param=f"messages[{i}].content[{j}]")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _arguments(text: str) -> dict[str, Any] | str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def chat_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools the chat template is given (none with ``tool_choice="none"``)."""
+    tool_plan = tool_calls.plan(req)
+    return None if tool_plan is None else tool_plan.template_tools()
 
 
 def sampling_params(req: OpenAIRequest, default_max_tokens: int, max_seq_len: int) -> SamplingParams:
@@ -102,6 +142,9 @@ def sampling_params(req: OpenAIRequest, default_max_tokens: int, max_seq_len: in
         kw["logprobs"] = req.top_logprobs or 0
     if req.logit_bias:
         kw["logit_bias"] = logit_bias(req.logit_bias)
+    found = structured.constraint(req)
+    if found is not None:
+        kw["structured"] = found[1]
     return SamplingParams(n=req.n, ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                           skip_special_tokens=req.skip_special_tokens, **kw)
 
@@ -143,7 +186,10 @@ def rejected(exc: RequestRejected, req: OpenAIRequest) -> OpenAIError:
     if found is not None:
         name = found.group(2) or found.group(3)
         param = _RENAMED.get(name, name)
-        if name == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        if name == "structured":
+            source = structured.constraint(req)
+            param = "tools" if source is not None and source[0] == "tool_choice" else source and source[0]
+        elif name == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
             param = "max_completion_tokens"
         elif name == "logprobs" and isinstance(req, ChatCompletionRequest):
             param = "top_logprobs"
