@@ -133,6 +133,12 @@ def _compare(report: FullReport, tick: int, logged: StepDone, ours: Input | None
             report.row, report.request_id = row, rid
             report.expected_token, report.got_token = expected, got
             return False
+    if logged.extra_token_ids != ours.extra_token_ids:
+        row = next(i for i in range(len(logged.request_ids)) if _extras(logged, i) != _extras(ours, i))
+        report.status = "divergent"
+        report.row, report.request_id = row, logged.request_ids[row]
+        report.error = f"extra tokens differ: logged {_extras(logged, row)}, re-run {_extras(ours, row)}"
+        return False
     report.steps += 1
     report.rows += len(logged.token_ids)
     return True
@@ -173,7 +179,7 @@ class ModelDevice:
         except Exception as exc:
             return StepFailed(step.step_id, f"{type(exc).__name__}: {exc}")
         ids = [rid for rid, k in zip(step.request_ids, step.sample_indices, strict=True) if k >= 0]
-        return StepDone(step.step_id, ids, list(result.token_ids))
+        return StepDone(step.step_id, ids, list(result.token_ids), extra_token_ids=result.extra_token_ids)
 
 
 def _pad_blocks(host: Any, blocks: int) -> Any:
@@ -196,6 +202,14 @@ def load_device(model: str, num_blocks: int, block_size: int, *, dtype: str | No
     and the model's fingerprint."""
     from tickloom.engine.model.executor import ModelExecutor
     from tickloom.engine.model.loaders import load_model
+    from tickloom.engine.model.structured import Constraints
 
     loaded = load_model(model, dtype=dtype or None, device=device or None)
-    return ModelDevice(ModelExecutor(loaded.model, num_blocks=num_blocks, block_size=block_size)), loaded.fingerprint
+    cfg = loaded.config
+    constraints = Constraints(loaded.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    executor = ModelExecutor(loaded.model, num_blocks=num_blocks, block_size=block_size, constraints=constraints)
+    return ModelDevice(executor), loaded.fingerprint
+
+
+def _extras(done: StepDone, row: int) -> list[int]:
+    return [] if done.extra_token_ids is None else done.extra_token_ids[row]

@@ -29,6 +29,7 @@ from tickloom.events import (
     RequestArrived,
     RunStep,
     SamplingSpec,
+    SpillOut,
     StepDone,
     TickInputs,
     TickOutputs,
@@ -158,10 +159,10 @@ def test_a_catch_up_row_larger_than_the_prefill_budget_is_split_and_samples_only
     assert d.core.state.seqs["r"].catch_up == 0
 
 
-@pytest.mark.parametrize("spill", [False, True])
-def test_a_sequence_with_extras_pending_is_requeued_whole(spill: bool) -> None:
-    """Swapping keeps settled KV only; the extras have none, so even with a spill store it is requeued, and its
-    whole history is prefilled again on resume."""
+@pytest.mark.parametrize(("spill", "mode"), [(False, "requeue"), (True, "swap")])
+def test_a_sequence_with_extras_pending_is_preempted_with_its_history_intact(spill: bool, mode: str) -> None:
+    """Requeued, its whole history is prefilled again on resume; swapped, its settled KV is spilled and the extras
+    still without KV are written by the catch-up row after the swap-in."""
     core = make_core(num_blocks=16, block_size=16, max_seq_len=128, spill_enabled=spill)
     state = core.state
     seq = add_seq(state, "r", 20, outputs=5)
@@ -170,9 +171,14 @@ def test_a_sequence_with_extras_pending_is_requeued_whole(spill: bool) -> None:
     seq.catch_up = 2
     ctx = TickContext()
     take_off_device(state, ctx, seq)
-    assert [c.mode for c in ctx.commands if isinstance(c, Preempted)] == ["requeue"]
-    assert seq.catch_up == 0 and seq.num_computed == 0 and seq.status is Status.PREEMPTED
-    assert seq.prefill_target == 24, "the history minus the pending token is prefilled on resume"
+    assert [c.mode for c in ctx.commands if isinstance(c, Preempted)] == [mode]
+    if mode == "requeue":
+        assert seq.catch_up == 0 and seq.status is Status.PREEMPTED
+        assert seq.prefill_target == 24, "the history minus the pending token is prefilled on resume"
+    else:
+        assert seq.catch_up == 2 and seq.spill_tokens == 22 and seq.status is Status.SWAPPING
+        spill = next(c for c in ctx.commands if isinstance(c, SpillOut))
+        assert spill.num_tokens == 22, "only the settled KV is spilled"
 
 
 def test_more_void_rows_than_rows_in_flight_is_an_invariant_violation() -> None:

@@ -120,7 +120,7 @@ def make_room(state: CoreState, ctx: TickContext, blocks: int, demand: int, hits
         if seq.status is Status.RUNNING
         and is_settled(state, seq)
         and seq.outputs
-        and seq.num_computed >= seq.prefill_target
+        and seq.num_computed + seq.catch_up >= seq.prefill_target
         and len(seq.outputs) >= seq.immune_until
     ]
     if sum(len(seq.block_ids) for seq in candidates) + pool.capacity(hits) - pool.num_free < short:

@@ -46,7 +46,8 @@ def take_off_device(state: CoreState, ctx: TickContext, victim: Seq) -> None:
     """Swap a running sequence out if a spill store exists, else requeue it (``preempt`` checks it is settled).
 
     Swapping keeps its KV: ``SpillOut`` copies the blocks out before any later command can reuse them, since
-    the executor runs commands in order. Requeueing drops the KV (after offering its full blocks to the prefix
+    the executor runs commands in order; outputs still without KV (``catch_up``) stay so, and are written after the
+    swap-in. Requeueing drops the KV (after offering its full blocks to the prefix
     cache) and re-prefills the history on resume. A sequence still prefilling is always requeued: there is
     little KV to save.
     """
@@ -54,7 +55,7 @@ def take_off_device(state: CoreState, ctx: TickContext, victim: Seq) -> None:
     ctx.lane_broken = True
     # A new list, not ``remove``: ``plan_step`` may be iterating the old one (it skips the victim by status).
     state.running = [seq for seq in state.running if seq is not victim]
-    decoding = victim.num_computed >= victim.prefill_target and victim.outputs
+    decoding = victim.num_computed + victim.catch_up >= victim.prefill_target and victim.outputs
     if state.config.spill_enabled and decoding:
         ctx.commands.append(Preempted(victim.request_id, "swap"))
         ctx.commands.append(SpillOut(victim.request_id, list(victim.block_ids), victim.kv_settled))
@@ -68,10 +69,10 @@ def take_off_device(state: CoreState, ctx: TickContext, victim: Seq) -> None:
         cache_full_blocks(state, victim, victim.kv_settled)
         change_status(victim, StatusEvent.REQUEUE, Status.PREEMPTED)
         state.preempted.append(victim)
+        victim.catch_up = 0  # the whole history is prefilled again on resume
     release_blocks(state, ctx, victim)
     victim.num_computed = 0
     victim.kv_settled = 0
-    victim.catch_up = 0  # a requeued history is prefilled whole; a swapped one kept its settled KV
     victim.first_planned = False
     victim.reserve = 0
 
