@@ -140,7 +140,7 @@ class StepModel:
         if self.source in ("latency", "none"):
             what = "no measured step times" if self.source == "latency" else "no steps"
             return f"the log has {what}: every step takes {self.per_step_ns / 1e3:.1f} µs"
-        where = "the log's" if self.source == "log" else f"the calibration profile's ({self.profile_path})"
+        where = "the log's" if self.source == "log" else f"the calibration profile's ({self.profile_path or 'unsaved'})"
         return (f"step time = {self.per_step_ns / 1e3:.1f} µs + {self.per_prefill_token_ns / 1e3:.3f} µs·prefill "
                 f"tokens + {self.per_decode_row_ns / 1e3:.3f} µs·decode rows + {self.per_context_ns:.3f} ns·context "
                 f"read (non-negative least squares on {where} {self.samples} steps, mean absolute error "
@@ -176,19 +176,39 @@ def fit_step_model(samples: Sequence[StepSample], source: Source = "log",
     seen = [s.latency_ns - s.step_time_ns for s in measured if s.latency_ns > 0]
     overhead = max(0.0, float(statistics.median(seen))) if seen else 0.0
     coef = nnls([s.shape.features() for s in measured], [float(s.step_time_ns) for s in measured])
-    model = StepModel(*(round(c, 3) + 0.0 for c in coef), overhead_ns=overhead, source=source,  # type: ignore[arg-type]
+    per_step, per_prefill, per_decode, per_context = (round(c, 3) + 0.0 for c in coef)  # + 0.0: no -0.0
+    model = StepModel(per_step, per_prefill, per_decode, per_context, overhead_ns=overhead, source=source,
                       samples=len(measured),
                       bounds=tuple((min(s.shape[d] for s in measured), max(s.shape[d] for s in measured))
                                   for d in range(len(DIMENSIONS))))
     error = sum(abs(model.device_time(s.shape) - s.step_time_ns) for s in measured) / len(measured)
-    # The residuals as the core saw them (its latency against the modelled time, overhead included) when the log
-    # has them, else the device's own.
+    return dataclasses.replace(model, mean_abs_error_ns=error, ratios=residual_ratios(model, measured))
+
+
+def residual_ratios(model: StepModel, samples: Sequence[StepSample]) -> tuple[float, ...]:
+    """The samples' measured / modelled times, sorted (at most ``MAX_RATIOS``, evenly picked): as the core saw them
+    (its latency against the modelled time, overhead included) where a sample has a latency, else the device's."""
     ratios = sorted((s.latency_ns if s.latency_ns > 0 else s.step_time_ns)
-                    / max(1.0, model.device_time(s.shape) + (overhead if s.latency_ns > 0 else 0.0))
-                    for s in measured)
+                    / max(1.0, model.device_time(s.shape) + (model.overhead_ns if s.latency_ns > 0 else 0.0))
+                    for s in samples if s.step_time_ns > 0)
     if len(ratios) > MAX_RATIOS:
         ratios = [ratios[round(i * (len(ratios) - 1) / (MAX_RATIOS - 1))] for i in range(MAX_RATIOS)]
-    return dataclasses.replace(model, mean_abs_error_ns=error, ratios=tuple(ratios))
+    return tuple(ratios)
+
+
+def rescaled(model: StepModel, samples: Sequence[StepSample]) -> tuple[StepModel, float]:
+    """``model`` (a profile's) with every cost scaled by the median of ``samples``' measured / modelled device
+    times, and its residual ratios taken from them: the profile's shape, at the speed the log ran at. Returns the
+    model and the scale (1.0, and the model as it is, without measured samples)."""
+    measured = [s for s in samples if s.step_time_ns > 0]
+    if not measured:
+        return model, 1.0
+    scale = float(statistics.median(s.step_time_ns / max(1.0, model.device_time(s.shape)) for s in measured))
+    out = dataclasses.replace(model, per_step_ns=model.per_step_ns * scale,
+                              per_prefill_token_ns=model.per_prefill_token_ns * scale,
+                              per_decode_row_ns=model.per_decode_row_ns * scale,
+                              per_context_ns=model.per_context_ns * scale)
+    return dataclasses.replace(out, ratios=residual_ratios(out, measured)), scale
 
 
 def nnls(x: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:

@@ -2,10 +2,11 @@
 
 ``log_model`` is the model a log gives by itself: the stub's exact clock for a stub log, else the fit of the log's
 measured steps (``replay/step_model.py``). ``stored_profile`` is the calibration profile of the log's model and
-setting on this machine, if ``tickloom bench calibrate`` stored one. ``choose`` picks between them once the what-if
-has run on the log's model: the log's own fit when its steps span the what-if's (at most ``SPAN_TOLERANCE`` of
-the what-if's steps outside its range), otherwise the profile when it covers more of them. The reason is kept in
-``StepModel.why`` and printed.
+setting, if ``tickloom bench calibrate`` stored one, scaled to the speed the log's steps ran at. ``choose`` picks
+between them once the what-if has run on the log's model: the log's own fit when its steps span the what-if's
+(``coverage``: at least ``SPAN`` of the what-if's steps fall in a cell of shapes where the log has steps of its
+own; a range alone is not enough, as a log whose steps all have four rows says little about one row, though one
+row lies in its range), otherwise the profile. The reason is kept in ``StepModel.why`` and printed.
 
 ``Extrapolation`` counts the what-if's steps outside the chosen model's range, per dimension: their times are the
 model's guess, and the output says so.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Protocol
@@ -32,12 +34,18 @@ from tickloom.replay.step_model import (
     StepShape,
     fit_step_model,
     load_profile,
+    rescaled,
     stub_model,
 )
 
 ModelChoice = Literal["auto", "log", "calibration"]
 DRAWS = 8
-SPAN_TOLERANCE = 0.05
+SPAN = 0.9
+"""The log's own fit is kept when at least this share of the what-if's steps is covered by the log's steps."""
+COVER_SAMPLES = 3
+MARGINAL = 0.02
+"""A what-if with at most this share of its steps outside its model's range is not marked as an extrapolation
+(the few are still counted in a note): a run that moves a little can step just past the edge."""
 MIN_LOG_SAMPLES = 8
 """Fewer measured steps than this do not make a fit the what-if prefers over a profile."""
 
@@ -105,15 +113,33 @@ def log_model(setting: LogSetting, samples: list[StepSample], latencies: list[in
     return dataclasses.replace(model, why="fitted on the log's own steps")
 
 
-def stored_profile(setting: LogSetting, overhead_ns: float) -> StepModel | None:
-    """The calibration profile's model for the log's model and setting (with the log's overhead), or None."""
+def stored_profile(setting: LogSetting, samples: list[StepSample], overhead_ns: float) -> StepModel | None:
+    """The calibration profile's model for the log's model and setting, scaled to the log's measured ``samples``
+    (``step_model.rescaled``) and with the log's overhead; None without a profile."""
     if setting.is_stub or not setting.fingerprint:
         return None
     found = load_profile(setting.fingerprint, setting.device, setting.dtype, setting.threads)
     if found is None:
         return None
     profile, path = found
-    return dataclasses.replace(profile.fit(path), overhead_ns=overhead_ns)
+    model, scale = rescaled(dataclasses.replace(profile.fit(path), overhead_ns=overhead_ns), samples)
+    return dataclasses.replace(model, why=f"scaled by {scale:.2f}, the median of the log's measured / profiled "
+                                          "step times")
+
+
+def shape_bin(shape: StepShape) -> tuple[int, int, int]:
+    """A shape's cell for ``coverage``: decode rows by half octaves, prefill tokens and context by octaves."""
+    def octave(x: int, per: int) -> int:
+        return 0 if x <= 0 else 1 + int(per * math.log2(x))
+    return (octave(shape.prefill_tokens, 1), octave(shape.decode_rows, 2), octave(shape.context, 1))
+
+
+def coverage(samples: Iterable[StepSample], steps: Iterable[RunStep]) -> float:
+    """The fraction of ``steps`` whose ``shape_bin`` holds at least ``COVER_SAMPLES`` of the log's measured
+    ``samples``: how much of the what-if the log's own steps can speak for (1.0 for no step)."""
+    seen = Counter(shape_bin(s.shape) for s in samples if s.step_time_ns > 0)
+    bins = [shape_bin(StepShape.of(step)) for step in steps]
+    return sum(seen[b] >= COVER_SAMPLES for b in bins) / len(bins) if bins else 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,8 +165,16 @@ class Extrapolation:
     def fraction(self) -> float:
         return self.outside / self.steps if self.steps else 0.0
 
+    @property
+    def marked(self) -> bool:
+        """Whether the prediction is an extrapolation: more than ``MARGINAL`` of its steps outside the range."""
+        return self.fraction > MARGINAL
+
     def describe(self, model: StepModel) -> str:
         dims = ", ".join(f"{d.replace('_', ' ')}: {n}" for d, n in self.by_dimension.items())
+        if not self.marked:
+            return (f"{self.outside} of the what-if's {self.steps} steps ({self.fraction:.0%}) lie just outside the "
+                    f"step model's range ({model.describe_range()}): too few to mark the prediction")
         return (f"EXTRAPOLATION: {self.outside} of the what-if's {self.steps} steps ({self.fraction:.0%}) lie outside "
                 f"the range the step model is valid for ({model.describe_range()}; outside in {dims}): their "
                 f"times, and the figures that depend on them, are a guess")
@@ -149,58 +183,43 @@ class Extrapolation:
         return {"steps": self.steps, "outside": self.outside, "by_dimension": self.by_dimension}
 
 
-def choose(fitted: StepModel, profile: StepModel | None, on_fitted: Extrapolation,
-           on_profile: Extrapolation | None) -> StepModel:
-    """The model the what-if keeps, with its reason (``fitted`` was run first; ``on_*``: each one's extrapolation
-    over the what-if's steps)."""
+def choose(fitted: StepModel, profile: StepModel | None, covered: float) -> StepModel:
+    """The model the what-if keeps, with its reason: ``fitted`` (the log's own) when the log's steps cover at least
+    ``SPAN`` of the what-if's (``coverage``), else ``profile`` when there is one."""
     if fitted.source == "stub":
         return fitted
-    if fitted.source == "log" and fitted.samples >= MIN_LOG_SAMPLES and on_fitted.fraction <= SPAN_TOLERANCE:
-        return dataclasses.replace(fitted, why=f"fitted on the log's own steps, which span "
-                                               f"{1 - on_fitted.fraction:.0%} of the what-if's steps")
-    if profile is None or on_profile is None:
+    share = f"{covered:.0%} of the what-if's steps have {COVER_SAMPLES} or more of the log's steps of their shape"
+    if fitted.source == "log" and fitted.samples >= MIN_LOG_SAMPLES and covered >= SPAN:
+        return dataclasses.replace(fitted, why=f"fitted on the log's own steps: {share}")
+    if profile is None:
         missing = "no calibration profile is stored for this model and setting (`tickloom bench calibrate` makes one)"
         if fitted.source != "log":
-            return dataclasses.replace(fitted, why=f"the log has no measured step times and {missing}")
-        return dataclasses.replace(fitted, why=f"fitted on the log's own steps ({fitted.samples}), which span "
-                                               f"{1 - on_fitted.fraction:.0%} of the what-if's steps; {missing}")
+            return dataclasses.replace(fitted, why=f"the log has no measured step times, and {missing}")
+        return dataclasses.replace(fitted, why=f"fitted on the log's own {fitted.samples} steps, though only {share}; "
+                                               f"{missing}")
     if fitted.source != "log":
-        return dataclasses.replace(profile, why="the log has no measured step times: the calibration profile")
-    if fitted.samples < MIN_LOG_SAMPLES:
-        return dataclasses.replace(profile, why=f"the log has only {fitted.samples} measured steps: the "
-                                                "calibration profile")
-    if on_profile.outside < on_fitted.outside:
-        return dataclasses.replace(profile, why=f"the log's steps ({fitted.describe_range()}) leave "
-                                                f"{on_fitted.fraction:.0%} of the what-if's outside; the calibration "
-                                                f"profile leaves {on_profile.fraction:.0%}")
-    return dataclasses.replace(fitted, why=f"fitted on the log's own steps: the calibration profile covers no more "
-                                           f"of the what-if's ({on_profile.fraction:.0%} outside it)")
+        return dataclasses.replace(profile, why="the calibration profile: the log has no measured step times")
+    return dataclasses.replace(profile, why=f"the calibration profile, {profile.why}: only {share}")
 
 
 def run_on_chosen_model(simulate: Callable[[StepClock], Simulator], setting: LogSetting, fitted: StepModel,
-                        choice: ModelChoice) -> tuple[Simulator, StepModel, Extrapolation]:
-    """The modelled run (``simulate``) on the model ``choice`` names (``auto``: ``choose``'s, running on the
-    profile too only when the log's own model does not settle it), that model, and the run's extrapolation on it.
-    ``calibration`` without a stored profile raises ``ValueError``."""
-    profile = None if choice == "log" else stored_profile(setting, fitted.overhead_ns)
+                        samples: list[StepSample], choice: ModelChoice) -> tuple[Simulator, StepModel, Extrapolation]:
+    """The modelled run (``simulate``) on the model ``choice`` names (``auto``: ``choose``'s; the run on the log's
+    own model comes first, and tells how much of the what-if the log covers), that model, and the run's
+    extrapolation on it. ``calibration`` without a stored profile raises ``ValueError``."""
+    profile = None if choice == "log" else stored_profile(setting, samples, fitted.overhead_ns)
     if choice == "calibration":
         if profile is None:
             raise ValueError("no calibration profile is stored for this log's model and setting "
                              "(`tickloom bench calibrate` makes one)")
-        profile = dataclasses.replace(profile, why="asked for (--step-model calibration)")
+        profile = dataclasses.replace(profile, why=f"asked for (--step-model calibration), {profile.why}")
         sim = simulate(profile)
         return sim, profile, Extrapolation.of(profile, _steps(sim))
     sim = simulate(fitted)
-    on_fitted = Extrapolation.of(fitted, _steps(sim))
-    settled = fitted.source == "log" and on_fitted.fraction <= SPAN_TOLERANCE and fitted.samples >= MIN_LOG_SAMPLES
-    if profile is None or fitted.source == "stub" or settled:
-        return sim, choose(fitted, None, on_fitted, None), on_fitted
-    other = simulate(profile)
-    on_profile = Extrapolation.of(profile, _steps(other))
-    model = choose(fitted, profile, on_fitted, on_profile)
+    model = choose(fitted, profile, coverage(samples, _steps(sim)))
     if model.source == "calibration":
-        return other, model, on_profile
-    return sim, model, on_fitted
+        sim = simulate(model)
+    return sim, model, Extrapolation.of(model, _steps(sim))
 
 
 def _steps(sim: Simulator) -> list[RunStep]:

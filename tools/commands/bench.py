@@ -28,6 +28,7 @@ BENCHES: dict[str, str] = {
     "engine": "tickloom.tools.bench.engine",
     "serve": "tickloom.tools.bench.serve",
     "fleet": "tickloom.tools.bench.fleet",
+    "calibrate": "tickloom.tools.bench.calibrate",
 }
 """Benchmark name -> module (imported when the parser is built). ``model`` is in ``ROW_BENCHES``."""
 

@@ -1,8 +1,12 @@
 """``tickloom whatif LOG --set KEY=VALUE ...``: re-simulate a log's requests under another core configuration and
 compare the original run with the what-if side by side (``replay/whatif.py`` says how).
 
+With ``--validate`` the log's arrivals are also re-run for real under the changed configuration, and the prediction
+is printed against the measurement (``tools/commands/_whatif_validate.py``).
+
 Exit status: 0 done; 1 a what-if with the log's own configuration did not reproduce the log's decisions; 2 the
-log cannot be read; 64 usage errors (an unknown ``--set`` key, a bad value, a configuration the core rejects).
+log cannot be read; 64 usage errors (an unknown ``--set`` key, a bad value, a configuration the core rejects, a
+``--validate`` the log cannot be re-run for, ``--step-model calibration`` without a stored profile).
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a core configuration field to change (repeatable), e.g. num_blocks=512")
     parser.add_argument("--modelled", action="store_true",
                         help="model step times even when the configuration is the log's own (to judge the model)")
+    parser.add_argument("--step-model", choices=("auto", "log", "calibration"), default="auto",
+                        help="the step-time model: the log's own fit, the stored calibration profile "
+                             "(`tickloom bench calibrate`), or auto: the log's when its steps span the what-if's")
+    parser.add_argument("--validate", action="store_true",
+                        help="also re-run the log's arrivals for real under the changed configuration (the log's "
+                             "model, or the stub) and print predicted against measured")
     parser.add_argument("--plot", metavar="PNG", help="also plot both runs' latency distributions to PNG")
     parser.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
 
@@ -123,11 +133,28 @@ def run(args: argparse.Namespace) -> int:
         config = apply_overrides(logged.config, args.sets)
     except OverrideError as exc:
         raise CliError(str(exc)) from exc
-    result = whatif(args.log, config, modelled=args.modelled, run=logged)
+    try:
+        result = whatif(args.log, config, modelled=args.modelled, run=logged, step_model=args.step_model)
+    except ValueError as exc:  # --step-model calibration without a profile
+        raise CliError(f"--step-model: {exc}") from exc
+    report = None
+    if args.validate:
+        from tickloom.tools.commands._whatif_validate import ValidateError, validate
+
+        try:
+            report = validate(args.log, result, logged)
+        except ValidateError as exc:
+            raise CliError(str(exc)) from exc
     if args.json:
-        print(json.dumps(result.to_json()))
+        out = result.to_json()
+        if report is not None:
+            out["validate"] = report.to_json()
+        print(json.dumps(out))
     else:
         print(format_table(result))
+        if report is not None:
+            print()
+            print(report.format_text())
     if args.plot:
         write_plot(result, args.plot)
         if not args.json:
@@ -178,14 +205,33 @@ def format_table(result: WhatIfResult) -> str:
     for reason in reasons:
         original[f"finished: {reason}"] = str(result.original.finish_reasons.get(reason, 0))
         whatif[f"finished: {reason}"] = str(result.whatif.finish_reasons.get(reason, 0))
+    spread = _intervals(result)
     width = max(len(k) for k in original)
-    lines.append(f"{'':<{width}}  {'original':>12}  {'what-if':>12}")
-    lines += [f"{k:<{width}}  {v:>12}  {whatif[k]:>12}" for k, v in original.items()]
+    lines.append(f"{'':<{width}}  {'original':>12}  {'what-if':>12}" + (f"  {'interval':>19}" if spread else ""))
+    lines += [f"{k:<{width}}  {v:>12}  {whatif[k]:>12}" + (f"  {spread.get(k, ''):>19}" if spread else "")
+              for k, v in original.items()]
+    if result.mode == "modelled":
+        m = result.model
+        lines += ["", f"step model: {m.source} ({m.why}); valid for {m.describe_range()}"]
+        ext = result.extrapolation
+        if ext is not None and result.extrapolated:
+            lines.append(f"EXTRAPOLATED: {ext.outside} of the what-if's {ext.steps} steps ({ext.fraction:.0%}) lie "
+                         "outside that range: the figures above are a guess")
     oracle = sum(result.oracle_tokens.values())
     lines += ["", "tokens: every token the what-if's clients received is the log's" if not oracle else
               f"tokens: {oracle} tokens the log never had came from the oracle"]
     lines += [f"note: {note}" for note in result.notes]
     return "\n".join(lines)
+
+
+def _intervals(result: WhatIfResult) -> dict[str, str]:
+    """Table row -> its interval's text, for the figures that have one."""
+    rows = {"throughput_tok_s": "throughput (tok/s)", "duration_s": "duration (s)",
+            **{f"{what}_ms_p{q}": f"{label} p{q} (ms)" for what, label in (("ttft", "TTFT"), ("itl", "inter-token"))
+               for q in (50, 90, 99)}}
+    digits = {"throughput_tok_s": 1}
+    return {rows[k]: f"{lo:.{digits.get(k, 3)}f}-{hi:.{digits.get(k, 3)}f}" for k, (lo, hi) in
+            result.intervals.items() if k in rows}
 
 
 # -- the plot -------------------------------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""``tickloom bench calibrate``: measure a model's step-time surface on this machine, once, for ``tickloom whatif``.
+
+The model is loaded as the engine loads it (``--model``, ``--dtype``, ``--quant``, ``--device``, ``--threads``), and
+its executor runs steps of chosen shapes directly, timed as the engine's device times a step (``perf_counter_ns``
+around ``run_step``): decode steps of each ``--batch-sizes`` rows at each ``--contexts`` position, and prefill steps
+of one row of each ``--prefill`` tokens (from position 0, and again after each context). Each shape is run
+``--repeat`` times after a warm-up; every run is a sample.
+
+The profile (``replay.step_model.Profile``) is stored beside the models in the cache, under the model's weight
+fingerprint and its device, dtype and thread count, exactly as an engine log's header names them
+(``replay.step_model.profile_path``). ``tickloom whatif`` fits its step model on it when a log's own steps do not
+span the what-if's. The command prints the fitted model, its range and its mean absolute error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from typing import Any
+
+HELP = "measure the model's step times over a grid of shapes and store the profile whatif uses"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="the model (as --model of generate; not the stub)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--quant", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="N")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[16, 128, 384], metavar="N",
+                        help="the decode rows' positions (the context each reads)")
+    parser.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 192], metavar="N",
+                        help="the prefill chunks' lengths")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per shape, each a sample (default 3)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-save", action="store_true", help="measure and print, store nothing")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tickloom.engine.model.executor import ModelExecutor
+    from tickloom.engine.model.loaders import load_model
+    from tickloom.engine.model.tables import step_of
+    from tickloom.events import SamplingSpec
+    from tickloom.events.commands import BindRequest
+    from tickloom.replay.step_model import Profile, StepSample, StepShape, save_profile
+    from tickloom.tools.cli import CliError
+    from tickloom.tools.progress import progress_note
+
+    if args.model == "stub":
+        raise CliError("the stub's step time is fixed (stub_step_time): there is nothing to calibrate")
+    if min(args.batch_sizes + args.contexts + args.prefill + [args.repeat, args.block_size]) < 1:
+        raise CliError("--batch-sizes, --contexts, --prefill, --repeat and --block-size take numbers >= 1")
+    loaded = load_model(args.model, args.dtype, args.device, args.threads, args.quant)
+    max_len = max(args.contexts) + max(args.prefill) + 1
+    per_row = -(-max_len // args.block_size)
+    rows = max(args.batch_sizes)
+    ex = ModelExecutor(loaded.model, rows * per_row + 1, args.block_size)
+    spec = SamplingSpec(temperature=0.0)
+    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
+    samples: list[StepSample] = []
+    step_id = 0
+
+    def timed(ids: list[str], positions: list[int], counts: list[int]) -> None:
+        nonlocal step_id
+        for i, (rid, p) in enumerate(zip(ids, positions, strict=True)):
+            # bound afresh with exactly the p tokens before the row, so that the row runs whole (LM head and
+            # sampler included) as a first run of that position does
+            ex.release(rid)
+            ex.bind(BindRequest(rid, spec, i, p + counts[i], [], [7] * p))
+        tokens = [7] * sum(counts)
+        step = step_of(ids, positions, counts, tokens, [0] * len(ids), [0] * len(ids), [per_row] * len(ids),
+                       [b for i in range(len(ids)) for b in tables[i]], step_id=step_id)
+        step_id += 1
+        start = time.perf_counter_ns()
+        ex.run_step(step)
+        samples.append(StepSample(StepShape.of(step), time.perf_counter_ns() - start))
+
+    timed(["c0"], [0], [min(args.prefill)])  # warm-up, not kept
+    samples.clear()
+    for context in sorted(args.contexts):
+        for batch in sorted(args.batch_sizes):
+            progress_note(f"decode: {batch} rows at position {context}")
+            ids = [f"c{i}" for i in range(batch)]
+            for _ in range(args.repeat):
+                timed(ids, [context] * batch, [1] * batch)
+    for length in sorted(args.prefill):
+        for start in (0, *sorted(args.contexts)):
+            progress_note(f"prefill: {length} tokens from position {start}")
+            for _ in range(args.repeat):
+                timed(["c0"], [start], [length])
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    if loaded.model.quant != "none":  # as the engine's log header names it
+        dtype = f"{dtype}+{loaded.model.quant}"
+    profile = Profile(str(args.model), loaded.fingerprint, str(loaded.model.device), dtype, torch.get_num_threads(),
+                      f"{_cpu_name()}, {platform.node()}", tuple(samples))
+    path = None if args.no_save else save_profile(profile)
+    model = profile.fit(path)
+    summary: dict[str, Any] = {"model": args.model, "fingerprint": loaded.fingerprint, "device": profile.device,
+                               "dtype": dtype, "threads": profile.threads, "samples": len(samples),
+                               "step_model": model.to_json(), "profile": None if path is None else str(path)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"calibrated {args.model} ({profile.device}, {dtype}, {profile.threads} threads): {len(samples)} "
+              f"steps")
+        print(f"  {model.describe()}")
+        print(f"  stored: {path}" if path is not None else "  not stored (--no-save)")
+    return 0
