@@ -39,6 +39,10 @@ class OnlyTheProtocol:
         return tokenizer
 
     @property
+    def max_seq_len(self) -> int:
+        return self._engine.max_seq_len
+
+    @property
     def failure(self) -> EngineError | None:
         return self._engine.failure
 
