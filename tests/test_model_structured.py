@@ -297,6 +297,9 @@ def test_the_compiled_grammar_cache_is_bounded(tok: TokenizerWrapper) -> None:
 def test_constraints_need_an_eos_inside_the_vocabulary(tok: TokenizerWrapper) -> None:
     with pytest.raises(ValueError, match="EOS"):
         Constraints(tok, tok.vocab_size, [tok.vocab_size + 5])
+    fallback = Constraints(tok, tok.vocab_size, [])  # none given: the tokenizer's
+    assert fallback.eos_token_ids == tok.eos_token_ids
+    fallback.close()
 
 
 # -- the JSON-schema suite --------------------------------------------------------------------------------------

@@ -200,10 +200,14 @@ class Constraints:
 
     def __init__(self, tokenizer: TokenizerWrapper, vocab_size: int, eos_token_ids: Sequence[int],
                  limits: ConstraintLimits = ConstraintLimits()) -> None:
-        eos = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]
+        """``vocab_size`` is the model's (its logits' width): ids past the tokenizer's are never allowed.
+        ``eos_token_ids`` end a constrained output (the tokenizer's when empty); the first is the one ``forced``
+        appends."""
+        given = list(eos_token_ids) or list(tokenizer.eos_token_ids)  # the model's, else the tokenizer's
+        eos = [int(t) for t in given if 0 <= int(t) < vocab_size]
         if not eos:
             raise ValueError(f"structured outputs need an EOS token id below the vocabulary's size {vocab_size} "
-                             f"(got {list(eos_token_ids)})")
+                             f"(got {given})")
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos)
         self.limits = limits
@@ -237,8 +241,10 @@ class Constraints:
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
-            matcher = self._compile(spec)
-            self._cache[key] = matcher
+        matcher = self._compile(spec)  # outside the lock: a check at submit never holds up the executor's binds
+        with self._cache_lock:
+            matcher = self._cache.setdefault(key, matcher)
+            self._cache.move_to_end(key)
             while len(self._cache) > self.limits.max_cached:
                 self._cache.popitem(last=False)
             return matcher
