@@ -3,14 +3,16 @@
 A step's device time is modelled as
 
     time = per_step + per_prefill_token·prefill tokens + per_decode_row·decode rows + per_context·context read
+           + per_prefill_chunk·prefill chunks
 
-(``StepShape``): a fixed share per step (the host's Python, the launch, the LM head's fixed part), the prompt tokens
-a step prefills, the decode rows it samples, and the attention's reads (each new token reads every earlier position
-of its sequence, so a row of n tokens from position p reads n·p + n(n+1)/2 key positions). Every cost is at least 0
-(``fit_step_model`` is a non-negative least squares: the best fit over the subsets of terms whose own least squares
-comes out non-negative, exact for four terms). A plain least squares of ``a + b·tokens + c·rows`` on decode steps,
-where tokens and rows move together, came out with a negative cost per row and an intercept larger than a whole
-step, and predicted batch 1 slower per token than batch 3.
+(``StepShape``): a fixed share per step (the host's Python, the launch), the prompt tokens a step prefills, the
+decode rows it samples (each one a token through the layers and a row of the LM head), the attention's reads (each
+new token reads every earlier position of its sequence, so a row of n tokens from position p reads n·p + n(n+1)/2
+key positions), and the prefill chunks (rows of more than one token, which take the masked attention path). Every
+cost is at least 0 (``fit_step_model`` is a non-negative least squares: the best fit over the subsets of terms
+whose own least squares comes out non-negative, exact for five terms). A plain least squares of
+``a + b·tokens + c·rows`` on decode steps, where tokens and rows move together, came out with a negative cost per
+row and an intercept larger than a whole step, and predicted batch 1 slower per token than batch 3.
 
 The model knows where it is valid: ``StepModel.bounds`` is the box of shapes its samples covered, and ``outside``
 says which dimension a shape leaves it in. ``ratios`` are the samples' measured / predicted times, the residuals
@@ -44,7 +46,7 @@ from typing import Literal, NamedTuple
 from tickloom.events import RunStep
 
 Source = Literal["stub", "log", "calibration", "latency", "none"]
-TERMS = ("per_step", "per_prefill_token", "per_decode_row", "per_context")
+TERMS = ("per_step", "per_prefill_token", "per_decode_row", "per_context", "per_prefill_chunk")
 """The model's terms, in the order of ``StepShape.features``."""
 DIMENSIONS = ("prefill_tokens", "decode_rows", "context")
 """A shape's dimensions, each checked against the range the model was fitted on."""
@@ -61,20 +63,28 @@ class StepShape(NamedTuple):
     decode_rows: int
     context: int
     """Key positions the step's attention reads, over all its tokens."""
+    prefill_chunks: int = 0
+    """Rows of more than one token."""
 
     @classmethod
     def of(cls, step: RunStep) -> StepShape:
-        prefill = decode = context = 0
+        prefill = decode = context = chunks = 0
         for n, p in zip(step.num_tokens, step.positions, strict=True):
             if n == 1:
                 decode += 1
             else:
                 prefill += n
+                chunks += 1
             context += n * p + n * (n + 1) // 2
-        return cls(prefill, decode, context)
+        return cls(prefill, decode, context, chunks)
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context))
+    def features(self) -> tuple[float, ...]:
+        return (1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context),
+                float(self.prefill_chunks))
+
+    def dimensions(self) -> tuple[int, int, int]:
+        """The values ``DIMENSIONS`` names."""
+        return (self.prefill_tokens, self.decode_rows, self.context)
 
 
 class StepSample(NamedTuple):
@@ -94,6 +104,7 @@ class StepModel:
     per_prefill_token_ns: float = 0.0
     per_decode_row_ns: float = 0.0
     per_context_ns: float = 0.0
+    per_prefill_chunk_ns: float = 0.0
     overhead_ns: float = 0.0
     """The median of what the core waited beyond a step's measured time (result delivery, the tick)."""
     source: Source = "none"
@@ -108,8 +119,9 @@ class StepModel:
     profile_path: str | None = None
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        return (self.per_step_ns, self.per_prefill_token_ns, self.per_decode_row_ns, self.per_context_ns)
+    def coefficients(self) -> tuple[float, ...]:
+        return (self.per_step_ns, self.per_prefill_token_ns, self.per_decode_row_ns, self.per_context_ns,
+                self.per_prefill_chunk_ns)
 
     def device_time(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coefficients, shape.features(), strict=True))
@@ -124,7 +136,7 @@ class StepModel:
         """The dimensions in which ``shape`` leaves the fitted range (beyond ``SLACK``)."""
         if self.bounds is None:
             return ()
-        return tuple(name for name, value, (lo, hi) in zip(DIMENSIONS, shape, self.bounds, strict=True)
+        return tuple(name for name, value, (lo, hi) in zip(DIMENSIONS, shape.dimensions(), self.bounds, strict=True)
                      if value > hi * (1 + SLACK) or value < lo * (1 - SLACK))
 
     def describe_range(self) -> str:
@@ -143,13 +155,15 @@ class StepModel:
         where = "the log's" if self.source == "log" else f"the calibration profile's ({self.profile_path or 'unsaved'})"
         return (f"step time = {self.per_step_ns / 1e3:.1f} µs + {self.per_prefill_token_ns / 1e3:.3f} µs·prefill "
                 f"tokens + {self.per_decode_row_ns / 1e3:.3f} µs·decode rows + {self.per_context_ns:.3f} ns·context "
-                f"read (non-negative least squares on {where} {self.samples} steps, mean absolute error "
-                f"{self.mean_abs_error_ns / 1e3:.1f} µs; valid for {self.describe_range()}){overhead}")
+                f"read + {self.per_prefill_chunk_ns / 1e3:.1f} µs·prefill chunks (non-negative least squares on "
+                f"{where} {self.samples} steps, mean absolute error {self.mean_abs_error_ns / 1e3:.1f} µs; valid for "
+                f"{self.describe_range()}){overhead}")
 
     def to_json(self) -> dict[str, object]:
         return {"source": self.source, "why": self.why, "per_step_ns": self.per_step_ns,
                 "per_prefill_token_ns": self.per_prefill_token_ns, "per_decode_row_ns": self.per_decode_row_ns,
-                "per_context_ns": self.per_context_ns, "overhead_ns": self.overhead_ns, "samples": self.samples,
+                "per_context_ns": self.per_context_ns, "per_prefill_chunk_ns": self.per_prefill_chunk_ns,
+                "overhead_ns": self.overhead_ns, "samples": self.samples,
                 "mean_abs_error_ns": self.mean_abs_error_ns,
                 "valid_for": None if self.bounds is None else {n: list(r) for n, r in zip(DIMENSIONS, self.bounds,
                                                                                          strict=True)},
@@ -176,11 +190,11 @@ def fit_step_model(samples: Sequence[StepSample], source: Source = "log",
     seen = [s.latency_ns - s.step_time_ns for s in measured if s.latency_ns > 0]
     overhead = max(0.0, float(statistics.median(seen))) if seen else 0.0
     coef = nnls([s.shape.features() for s in measured], [float(s.step_time_ns) for s in measured])
-    per_step, per_prefill, per_decode, per_context = (round(c, 3) + 0.0 for c in coef)  # + 0.0: no -0.0
-    model = StepModel(per_step, per_prefill, per_decode, per_context, overhead_ns=overhead, source=source,
+    per_step, per_prefill, per_decode, per_context, per_chunk = (round(c, 3) + 0.0 for c in coef)  # no -0.0
+    model = StepModel(per_step, per_prefill, per_decode, per_context, per_chunk, overhead_ns=overhead, source=source,
                       samples=len(measured),
-                      bounds=tuple((min(s.shape[d] for s in measured), max(s.shape[d] for s in measured))
-                                  for d in range(len(DIMENSIONS))))
+                      bounds=tuple((min(s.shape.dimensions()[d] for s in measured),
+                                    max(s.shape.dimensions()[d] for s in measured)) for d in range(len(DIMENSIONS))))
     error = sum(abs(model.device_time(s.shape) - s.step_time_ns) for s in measured) / len(measured)
     return dataclasses.replace(model, mean_abs_error_ns=error, ratios=residual_ratios(model, measured))
 
@@ -207,7 +221,8 @@ def rescaled(model: StepModel, samples: Sequence[StepSample]) -> tuple[StepModel
     out = dataclasses.replace(model, per_step_ns=model.per_step_ns * scale,
                               per_prefill_token_ns=model.per_prefill_token_ns * scale,
                               per_decode_row_ns=model.per_decode_row_ns * scale,
-                              per_context_ns=model.per_context_ns * scale)
+                              per_context_ns=model.per_context_ns * scale,
+                              per_prefill_chunk_ns=model.per_prefill_chunk_ns * scale)
     return dataclasses.replace(out, ratios=residual_ratios(out, measured)), scale
 
 
@@ -215,8 +230,8 @@ def nnls(x: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
     """The least squares solution of ``x·c = y`` with every ``c >= 0``.
 
     The constrained optimum is the unconstrained least squares on some subset of the columns (its support), and
-    it is non-negative there; so the best non-negative solution over all subsets is the optimum. With four columns
-    that is 15 small solves of the normal equations (built once)."""
+    it is non-negative there; so the best non-negative solution over all subsets is the optimum. With five columns
+    that is 31 small solves of the normal equations (built once)."""
     n = len(x[0])
     gram = [[sum(row[i] * row[j] for row in x) for j in range(n)] for i in range(n)]
     moment = [sum(row[i] * v for row, v in zip(x, y, strict=True)) for i in range(n)]
@@ -276,7 +291,7 @@ class Profile:
         return json.dumps({"version": PROFILE_VERSION, "model": self.model, "fingerprint": self.fingerprint,
                            "device": self.device, "dtype": self.dtype, "threads": self.threads,
                            "machine": self.machine,
-                           "samples": [[*s.shape, s.step_time_ns] for s in self.samples]}, indent=1)
+                           "samples": [[*s.shape, s.step_time_ns] for s in self.samples]})
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
@@ -285,7 +300,8 @@ class Profile:
         if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
             raise ValueError("not a tickloom calibration profile of version 1")
         try:
-            samples = tuple(StepSample(StepShape(int(p), int(d), int(c)), int(t)) for p, d, c, t in data["samples"])
+            samples = tuple(StepSample(StepShape(int(p), int(d), int(c), int(k)), int(t))
+                            for p, d, c, k, t in data["samples"])
             return cls(str(data["model"]), str(data["fingerprint"]), str(data["device"]), str(data["dtype"]),
                        int(data["threads"]), str(data["machine"]), samples)
         except (KeyError, TypeError, ValueError) as exc:

@@ -30,8 +30,8 @@ from tickloom.replay.whatif import read_log, whatif
 from tickloom.replay.whatif_measure import FIGURES
 from tickloom.tools.cli import EX_USAGE, main
 
-PHYSICS = (300_000.0, 2_000.0, 7_000.0, 10.0)
-"""per step, per prefill token, per decode row (ns), per position of context read (ns)."""
+PHYSICS = (300_000.0, 2_000.0, 7_000.0, 10.0, 50_000.0)
+"""per step, per prefill token, per decode row, per position of context read, per prefill chunk (ns)."""
 
 
 def physics_ns(shape: StepShape, scale: float = 1.0) -> int:
@@ -70,7 +70,8 @@ def store_profile(log: Path, scale: float) -> Path:
     with LogReader(log) as reader:
         h = reader.header
     shapes = [StepShape(0, rows, rows * (ctx + 1)) for rows in (1, 2, 4, 8, 16) for ctx in (8, 32)]
-    shapes += [StepShape(n, 0, n * start + n * (n + 1) // 2) for n in (4, 16, 32) for start in (0, 16)]
+    shapes += [StepShape(n, 0, n * start + n * (n + 1) // 2, 1) for n in (4, 16, 32) for start in (0, 16)]
+    shapes += [StepShape(2 * n, 0, 2 * (n * start + n * (n + 1) // 2), 2) for n in (4, 16) for start in (0, 16)]
     samples = tuple(StepSample(s, physics_ns(s, scale)) for s in shapes)
     return save_profile(Profile("physics", h.model_fingerprint, h.device, h.dtype, h.threads, "test", samples))
 
@@ -82,13 +83,14 @@ def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- the fit --------------------------------------------------------------------------------------------------
 def test_the_fit_recovers_the_physics() -> None:
-    shapes = [StepShape(p, d, c) for p, d, c in [(0, 1, 9), (0, 4, 60), (32, 0, 528), (16, 3, 400), (0, 8, 900),
-                                                 (64, 1, 2500), (0, 2, 30)]]
+    shapes = [StepShape(p, d, c, k) for p, d, c, k in [(0, 1, 9, 0), (0, 4, 60, 0), (32, 0, 528, 1), (16, 3, 400, 1),
+                                                       (0, 8, 900, 0), (64, 1, 2500, 2), (0, 2, 30, 0), (8, 0, 36, 1)]]
     model = fit_step_model([StepSample(s, physics_ns(s), physics_ns(s) + 500) for s in shapes])
     assert model.coefficients == PHYSICS and model.overhead_ns == 500
-    assert model.source == "log" and model.samples == 7 and model.mean_abs_error_ns < 1e-3
+    assert model.source == "log" and model.samples == 8 and model.mean_abs_error_ns < 1e-3
     assert model.bounds == ((0, 64), (0, 8), (9, 2500))
     assert model.time(StepShape(0, 2, 20)) == 300_000 + 14_000 + 200 + 500
+    assert model.time(StepShape(10, 0, 55, 1)) == 300_000 + 20_000 + 550 + 50_000 + 500
 
 
 def test_the_fit_never_goes_negative_where_plain_least_squares_does() -> None:
@@ -135,7 +137,7 @@ def test_a_shape_outside_the_range_is_named() -> None:
 
 
 def test_a_profile_round_trips_and_a_bad_one_is_named(tmp_path: Path) -> None:
-    samples = (StepSample(StepShape(0, 2, 20), 1234), StepSample(StepShape(8, 0, 36), 5678))
+    samples = (StepSample(StepShape(0, 2, 20), 1234), StepSample(StepShape(8, 0, 36, 1), 5678))
     path = save_profile(Profile("m", "fp", "cpu", "float32", 2, "box", samples))
     assert path.parent == tmp_path / "cache" / "calibration"
     loaded, where = load_profile("fp", "cpu", "float32", 2) or (None, None)

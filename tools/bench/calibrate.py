@@ -3,8 +3,9 @@
 The model is loaded as the engine loads it (``--model``, ``--dtype``, ``--quant``, ``--device``, ``--threads``), and
 its executor runs steps of chosen shapes directly, timed as the engine's device times a step (``perf_counter_ns``
 around ``run_step``): decode steps of each ``--batch-sizes`` rows at each ``--contexts`` position, and prefill steps
-of one row of each ``--prefill`` tokens (from position 0, and again after each context). Each shape is run
-``--repeat`` times after a warm-up; every run is a sample.
+of one row of each ``--prefill`` tokens (from position 0, and again after each context), and mixed steps (the
+fewest and the most decode rows, with a prefill chunk). Each shape is run ``--repeat`` times after a warm-up; every
+run is a sample.
 
 The profile (``replay.step_model.Profile``) is stored beside the models in the cache, under the model's weight
 fingerprint and its device, dtype and thread count, exactly as an engine log's header names them
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, args.dtype, args.device, args.threads, args.quant)
     max_len = max(args.contexts) + max(args.prefill) + 1
     per_row = -(-max_len // args.block_size)
-    rows = max(args.batch_sizes)
+    rows = max(args.batch_sizes) + 1
     ex = ModelExecutor(loaded.model, rows * per_row + 1, args.block_size)
     spec = SamplingSpec(temperature=0.0)
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
@@ -104,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
             progress_note(f"prefill: {length} tokens from position {start}")
             for _ in range(args.repeat):
                 timed(["c0"], [start], [length])
+        for batch in sorted({min(args.batch_sizes), max(args.batch_sizes)}):
+            progress_note(f"mixed: {batch} decode rows and {length} prefill tokens")
+            middle = sorted(args.contexts)[len(args.contexts) // 2]
+            for _ in range(args.repeat):
+                timed([f"c{i}" for i in range(batch + 1)], [middle] * batch + [0], [1] * batch + [length])
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     if loaded.model.quant != "none":  # as the engine's log header names it
         dtype = f"{dtype}+{loaded.model.quant}"
