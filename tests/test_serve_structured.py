@@ -317,11 +317,13 @@ async def test_litellm_json_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
     async with running(default_model(tmp_path / "j.tlog"), model_name=MODEL) as srv:
         def go(_: openai.OpenAI) -> Any:
+            ask = [{"role": "user", "content": 'What is the temperature in Paris? Answer as JSON, like '
+                                                '{"temperature": 12}.'}]
             return litellm.completion(model=f"openai/{MODEL}", api_base=f"{srv.url}/v1", api_key="unused",
-                                      messages=ASK, response_format={"type": "json_object"}, max_tokens=120,
+                                      messages=ask, response_format={"type": "json_object"}, max_tokens=200,
                                       temperature=0)
 
         r = await srv.call(go)
-    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
