@@ -127,9 +127,12 @@ def test_eos_only_where_the_constraint_may_end_and_alone_when_complete(cons: Con
 def test_a_token_the_grammar_refuses_leaves_only_eos_and_never_raises(cons: Constraints, tok: TokenizerWrapper) -> None:
     cons.bind("d", DIGITS)
     cons.bind("c", YES_NO)
+    cons.bind("p", PERSON)
     eos = set(cons.eos_token_ids)
-    rows = cons.start_masks([("d", enc(tok, "12x")), ("c", [tok.vocab_size + 3]), ("c", enc(tok, "no"))]).wait()
-    assert [allowed(r) == eos for r in rows] == [True, True, True]
+    rows = cons.start_masks([("d", enc(tok, "12x")), ("c", [tok.vocab_size + 3]), ("p", enc(tok, "{"))]).wait()
+    assert [allowed(r) == eos for r in rows] == [True, True, False]  # the broken rows, and only they, end
+    assert rows[2].equal(reference_mask(cons, PERSON, enc(tok, "{")))
+    assert allowed(mask(cons, "c", enc(tok, "no"))) == eos  # complete: EOS alone too
     assert mask(cons, "d", enc(tok, "1")).equal(reference_mask(cons, DIGITS, enc(tok, "1")))  # and it recovers
     entry = cons._bound["d"]
     entry.matcher.consume_token(enc(tok, "x")[0])  # an error state, which no rollback leaves: rebuilt
@@ -187,6 +190,9 @@ def test_start_masks_refuses_an_unbound_request(cons: Constraints) -> None:
     assert "a" not in cons
     with pytest.raises(KeyError, match="'a'"):
         cons.start_masks([("a", [])])
+    cons.bind("b", DIGITS)
+    with pytest.raises(ValueError, match="two rows"):
+        cons.start_masks([("b", []), ("b", [])])
 
 
 # -- forced tokens ----------------------------------------------------------------------------------------------

@@ -143,10 +143,12 @@ class _Bound:
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Bring the matcher to exactly ``tokens``: roll back (or rebuild) to the common prefix, consume the rest."""
-        common = 0
-        limit = min(len(self.consumed), len(tokens))
-        while common < limit and self.consumed[common] == tokens[common]:
-            common += 1
+        common = len(self.consumed)
+        if list(tokens[:common]) != self.consumed:  # the usual case, a longer history, is one C-speed compare
+            common = 0
+            limit = min(len(self.consumed), len(tokens))
+            while common < limit and self.consumed[common] == tokens[common]:
+                common += 1
         if self.matcher.is_error():  # an error state is never left, not even by a rollback
             self.matcher, self.consumed, common = self.pristine.deep_copy(), [], 0
         elif common < len(self.consumed):
@@ -293,16 +295,19 @@ class Constraints:
             return len(self._cache)
 
     def start_masks(self, rows: Sequence[tuple[str, Sequence[int]]]) -> MaskJob:
-        """Sync each row's matcher to its output tokens (those before the position being sampled), then fill the
-        rows' masks on worker threads, the GIL released, so the caller can run the forward pass meanwhile. A row
-        whose matcher is in error allows only EOS; nothing about one constraint raises here. The matchers belong
-        to the job until ``MaskJob.wait`` (any other call here waits for it first)."""
+        """Sync each row's matcher to its output tokens (those before the position being sampled; one row a
+        request), then fill the rows' masks on worker threads, the GIL released, so the caller can run the forward
+        pass meanwhile. A row whose matcher is in error (a token the grammar refuses reached it, e.g. by a
+        stop-string truncation) allows only EOS; nothing about one constraint raises here. The matchers belong to
+        the job until ``MaskJob.wait`` (any other call here waits for it first)."""
         self._settle()
-        bound = []
+        bound: list[_Bound] = []
         for request_id, tokens in rows:
             entry = self._bound.get(request_id)
             if entry is None:
                 raise KeyError(f"request {request_id!r} has no constraint bound")
+            if any(entry is other for other in bound):
+                raise ValueError(f"request {request_id!r} has two rows; a step samples a request once")
             entry.sync(tokens)
             bound.append(entry)
         job = MaskJob(self._worker.submit(self._masks, bound), self)
