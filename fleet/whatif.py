@@ -4,8 +4,11 @@ The arrivals come from the router log, at its times (the front end's clock). Eac
 prompt, sampling, seed) and its tokens come from the replica logs that served it, all incarnations included. Each
 replica is the core-level simulator of ``replay.whatif``'s modelled mode: the real ``SchedulerCore`` with the
 replicas' configuration, a ``LoggedTokenDevice`` answering each output index with the logged token (the oracle past
-what the log has, e.g. for a request its replica's death cut short), and step times from one ``StepModel`` fitted to
-every replica log's measured steps. The router is the real ``Router`` with the what-if configuration; before each
+what the log has, e.g. for a request its replica's death cut short), and step times from one ``StepModel``, chosen
+as an engine log's what-if chooses it (``replay.whatif_model``: the stub's exact clock for a stub fleet, else the fit
+of every replica log's measured steps, or the model's calibration profile where they do not cover the what-if's),
+with the share of steps outside its range reported as an extrapolation and an interval around each figure from
+runs on the model's residuals. The router is the real ``Router`` with the what-if configuration; before each
 arrival every simulated replica runs up to the arrival's time, and the router gets each one's load (its core's
 waiting, running and free blocks) and the requests finished since, as the live fleet's watcher would report them.
 
@@ -27,17 +30,36 @@ from typing import Any
 import msgspec
 
 from tickloom.engine.core import CoreConfig, SchedulerCore
-from tickloom.events import ClientGone, Finish, Input, RequestArrived, RequestCancelled, TickInputs, TickOutputs
+from tickloom.events import (
+    ClientGone,
+    Finish,
+    Input,
+    RequestArrived,
+    RequestCancelled,
+    RunStep,
+    TickInputs,
+    TickOutputs,
+)
 from tickloom.fleet.logged_router import LoggedRouter
 from tickloom.fleet.router_events import Arrival, Finished, LoadReport, Route, RouterConfig
 from tickloom.fleet.router_log import RouterLogReader
 from tickloom.fleet.router_replay import ROUTER_LOG, replica_logs
 from tickloom.replay.header import ReplayConfigError
 from tickloom.replay.sim import Simulator
-from tickloom.replay.step_model import StepModel
+from tickloom.replay.step_model import StepModel, StepSample
 from tickloom.replay.whatif import LoggedTokenDevice, ModelTiming, read_log
-from tickloom.replay.whatif_measure import measure, percentile
-from tickloom.replay.whatif_model import LogSetting, log_model
+from tickloom.replay.whatif_measure import intervals, measure, percentile
+from tickloom.replay.whatif_model import (
+    DRAWS,
+    DrawnModel,
+    Extrapolation,
+    LogSetting,
+    ModelChoice,
+    StepClock,
+    log_model,
+    run_on_chosen_model,
+    sim_steps,
+)
 
 MAX_TICKS = 2_000_000
 
@@ -114,7 +136,10 @@ class FleetLogs:
     logprobs: dict[str, dict[int, float]]
     stops: dict[str, int]
     model: StepModel
+    """The log's own step model (``replay.whatif_model.log_model``)."""
     original: FleetMetrics
+    setting: LogSetting
+    samples: list[StepSample]
 
 
 def read_fleet(fleet_dir: str | os.PathLike[str]) -> FleetLogs:
@@ -166,23 +191,23 @@ def read_fleet(fleet_dir: str | os.PathLike[str]) -> FleetLogs:
     original.duration_ns = max(0, last_finished - first)
     # requests that never reached a replica (refused, or lost before submit) have no arrival to replay
     arrivals = [(t, a) for t, a in arrivals if a.request_id in requests]
+    setting = runs[0].setting or LogSetting(None, None, "", "", "", 0)
+    samples = [s for r in runs for s in r.samples]
     return FleetLogs(config, arrivals, routed, last_finished, runs[0].config, requests, dict(followups),
-                              deadline_after, dict(tokens), dict(logprobs), stops,
-                     log_model(runs[0].setting or LogSetting(None, None, "", "", "", 0),
-                               [s for r in runs for s in r.samples], [t for r in runs for t in r.latencies]),
-                     original)
+                     deadline_after, dict(tokens), dict(logprobs), stops,
+                     log_model(setting, samples, [t for r in runs for t in r.latencies]), original, setting, samples)
 
 
 class _Replica:
     """One simulated replica: a core, its token device and modelled timing, and its queue of client inputs."""
 
-    def __init__(self, logs: FleetLogs) -> None:
+    def __init__(self, logs: FleetLogs, clock: StepClock) -> None:
         config = logs.core
-        self.timing = ModelTiming(model=logs.model, spill_after_device=True, report_deadlines=True)
+        self.timing = ModelTiming(model=clock, spill_after_device=True, report_deadlines=True)
         avoid = tuple(config.eos_token_ids) + tuple(
             t for t in (config.think_start_token, config.think_end_token) if t is not None)
         device = LoggedTokenDevice(config.vocab_size, avoid=avoid, logged=logs.tokens,
-                                   logged_logprobs=logs.logprobs, model=logs.model)
+                                   logged_logprobs=logs.logprobs, model=clock)
         self.sim = Simulator(SchedulerCore(config), device, self.timing, stop_at=dict(logs.stops),
                              record_decisions=False)
         self.timing.sim = self.sim
@@ -228,11 +253,13 @@ class _Replica:
         return LoadReport(index, g.waiting, g.running, g.free_blocks)
 
 
-def simulate(logs: FleetLogs, config: RouterConfig) -> FleetMetrics:
-    """The what-if column: the logged arrivals through ``config``'s router and simulated replicas."""
+def simulate(logs: FleetLogs, config: RouterConfig, clock: StepClock | None = None
+             ) -> tuple[FleetMetrics, list[RunStep]]:
+    """The what-if column: the logged arrivals through ``config``'s router and simulated replicas whose steps take
+    ``clock``'s times (default: ``logs.model``'s); and every step the replicas ran."""
     now = [0]
     router = LoggedRouter(config, None, lambda: now[0])
-    replicas = [_Replica(logs) for _ in range(config.replicas)]
+    replicas = [_Replica(logs, clock or logs.model) for _ in range(config.replicas)]
     metrics = FleetMetrics(config.replicas, config.policy, requests=len(logs.arrivals),
                            per_replica=[0] * config.replicas)
     for t, arrival in logs.arrivals:
@@ -259,7 +286,7 @@ def simulate(logs: FleetLogs, config: RouterConfig) -> FleetMetrics:
         _add_finishes(metrics, ticks)
         last = max([last] + [i.now_ns for i, o in ticks if any(isinstance(c, Finish) for c in o.commands)])
     metrics.duration_ns = max(0, last - logs.arrivals[0][0]) if logs.arrivals else 0
-    return metrics
+    return metrics, [step for replica in replicas for step in sim_steps(replica.sim)]
 
 
 @dataclasses.dataclass(slots=True)
@@ -270,18 +297,36 @@ class FleetWhatIf:
     whatif: FleetMetrics
     model: StepModel
     notes: list[str]
+    intervals: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    """Figure -> its (low, high) over the runs on the model's residuals (``replay.whatif_measure.intervals``)."""
+    extrapolation: Extrapolation | None = None
+
+    @property
+    def extrapolated(self) -> bool:
+        return self.extrapolation is not None and self.extrapolation.marked
 
     def to_json(self) -> dict[str, Any]:
         return {"fleet": self.path, "set": {k: {"was": a, "now": b} for k, (a, b) in self.changes.items()},
-                "original": self.original.summary(), "whatif": self.whatif.summary(), "notes": self.notes}
+                "original": self.original.summary(), "whatif": self.whatif.summary(),
+                "step_model": self.model.to_json(), "extrapolated": self.extrapolated,
+                "extrapolation": None if self.extrapolation is None else self.extrapolation.to_json(),
+                "intervals": {k: list(v) for k, v in self.intervals.items()}, "notes": self.notes}
 
     def format_text(self) -> str:
         a, b = self.original.summary(), self.whatif.summary()
         lines = [f"fleet what-if of {self.path}: " + (", ".join(f"{k} {was!r} -> {now!r}" for k, (was, now)
                                                                in self.changes.items()) or "no change"),
-                 f"{'':28} {'original':>14} {'what-if':>14}"]
+                 f"{'':28} {'original':>14} {'what-if':>14} {'interval':>21}"]
         for key in a:
-            lines.append(f"{key:28} {_cell(a[key]):>14} {_cell(b[key]):>14}")
+            spread = self.intervals.get(key)
+            interval = "" if spread is None else f"{_cell(spread[0])}-{_cell(spread[1])}"
+            lines.append(f"{key:28} {_cell(a[key]):>14} {_cell(b[key]):>14} {interval:>21}")
+        m = self.model
+        lines.append(f"step model: {m.source} ({m.why}); valid for {m.describe_range()}")
+        ext = self.extrapolation
+        if ext is not None and self.extrapolated:
+            lines.append(f"EXTRAPOLATED: {ext.outside} of the what-if's {ext.steps} steps ({ext.fraction:.0%}) lie "
+                         "outside that range: the figures above are a guess")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -297,9 +342,10 @@ def _cell(value: object) -> str:
 ROUTER_KEYS = ("replicas", "policy", "load_slack", "affinity_blocks", "cache_blocks")
 
 
-def fleet_whatif(fleet_dir: str | os.PathLike[str], changes: dict[str, object]) -> FleetWhatIf:
+def fleet_whatif(fleet_dir: str | os.PathLike[str], changes: dict[str, object], *, step_model: ModelChoice = "auto",
+                 draws: int = DRAWS) -> FleetWhatIf:
     """Re-run a fleet directory's traffic with the router configuration changed by ``changes`` (``ValueError``
-    naming a bad key or value)."""
+    naming a bad key or value, or ``step_model="calibration"`` without a stored profile)."""
     bad = sorted(set(changes) - set(ROUTER_KEYS))
     if bad:
         raise ValueError(f"a fleet what-if sets {', '.join(ROUTER_KEYS)}; not {', '.join(bad)}")
@@ -307,11 +353,23 @@ def fleet_whatif(fleet_dir: str | os.PathLike[str], changes: dict[str, object]) 
     config = RouterConfig.checked({**msgspec.structs.asdict(logs.router), **changes})
     diff = {k: (getattr(logs.router, k), getattr(config, k)) for k in ROUTER_KEYS
             if getattr(logs.router, k) != getattr(config, k)}
-    whatif = simulate(logs, config)
-    notes = [f"each replica modelled: {logs.model.describe()}; load reports exact and instant",
+    (whatif, _), model, extrapolation = run_on_chosen_model(
+        lambda clock: simulate(logs, config, clock), lambda run: run[1], logs.setting, logs.model, logs.samples,
+        step_model)
+    notes = [f"each replica modelled: {model.describe()}; load reports exact and instant",
+             f"step model: {model.source}: {model.why}",
              "original: the logged run (latencies on each replica's clock, duration on the router's)"]
+    if extrapolation.outside:
+        notes.append(extrapolation.describe(model))
+    point = whatif.summary()
+    if model.ratios and draws:
+        spread = intervals(point, [simulate(logs, config, DrawnModel(model, k))[0].summary() for k in range(draws)])
+        notes.append(f"intervals: the least and most each figure came to over {draws} runs with every step's time "
+                     f"scaled by one of the model's {len(model.ratios)} residual ratios")
+    else:
+        spread = intervals(point, [])
     lost = len(logs.routed) - logs.original.finished
     if lost > 0:
         notes.append(f"{lost} requests did not finish in the original (a replica died, or cancelled): the what-if "
                      "runs them to the end, past the logged tokens with the oracle's")
-    return FleetWhatIf(os.fspath(fleet_dir), diff, logs.original, whatif, logs.model, notes)
+    return FleetWhatIf(os.fspath(fleet_dir), diff, logs.original, whatif, model, notes, spread, extrapolation)

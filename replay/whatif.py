@@ -99,6 +99,7 @@ from tickloom.replay.whatif_model import (
     StepClock,
     log_model,
     run_on_chosen_model,
+    sim_steps,
 )
 
 CLIENT_INPUTS = (RequestArrived, RequestCancelled, ClientGone, Shutdown)
@@ -416,19 +417,19 @@ def whatif(path: str | os.PathLike[str], config: CoreConfig | None = None, *, mo
     else:
         limit = max_ticks or max(100_000, 50 * len(run.ticks))
         sim, model, extrapolation = run_on_chosen_model(
-            lambda clock: _modelled(run, config, clock, limit), setting, model, run.samples, step_model)
+            lambda clock: _modelled(run, config, clock, limit), sim_steps, setting, model, run.samples, step_model)
         ticks = len(sim.outputs)
         notes.append(f"modelled: {model.describe()}; spill copies, swap-ins and reports take no time")
         notes.append(f"step model: {model.source}: {model.why}")
         if extrapolation.outside:
             notes.append(extrapolation.describe(model))
-        point = measure(zip(sim.inputs, sim.outputs, strict=True))
+        point = measure(zip(sim.inputs, sim.outputs, strict=True)).summary()
         if not model.ratios:  # the stub's clock is exact (and a log without measured steps has no residuals)
             spread = intervals(point, [])
             notes.append("intervals: none wider than the point (the model has no residuals"
                          + (": the stub's clock is exact)" if model.source == "stub" else ")"))
         elif draws:
-            spread = intervals(point, [measure(zip(d.inputs, d.outputs, strict=True)) for d in (
+            spread = intervals(point, [measure(zip(d.inputs, d.outputs, strict=True)).summary() for d in (
                 _modelled(run, config, DrawnModel(model, k), limit) for k in range(draws))])
             notes.append(f"intervals: the least and most each figure came to over {draws} runs with every step's "
                          f"time scaled by one of the model's {len(model.ratios)} residual ratios "

@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from tickloom.events import EmitTokens, Finish, Preempted, RequestArrived, SwapIn, TickInputs, TickOutputs
 
@@ -129,13 +129,14 @@ FIGURES = ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p9
 """The predicted figures that get an interval."""
 
 
-def intervals(point: RunMetrics, draws: Sequence[RunMetrics]) -> dict[str, tuple[float, float]]:
-    """Per figure of ``FIGURES``, the (least, most) it came to over ``point`` and ``draws`` (a figure some run
-    cannot give, such as a latency with no token, is left out)."""
+def intervals(point: Mapping[str, object], draws: Sequence[Mapping[str, object]]) -> dict[str, tuple[float, float]]:
+    """Per figure of ``FIGURES``, the (least, most) it came to over the ``point`` run's summary and the ``draws``'
+    (``RunMetrics.summary``, or any with those keys; a figure some run cannot give, such as a latency with no token,
+    is left out)."""
     out: dict[str, tuple[float, float]] = {}
-    runs = [m.summary() for m in (point, *draws)]
+    runs = [point, *draws]
     for key in FIGURES:
-        values = [v for s in runs if isinstance(v := s[key], int | float)]
+        values = [v for s in runs if isinstance(v := s.get(key), int | float)]
         if len(values) == len(runs):
             out[key] = (float(min(values)), float(max(values)))
     return out

@@ -23,7 +23,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from tickloom.events import LogHeader, RunStep
 from tickloom.replay.sim import Simulator
@@ -39,6 +39,7 @@ from tickloom.replay.step_model import (
 )
 
 ModelChoice = Literal["auto", "log", "calibration"]
+R = TypeVar("R")
 DRAWS = 8
 SPAN = 0.9
 """The log's own fit is kept when at least this share of the what-if's steps is covered by the log's steps."""
@@ -202,25 +203,27 @@ def choose(fitted: StepModel, profile: StepModel | None, covered: float) -> Step
     return dataclasses.replace(profile, why=f"the calibration profile, {profile.why}: only {share}")
 
 
-def run_on_chosen_model(simulate: Callable[[StepClock], Simulator], setting: LogSetting, fitted: StepModel,
-                        samples: list[StepSample], choice: ModelChoice) -> tuple[Simulator, StepModel, Extrapolation]:
-    """The modelled run (``simulate``) on the model ``choice`` names (``auto``: ``choose``'s; the run on the log's
-    own model comes first, and tells how much of the what-if the log covers), that model, and the run's
-    extrapolation on it. ``calibration`` without a stored profile raises ``ValueError``."""
+def run_on_chosen_model(simulate: Callable[[StepClock], R], steps_of: Callable[[R], list[RunStep]],
+                        setting: LogSetting, fitted: StepModel, samples: list[StepSample],
+                        choice: ModelChoice) -> tuple[R, StepModel, Extrapolation]:
+    """The modelled run (``simulate``; ``steps_of`` its steps) on the model ``choice`` names (``auto``: ``choose``'s;
+    the run on the log's own model comes first, and tells how much of the what-if the log covers), that model, and
+    the run's extrapolation on it. ``calibration`` without a stored profile raises ``ValueError``."""
     profile = None if choice == "log" else stored_profile(setting, samples, fitted.overhead_ns)
     if choice == "calibration":
         if profile is None:
             raise ValueError("no calibration profile is stored for this log's model and setting "
                              "(`tickloom bench calibrate` makes one)")
         profile = dataclasses.replace(profile, why=f"asked for (--step-model calibration), {profile.why}")
-        sim = simulate(profile)
-        return sim, profile, Extrapolation.of(profile, _steps(sim))
-    sim = simulate(fitted)
-    model = choose(fitted, profile, coverage(samples, _steps(sim)))
+        run = simulate(profile)
+        return run, profile, Extrapolation.of(profile, steps_of(run))
+    run = simulate(fitted)
+    model = choose(fitted, profile, coverage(samples, steps_of(run)))
     if model.source == "calibration":
-        sim = simulate(model)
-    return sim, model, Extrapolation.of(model, _steps(sim))
+        run = simulate(model)
+    return run, model, Extrapolation.of(model, steps_of(run))
 
 
-def _steps(sim: Simulator) -> list[RunStep]:
+def sim_steps(sim: Simulator) -> list[RunStep]:
+    """Every step a simulated run dispatched."""
     return [c for out in sim.outputs for c in out.commands if isinstance(c, RunStep)]

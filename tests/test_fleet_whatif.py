@@ -8,6 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
+from engine_helpers import stub_config
 
 from tickloom.engine.core import CoreConfig
 from tickloom.events import RequestArrived, SamplingSpec
@@ -17,6 +20,7 @@ from tickloom.fleet.router_replay import ROUTER_LOG, incarnation_log, verify_fle
 from tickloom.fleet.whatif import fleet_whatif
 from tickloom.replay.record import record_core_run
 from tickloom.tools.cli import main
+from tickloom.tools.commands._whatif_validate import FIGURES, rerun_fleet, run_fleet_for_real
 
 CORE = CoreConfig(num_blocks=512, block_size=16, vocab_size=512, eos_token_ids=(2,), max_seq_len=512)
 TICK_NS = 1_000_000
@@ -97,3 +101,76 @@ def test_cli_whatif_on_a_fleet_directory_or_its_router_log(fleet: Path, capsys: 
     assert "load_slack 4 -> 0" in text and "prefix_cache_hit_rate" in text
     assert main(["whatif", str(fleet), "--set", "num_blocks=3"]) == 64
     assert main(["whatif", str(fleet), "--plot", "x.png"]) == 64
+
+
+# -- a stub fleet, predicted and re-run for real ----------------------------------------------------------------
+STUB_FLEET = dict(num_blocks=48, block_size=8, max_seq_len=128, max_batch_size=6, stub_step_time=0.004)
+
+
+def stub_fleet(fleet_dir: Path, replicas: int = 3) -> Path:
+    """A fleet directory as stub replicas leave it: 36 requests in six prompt families, arriving in bursts, routed
+    by the affinity router, every replica a stub engine, all in virtual time."""
+    arrivals = []
+    for i in range(36):
+        prompt = [10 + i % 6] * 40 + [50 + i % 40, 60 + i % 7]
+        at = int((0.0031 * i + 0.0213 * (i // 12)) * 1e9)
+        arrivals.append((at, RequestArrived(f"s{i}", prompt, SamplingSpec(max_tokens=6 + (i * 7) % 30), 11 + i)))
+    engine = stub_config(fleet_dir / "unused.tlog", **STUB_FLEET)
+    router = RouterConfig(replicas=replicas, block_size=8)
+    trio.run(rerun_fleet, arrivals, router, engine, fleet_dir, clock=trio.testing.MockClock(autojump_threshold=0))
+    return fleet_dir
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return stub_fleet(tmp_path_factory.mktemp("stubs") / "fleet")
+
+
+def _quantiles(summary: dict[str, object]) -> dict[str, float]:
+    out = {}
+    for key in ("ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50", "itl_ms_p90"):
+        value = summary[key]
+        assert isinstance(value, float)
+        out[key] = value
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("changes", [{"replicas": 2}, {"replicas": 5}, {"policy": "round-robin"},
+                                     {"policy": "least-loaded"}])
+def test_stub_fleet_predictions_within_ten_percent(stubs: Path, changes: dict[str, object]) -> None:
+    """The fleet what-if on a stub fleet predicts p50 and p90 TTFT and inter-token latency within 10% of the same
+    arrivals really run through that router and stub replicas."""
+    result = fleet_whatif(stubs, changes)
+    assert result.model.source == "stub" and not result.extrapolated
+    measured, clock = run_fleet_for_real(stubs, changes)
+    assert clock.startswith("virtual")
+    predicted, real = _quantiles(result.whatif.summary()), _quantiles(measured.summary())
+    for key, truth in real.items():
+        assert predicted[key] == pytest.approx(truth, rel=0.10), key
+    assert result.whatif.completion_tokens == measured.completion_tokens
+    assert result.whatif.per_replica == measured.per_replica
+
+
+def test_stub_fleet_model_intervals_and_validate(stubs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = fleet_whatif(stubs, {"replicas": 2})
+    assert result.model.source == "stub" and result.model.why.startswith("the log was written by the stub model")
+    summary = result.whatif.summary()
+    assert result.intervals and all(lo == hi == summary[k] for k, (lo, hi) in result.intervals.items())
+    assert "step model: stub" in result.format_text()
+    assert main(["whatif", str(stubs), "--set", "replicas=2", "--validate"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("validate: "))
+    assert "stub replicas under trio's MockClock" in lines[start]
+    assert lines[start + 1].split() == ["predicted", "interval", "measured", "ratio"]
+    assert [line[:22].strip() for line in lines[start + 2 : start + 7]] == [label for label, _ in FIGURES]
+    assert main(["whatif", str(stubs), "--set", "replicas=2", "--validate", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["step_model"]["source"] == "stub"
+    assert [r["key"] for r in report["validate"]["rows"]] == [key for _, key in FIGURES]
+    assert all(0.9 <= r["ratio"] <= 1.1 for r in report["validate"]["rows"])
+
+
+def test_validate_needs_a_stub_fleet(fleet: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["whatif", str(fleet), "--set", "replicas=2", "--validate"]) == 64
+    assert "re-runs a fleet on the stub only" in capsys.readouterr().err

@@ -4,8 +4,9 @@ The model is loaded as the engine loads it (``--model``, ``--dtype``, ``--quant`
 its executor runs steps of chosen shapes directly, timed as the engine's device times a step (``perf_counter_ns``
 around ``run_step``): decode steps of each ``--batch-sizes`` rows at each ``--contexts`` position, and prefill steps
 of one row of each ``--prefill`` tokens (from position 0, and again after each context), and mixed steps (the
-fewest and the most decode rows, with a prefill chunk). Each shape is run ``--repeat`` times after a warm-up; every
-run is a sample.
+fewest and the most decode rows, with a prefill chunk). After a warm-up, the whole grid runs ``--repeat`` times,
+each time from another shape, so that a busy spell on the machine does not fall on one shape; every run is a
+sample.
 
 The profile (``replay.step_model.Profile``) is stored beside the models in the cache, under the model's weight
 fingerprint and its device, dtype and thread count, exactly as an engine log's header names them
@@ -92,24 +93,27 @@ def run(args: argparse.Namespace) -> int:
         ex.run_step(step)
         samples.append(StepSample(StepShape.of(step), time.perf_counter_ns() - start))
 
-    timed(["c0"], [0], [min(args.prefill)])  # warm-up, not kept
-    samples.clear()
+    shapes: list[tuple[str, list[str], list[int], list[int]]] = []
     for context in sorted(args.contexts):
         for batch in sorted(args.batch_sizes):
-            progress_note(f"decode: {batch} rows at position {context}")
-            ids = [f"c{i}" for i in range(batch)]
-            for _ in range(args.repeat):
-                timed(ids, [context] * batch, [1] * batch)
+            shapes.append((f"decode: {batch} rows at position {context}", [f"c{i}" for i in range(batch)],
+                           [context] * batch, [1] * batch))
+    middle = sorted(args.contexts)[len(args.contexts) // 2]
     for length in sorted(args.prefill):
         for start in (0, *sorted(args.contexts)):
-            progress_note(f"prefill: {length} tokens from position {start}")
-            for _ in range(args.repeat):
-                timed(["c0"], [start], [length])
+            shapes.append((f"prefill: {length} tokens from position {start}", ["c0"], [start], [length]))
         for batch in sorted({min(args.batch_sizes), max(args.batch_sizes)}):
-            progress_note(f"mixed: {batch} decode rows and {length} prefill tokens")
-            middle = sorted(args.contexts)[len(args.contexts) // 2]
-            for _ in range(args.repeat):
-                timed([f"c{i}" for i in range(batch + 1)], [middle] * batch + [0], [1] * batch + [length])
+            shapes.append((f"mixed: {batch} decode rows and {length} prefill tokens",
+                           [f"c{i}" for i in range(batch + 1)], [middle] * batch + [0], [1] * batch + [length]))
+    timed(["c0"], [0], [min(args.prefill)])  # warm-up, not kept
+    samples.clear()
+    # Every repeat runs the whole grid, each from another starting shape: a busy spell on the machine slows
+    # every shape a little rather than one shape a lot.
+    for r in range(args.repeat):
+        start = r * len(shapes) // args.repeat
+        for note, ids, positions, counts in shapes[start:] + shapes[:start]:
+            progress_note(f"{note} ({r + 1}/{args.repeat})")
+            timed(ids, positions, counts)
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     if loaded.model.quant != "none":  # as the engine's log header names it
         dtype = f"{dtype}+{loaded.model.quant}"
