@@ -8,8 +8,11 @@ litellm's JSON mode, and every form of the constraint, streamed and whole, check
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,12 +21,15 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+import trio
 
-from tests.test_serve import running, stub
+from tests.engine_helpers import assert_replays
+from tests.test_serve import Server, running, stub
 from tickloom import EngineConfig, RequestRejected, StructuredOutputs
 from tickloom.engine.model.registry import smollm2_gguf_path
 from tickloom.tools.serve import fields, structured, translate
 from tickloom.tools.serve.openai_types import OpenAIError, decode_request
+from tickloom.tools.serve.server import ServeOptions, serve
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                            "rainy": {"type": "boolean"}},
@@ -327,3 +333,71 @@ async def test_litellm_json_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
+
+
+@asynccontextmanager
+async def serving_long(config: EngineConfig) -> AsyncIterator[Server]:
+    """``test_serve.running`` for a run longer than its two minutes: a server on the default model in a nursery; on
+    exit it drains and stops, and its log must replay."""
+    assert config.log_path is not None
+    shutdown = trio.Event()
+    with trio.fail_after(1200):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(functools.partial(serve, config, ServeOptions(port=0, model_name=MODEL),
+                                                          shutdown=shutdown))
+            yield Server(binds[0], Path(config.log_path))
+            shutdown.set()
+    assert_replays(Path(config.log_path))
+
+
+@pytest.mark.slow
+@on_the_model
+async def test_the_schema_suite_through_the_server_streamed_and_whole(tmp_path: Path) -> None:
+    """The issue's suite of JSON schemas (``tests/structured_schemas.py``), each asked for greedily through
+    ``response_format``, whole and streamed, all at once (the engine batches them): every answer that finishes
+    ``stop`` parses and validates (formats checked), at least 90% finish ``stop`` within 400 tokens, and each stream
+    is its whole answer in pieces."""
+    import asyncio
+
+    from tests.structured_schemas import CASES
+
+    async def ask(c: openai.AsyncOpenAI, case: Any, stream: bool) -> tuple[str, str | None]:
+        kw: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": case.prompt}],
+                              "max_tokens": 400, "temperature": 0,
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": case.name, "schema": case.schema,
+                                                                  "strict": True}}}
+        if not stream:
+            r = await c.chat.completions.create(**kw)
+            return r.choices[0].message.content or "", r.choices[0].finish_reason
+        parts, finish = [], None
+        async for chunk in await c.chat.completions.create(**kw, stream=True):
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        return "".join(parts), finish
+
+    config = EngineConfig(log_path=str(tmp_path / "s.tlog"), max_seq_len=1024, max_batch_size=32)
+    async with serving_long(config) as srv:
+        def go(_: openai.OpenAI) -> list[tuple[str, str | None]]:
+            async def all_of_them() -> list[tuple[str, str | None]]:
+                async with openai.AsyncOpenAI(api_key="unused", base_url=f"{srv.url}/v1", max_retries=0,
+                                              timeout=900.0) as c:
+                    return list(await asyncio.gather(*(ask(c, case, stream) for case in CASES
+                                                       for stream in (False, True))))
+
+            return asyncio.run(all_of_them())
+
+        answers = await srv.call(go)
+    stops = 0
+    for k, case in enumerate(CASES):
+        (whole, whole_finish), (streamed, streamed_finish) = answers[2 * k], answers[2 * k + 1]
+        assert (streamed, streamed_finish) == (whole, whole_finish), case.name
+        assert whole_finish in ("stop", "length"), (case.name, whole_finish)
+        if whole_finish == "stop":
+            stops += 1
+            validator = jsonschema.Draft202012Validator(case.schema,
+                                                        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+            errors = list(validator.iter_errors(json.loads(whole)))
+            assert not errors, (case.name, whole, errors[0].message)
+    assert stops >= 0.9 * len(CASES), f"{stops} of {len(CASES)} finished with stop"
