@@ -22,11 +22,16 @@ def _hints(owner: type) -> dict[str, object]:
     return typing.get_type_hints(owner)
 
 
+AFTER_COLUMNS = {EmitTokens: (), StepDone: ("extra_token_ids",)}
+"""Fields a struct appended after the logprob columns (a wire struct only grows at its end)."""
+
+
 def test_the_wire_structs_carry_the_columns_last_in_their_order_and_types() -> None:
     want = _hints(LogprobColumns)
-    for struct in (EmitTokens, StepDone):
+    for struct, after in AFTER_COLUMNS.items():
         fields = msgspec.structs.fields(struct)
-        last = fields[-len(COLUMNS):]
+        assert tuple(f.name for f in fields[len(fields) - len(after):]) == after, struct.__name__
+        last = fields[len(fields) - len(after) - len(COLUMNS): len(fields) - len(after)]
         assert tuple(f.name for f in last) == COLUMNS, struct.__name__
         assert {f.name: f.type for f in last} == want, struct.__name__
         assert all(f.default is None for f in last), f"{struct.__name__}: optional columns default to None"
@@ -35,8 +40,8 @@ def test_the_wire_structs_carry_the_columns_last_in_their_order_and_types() -> N
 def test_step_done_and_a_step_result_are_the_sampled_tokens_then_the_columns() -> None:
     """The stub device and the stub executor build them as tokens then ``*columns``."""
     assert tuple(f.name for f in msgspec.structs.fields(StepDone)) == (
-        "step_id", "request_ids", "token_ids", "step_time_ns", *COLUMNS)
-    assert tuple(f.name for f in dataclasses.fields(StepResult)) == ("token_ids", *COLUMNS)
+        "step_id", "request_ids", "token_ids", "step_time_ns", *COLUMNS, "extra_token_ids")
+    assert tuple(f.name for f in dataclasses.fields(StepResult)) == ("token_ids", *COLUMNS, "extra_token_ids")
     assert {name: hint for name, hint in _hints(StepResult).items() if name in COLUMNS} == _hints(LogprobColumns)
 
 

@@ -29,6 +29,7 @@ BENCHES: dict[str, str] = {
     "serve": "tickloom.tools.bench.serve",
     "fleet": "tickloom.tools.bench.fleet",
     "calibrate": "tickloom.tools.bench.calibrate",
+    "structured": "tickloom.tools.bench.structured",
 }
 """Benchmark name -> module (imported when the parser is built). ``model`` is in ``ROW_BENCHES``."""
 
