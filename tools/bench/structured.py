@@ -174,11 +174,11 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     with tempfile.TemporaryDirectory(prefix="tickloom-bench-structured-") as tmp:
-        progress_note(args, "batch 1 ...")
+        progress_note("batch 1 ...")
         one = trio.run(_case, 1, args.requests, args, Path(tmp))
-        progress_note(args, f"batch {args.batch} ...")
+        progress_note(f"batch {args.batch} ...")
         many = trio.run(_case, args.batch, args.batch, args, Path(tmp))
-    progress_note(args, "masks and compile times ...")
+    progress_note("masks and compile times ...")
     extra = _masks_and_compile(one["outputs"] + many["outputs"])
     rows = [one, many]
     for row in rows:
