@@ -156,3 +156,16 @@ async def test_the_stub_model_refuses_a_constraint() -> None:
 def test_ignore_eos_with_a_constraint_is_refused() -> None:
     with pytest.raises(RequestRejected, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured=StructuredOutputs(json_object=True))
+
+
+async def test_the_configured_constraint_limits_refuse_a_constraint_past_them() -> None:
+    small = EngineConfig(max_constraint_chars=200, max_constraint_grammar_size=100)
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(40)}}
+    async with Engine.open(small) as engine:
+        with pytest.raises(RequestRejected, match=r"structured\.json.*characters"):
+            await engine.complete("x", SamplingParams(structured=StructuredOutputs(json=big)))
+        with pytest.raises(RequestRejected, match=r"structured\.grammar"):
+            await engine.complete("x", SamplingParams(structured=StructuredOutputs(
+                grammar="start: " + " | ".join(f'"w{i}"' for i in range(60)))))
+        out = await engine.complete("x", SamplingParams(max_tokens=4, structured=StructuredOutputs(choice=["a"])))
+        assert out.text_delta == "a", "a small constraint is still accepted"

@@ -89,6 +89,13 @@ class _EngineFields(SchedulingKnobs, frozen=True, kw_only=True, forbid_unknown_f
                                description="never, tick or <N>ms: what a machine crash may lose.")] = "never"
     snapshot_every: Annotated[int, Meta(ge=0, le=2**31, description="Ticks between core snapshots in the log "
                                                                     "(0: none).")] = 0
+    max_constraint_chars: Annotated[int, Meta(
+        ge=1, le=1 << 20, description="A structured-output constraint's text (schema, regex, grammar, choices) at "
+                                      "most this many characters; a longer one is refused at submit.")] = 1 << 20
+    max_constraint_grammar_size: Annotated[int, Meta(
+        ge=100, le=10_000_000, description="Symbols a constraint's compiled grammar may hold (llguidance's "
+                                           "max_grammar_size): bounds each constraint's compile time and memory; "
+                                           "a larger one is refused at submit.")] = 100_000
     stub_vocab_size: Annotated[int, Meta(ge=96, le=2**20, description="The stub model's vocabulary.")] = 96
     stub_step_time: Annotated[float, Meta(
         ge=0.0, le=3600.0, description="Seconds per step of the stub model (virtual time under MockClock).")] = 0.01

@@ -392,9 +392,11 @@ async def build_runtime(config: EngineConfig) -> Runtime:
                                       vocab_size=mcfg.vocab_size, eos_token_ids=tuple(mcfg.eos_token_ids))
         executor: Any
         if ranks is None:
-            from tickloom.engine.model.structured import Constraints
+            from tickloom.engine.model.structured import ConstraintLimits, Constraints
 
-            constraints = Constraints(loaded.tokenizer, mcfg.vocab_size, tuple(mcfg.eos_token_ids))
+            limits = ConstraintLimits(max_text_chars=config.max_constraint_chars,
+                                      max_grammar_size=config.max_constraint_grammar_size)
+            constraints = Constraints(loaded.tokenizer, mcfg.vocab_size, tuple(mcfg.eos_token_ids), limits)
             executor = ModelExecutor(loaded.model, num_blocks, config.block_size, constraints)
         else:
             executor = await trio.to_thread.run_sync(ranks.connect, num_blocks, config.block_size)
