@@ -3,14 +3,18 @@
 A step's device time is modelled as
 
     time = per_step + per_prefill_token·prefill tokens + per_decode_row·decode rows + per_context·context read
-           + per_prefill_chunk·prefill chunks
+           + per_prefill_chunk·prefill chunks + per_matrix_step·[the step has two tokens or more]
 
 (``StepShape``): a fixed share per step (the host's Python, the launch), the prompt tokens a step prefills, the
 decode rows it samples (each one a token through the layers and a row of the LM head), the attention's reads (each
 new token reads every earlier position of its sequence, so a row of n tokens from position p reads n·p + n(n+1)/2
-key positions), and the prefill chunks (rows of more than one token, which take the masked attention path). Every
-cost is at least 0 (``fit_step_model`` is a non-negative least squares: the best fit over the subsets of terms
-whose own least squares comes out non-negative, exact for five terms). A plain least squares of
+key positions), the prefill chunks (rows of more than one token, which take the masked attention path), and whether
+the step multiplies matrices at all: a step of one token runs matrix-vector products, one of two tokens or more
+matrix-matrix products, whose kernels cost more to start (on the default model on a CPU, one decode row takes 80 ms
+and two 140 ms, then each further row some 15 ms). Every cost is at least 0 (``fit_step_model`` is a non-negative
+least squares: the best fit over the subsets of terms whose own least squares comes out non-negative, exact for six
+terms). Step times vary by a factor, not by an amount (a busy host slows a big step as much as a small one), so the
+fit weighs each step by its time's inverse: it minimises the relative errors. A plain least squares of
 ``a + b·tokens + c·rows`` on decode steps, where tokens and rows move together, came out with a negative cost per
 row and an intercept larger than a whole step, and predicted batch 1 slower per token than batch 3.
 
@@ -46,7 +50,7 @@ from typing import Literal, NamedTuple
 from tickloom.events import RunStep
 
 Source = Literal["stub", "log", "calibration", "latency", "none"]
-TERMS = ("per_step", "per_prefill_token", "per_decode_row", "per_context", "per_prefill_chunk")
+TERMS = ("per_step", "per_prefill_token", "per_decode_row", "per_context", "per_prefill_chunk", "per_matrix_step")
 """The model's terms, in the order of ``StepShape.features``."""
 DIMENSIONS = ("prefill_tokens", "decode_rows", "context")
 """A shape's dimensions, each checked against the range the model was fitted on."""
@@ -80,7 +84,7 @@ class StepShape(NamedTuple):
 
     def features(self) -> tuple[float, ...]:
         return (1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context),
-                float(self.prefill_chunks))
+                float(self.prefill_chunks), 1.0 if self.prefill_tokens + self.decode_rows >= 2 else 0.0)
 
     def dimensions(self) -> tuple[int, int, int]:
         """The values ``DIMENSIONS`` names."""
@@ -105,6 +109,7 @@ class StepModel:
     per_decode_row_ns: float = 0.0
     per_context_ns: float = 0.0
     per_prefill_chunk_ns: float = 0.0
+    per_matrix_step_ns: float = 0.0
     overhead_ns: float = 0.0
     """The median of what the core waited beyond a step's measured time (result delivery, the tick)."""
     source: Source = "none"
@@ -121,7 +126,7 @@ class StepModel:
     @property
     def coefficients(self) -> tuple[float, ...]:
         return (self.per_step_ns, self.per_prefill_token_ns, self.per_decode_row_ns, self.per_context_ns,
-                self.per_prefill_chunk_ns)
+                self.per_prefill_chunk_ns, self.per_matrix_step_ns)
 
     def device_time(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coefficients, shape.features(), strict=True))
@@ -155,7 +160,8 @@ class StepModel:
         where = "the log's" if self.source == "log" else f"the calibration profile's ({self.profile_path or 'unsaved'})"
         return (f"step time = {self.per_step_ns / 1e3:.1f} µs + {self.per_prefill_token_ns / 1e3:.3f} µs·prefill "
                 f"tokens + {self.per_decode_row_ns / 1e3:.3f} µs·decode rows + {self.per_context_ns:.3f} ns·context "
-                f"read + {self.per_prefill_chunk_ns / 1e3:.1f} µs·prefill chunks (non-negative least squares on "
+                f"read + {self.per_prefill_chunk_ns / 1e3:.1f} µs·prefill chunks + {self.per_matrix_step_ns / 1e3:.1f} "
+                f"µs·matrix step (non-negative least squares, relative, on "
                 f"{where} {self.samples} steps, mean absolute error {self.mean_abs_error_ns / 1e3:.1f} µs; valid for "
                 f"{self.describe_range()}){overhead}")
 
@@ -163,6 +169,7 @@ class StepModel:
         return {"source": self.source, "why": self.why, "per_step_ns": self.per_step_ns,
                 "per_prefill_token_ns": self.per_prefill_token_ns, "per_decode_row_ns": self.per_decode_row_ns,
                 "per_context_ns": self.per_context_ns, "per_prefill_chunk_ns": self.per_prefill_chunk_ns,
+                "per_matrix_step_ns": self.per_matrix_step_ns,
                 "overhead_ns": self.overhead_ns, "samples": self.samples,
                 "mean_abs_error_ns": self.mean_abs_error_ns,
                 "valid_for": None if self.bounds is None else {n: list(r) for n, r in zip(DIMENSIONS, self.bounds,
@@ -178,7 +185,8 @@ def stub_model(step_time_s: float) -> StepModel:
 
 def fit_step_model(samples: Sequence[StepSample], source: Source = "log",
                    latencies: Sequence[int] = ()) -> StepModel:
-    """The non-negative least squares of ``samples``' measured times on the terms, plus the median overhead.
+    """The non-negative least squares of ``samples``' measured times on the terms, each weighed by its time's
+    inverse (relative errors), plus the median overhead.
 
     No measured time at all: the median of ``latencies`` (``source="latency"``), or 1 ms without any
     (``source="none"``)."""
@@ -189,9 +197,10 @@ def fit_step_model(samples: Sequence[StepSample], source: Source = "log",
         return StepModel(1e6, source="none")
     seen = [s.latency_ns - s.step_time_ns for s in measured if s.latency_ns > 0]
     overhead = max(0.0, float(statistics.median(seen))) if seen else 0.0
-    coef = nnls([s.shape.features() for s in measured], [float(s.step_time_ns) for s in measured])
-    per_step, per_prefill, per_decode, per_context, per_chunk = (round(c, 3) + 0.0 for c in coef)  # no -0.0
-    model = StepModel(per_step, per_prefill, per_decode, per_context, per_chunk, overhead_ns=overhead, source=source,
+    coef = nnls([[f / s.step_time_ns for f in s.shape.features()] for s in measured], [1.0] * len(measured))
+    per_step, per_prefill, per_decode, per_context, per_chunk, per_matrix = (round(c, 3) + 0.0 for c in coef)
+    model = StepModel(per_step, per_prefill, per_decode, per_context, per_chunk, per_matrix, overhead_ns=overhead,
+                      source=source,
                       samples=len(measured),
                       bounds=tuple((min(s.shape.dimensions()[d] for s in measured),
                                     max(s.shape.dimensions()[d] for s in measured)) for d in range(len(DIMENSIONS))))
@@ -222,7 +231,8 @@ def rescaled(model: StepModel, samples: Sequence[StepSample]) -> tuple[StepModel
                               per_prefill_token_ns=model.per_prefill_token_ns * scale,
                               per_decode_row_ns=model.per_decode_row_ns * scale,
                               per_context_ns=model.per_context_ns * scale,
-                              per_prefill_chunk_ns=model.per_prefill_chunk_ns * scale)
+                              per_prefill_chunk_ns=model.per_prefill_chunk_ns * scale,
+                              per_matrix_step_ns=model.per_matrix_step_ns * scale)
     return dataclasses.replace(out, ratios=residual_ratios(out, measured)), scale
 
 
@@ -230,8 +240,8 @@ def nnls(x: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
     """The least squares solution of ``x·c = y`` with every ``c >= 0``.
 
     The constrained optimum is the unconstrained least squares on some subset of the columns (its support), and
-    it is non-negative there; so the best non-negative solution over all subsets is the optimum. With five columns
-    that is 31 small solves of the normal equations (built once)."""
+    it is non-negative there; so the best non-negative solution over all subsets is the optimum. With six columns
+    that is 63 small solves of the normal equations (built once)."""
     n = len(x[0])
     gram = [[sum(row[i] * row[j] for row in x) for j in range(n)] for i in range(n)]
     moment = [sum(row[i] * v for row, v in zip(x, y, strict=True)) for i in range(n)]
