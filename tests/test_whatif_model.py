@@ -224,3 +224,25 @@ def test_every_figure_has_an_interval_around_the_point(tmp_path: Path, capsys: p
     assert header.split() == ["original", "what-if", "interval"]
     lo, hi = result.intervals["itl_ms_p50"]
     assert f"{lo:.3f}-{hi:.3f}" in table
+
+
+# -- tickloom bench calibrate ---------------------------------------------------------------------------------
+def test_bench_calibrate_stores_a_profile_whatif_finds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a tiny model: every shape of the grid measured ``--repeat`` times, the profile stored under the model's
+    fingerprint and setting, and found again by that key (as a log's header names it)."""
+    from tickloom.engine.model.loaders import load_model
+    from tickloom.engine.model.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "tiny", seed=0)
+    args = ["bench", "calibrate", "--model", str(model_dir), "--threads", "1", "--batch-sizes", "1", "3",
+            "--contexts", "1", "8", "--prefill", "4", "--repeat", "2", "--json", "--quiet"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # decode: 2 sizes x 2 contexts; prefill: 1 length x 3 starts; mixed: 2 sizes x 1 length; each twice
+    assert out["samples"] == 2 * (4 + 3 + 2) and out["threads"] == 1
+    assert out["step_model"]["source"] == "calibration" and out["profile"]
+    fingerprint = load_model(model_dir, num_threads=1).fingerprint
+    found = load_profile(fingerprint, out["device"], out["dtype"], 1)
+    assert found is not None and str(found[1]) == out["profile"] and len(found[0].samples) == out["samples"]
+    assert all(s.step_time_ns > 0 for s in found[0].samples)
+    assert main(["bench", "calibrate", "--model", "stub"]) == EX_USAGE

@@ -32,9 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="N")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[16, 128, 384], metavar="N",
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1, 16, 128, 384], metavar="N",
                         help="the decode rows' positions (the context each reads)")
-    parser.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 192], metavar="N",
+    parser.add_argument("--prefill", type=int, nargs="+", default=[4, 16, 64, 192], metavar="N",
                         help="the prefill chunks' lengths")
     parser.add_argument("--repeat", type=int, default=3, help="runs per shape, each a sample (default 3)")
     parser.add_argument("--block-size", type=int, default=16)
