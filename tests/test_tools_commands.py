@@ -18,7 +18,7 @@ def test_every_public_module_of_commands_is_a_subcommand_of_its_own_name() -> No
     assert {"bench", "explore", "replay", "serve", "whatif"} <= set(names)
     assert not [n for n in names if n.startswith("_")], "a _module is a helper, not a subcommand"
     helpers = sorted(p.stem for p in Path(commands.__path__[0]).glob("_*.py") if p.stem != "__init__")
-    assert helpers == ["_fleet_inspect", "_fleet_replay"]
+    assert helpers == ["_fleet_inspect", "_fleet_replay", "_whatif_validate"]
     choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert sorted(choices) == names
 
