@@ -77,9 +77,11 @@ def _until(args: argparse.Namespace, emit: Emit) -> int:
 
 
 def run_fleet_whatif(args: argparse.Namespace) -> int:
-    """``tickloom whatif`` on a fleet directory or its router log: ``--set`` changes the router's configuration."""
+    """``tickloom whatif`` on a fleet directory or its router log: ``--set`` changes the router's configuration;
+    ``--step-model`` picks the replicas' step-time model and ``--validate`` re-runs a stub fleet for real."""
     import json
 
+    from tickloom.events import LogError
     from tickloom.fleet.whatif import ROUTER_KEYS, fleet_whatif
     from tickloom.replay.header import ReplayConfigError
     from tickloom.tools.cli import CliError
@@ -97,19 +99,32 @@ def run_fleet_whatif(args: argparse.Namespace) -> int:
             changes[key] = json.loads(raw)
         except json.JSONDecodeError:
             changes[key] = raw.strip()
+
+    def unreadable(error: str) -> int:
+        print(json.dumps({"status": "unreadable", "error": error}) if args.json else f"unreadable: {error}")
+        return 2
+
     if not is_fleet_dir(fleet_dir):
-        message = f"{fleet_dir}: not a fleet directory (no {ROUTER_LOG})"
-        print(json.dumps({"status": "unreadable", "error": message}) if args.json else f"unreadable: {message}")
-        return 2
+        return unreadable(f"{fleet_dir}: not a fleet directory (no {ROUTER_LOG})")
     try:
-        result = fleet_whatif(fleet_dir, changes)
-    except ValueError as exc:  # a bad value for a router field (RouterConfig names it)
-        if isinstance(exc, ReplayConfigError):
-            print(f"unreadable: {exc}")
-            return 2
+        result = fleet_whatif(fleet_dir, changes, step_model=args.step_model)
+        report = None
+        if args.validate:
+            from tickloom.tools.commands._whatif_validate import validate_fleet
+
+            report = validate_fleet(fleet_dir, changes, result)
+    except (LogError, ReplayConfigError) as exc:
+        return unreadable(str(exc))
+    except ValueError as exc:  # a bad router value, a missing profile, a fleet that cannot be re-run
         raise CliError(str(exc)) from None
-    except LogError as exc:
-        print(json.dumps({"status": "unreadable", "error": str(exc)}) if args.json else f"unreadable: {exc}")
-        return 2
-    print(json.dumps(result.to_json()) if args.json else result.format_text())
+    if args.json:
+        out = result.to_json()
+        if report is not None:
+            out["validate"] = report.to_json()
+        print(json.dumps(out))
+    else:
+        print(result.format_text())
+        if report is not None:
+            print()
+            print(report.format_text())
     return 0

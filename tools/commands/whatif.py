@@ -117,8 +117,6 @@ def run(args: argparse.Namespace) -> int:
     if os.path.isdir(args.log) or _is_router_log(args.log):  # a fleet: re-routed (tickloom.fleet.whatif)
         from tickloom.tools.commands._fleet_replay import run_fleet_whatif
 
-        if args.validate or args.step_model != "auto":
-            return _fleet_validated(args)
         return run_fleet_whatif(args)
     try:
         for pair in args.sets:  # an unknown key is a usage error even before the log is read
@@ -162,49 +160,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot: {args.plot}")
     return 1 if result.divergence else 0
-
-
-def _fleet_validated(args: argparse.Namespace) -> int:
-    """A fleet what-if with ``--step-model`` or ``--validate`` (a stub fleet re-run for real in virtual time)."""
-    from tickloom.events import LogError
-    from tickloom.fleet.router_replay import ROUTER_LOG, is_fleet_dir
-    from tickloom.fleet.whatif import ROUTER_KEYS, fleet_whatif
-    from tickloom.tools.cli import CliError
-    from tickloom.tools.commands._whatif_validate import validate_fleet
-
-    if args.modelled or args.plot:
-        raise CliError("--modelled and --plot are for one engine's log; a fleet what-if is always modelled")
-    fleet_dir = args.log if os.path.isdir(args.log) else os.path.dirname(os.path.abspath(args.log))
-    changes: dict[str, object] = {}
-    for pair in args.sets:
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or key not in ROUTER_KEYS:
-            raise CliError(f"--set {pair!r}: a fleet what-if sets KEY=VALUE with KEY one of {', '.join(ROUTER_KEYS)}")
-        try:
-            changes[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            changes[key] = raw.strip()
-    if not is_fleet_dir(fleet_dir):
-        return _unreadable(args, f"{fleet_dir}: not a fleet directory (no {ROUTER_LOG})")
-    try:
-        result = fleet_whatif(fleet_dir, changes, step_model=args.step_model)
-        report = validate_fleet(fleet_dir, changes, result) if args.validate else None
-    except (LogError, ReplayConfigError) as exc:
-        return _unreadable(args, str(exc))
-    except ValueError as exc:  # a bad router value, a missing profile, a fleet that cannot be re-run
-        raise CliError(str(exc)) from None
-    if args.json:
-        out = result.to_json()
-        if report is not None:
-            out["validate"] = report.to_json()
-        print(json.dumps(out))
-    else:
-        print(result.format_text())
-        if report is not None:
-            print()
-            print(report.format_text())
-    return 0
 
 
 def _is_router_log(path: str) -> bool:
