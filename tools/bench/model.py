@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=2, help="runs per measurement; the fastest counts")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--accuracy", action="store_true",
+                   help="instead: top-1 agreement and KL against the float32 model of the same file (bench/accuracy)")
 
 
 def _model_dir(name: str, tmp: Path) -> Path:
@@ -98,6 +100,10 @@ def _hf(ref: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, flo
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.accuracy:
+        from tickloom.tools.bench import accuracy
+
+        return accuracy.run(args)
     if args.against == "llama.cpp":
         return run_llamacpp(args)
     args.new_tokens = args.new_tokens or 32
