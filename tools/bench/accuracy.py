@@ -168,7 +168,7 @@ def score(ref_logits: list[torch.Tensor], ref_tokens: list[list[int]], logits: l
 def measure(model: str = "smollm2-135m", new_tokens: int = NEW_TOKENS,
             prompts: list[str] = PROMPTS) -> dict[str, Any]:
     """The reference's continuations, then every path's scores against them."""
-    from tickloom.engine.model.loaders import _source_gguf
+    from tickloom.engine.model.loaders import DEFAULT_SETTING, _source_gguf, default_setting
     from tickloom.tools.bench import llamacpp as bench_llamacpp
     from tickloom.tools.progress import progress_note
 
@@ -186,7 +186,17 @@ def measure(model: str = "smollm2-135m", new_tokens: int = NEW_TOKENS,
     del ref, ref_fwd
     rows: dict[str, dict[str, float]] = {}
     notes: list[str] = []
-    for label, kw in (("tickloom default", {}), ("tickloom float32 act + int4", {"dtype": "float32", "quant": "int4"})):
+    paths: list[tuple[str, dict[str, str]]] = []
+    dt, q = default_setting(model, torch.device("cpu"))
+    if q == "none" and dt in (None, "float32"):  # the default is the reference itself (a CPU without bfloat16)
+        rows["tickloom default (float32+none) = reference"] = score(ref_logits, ref_tokens, ref_logits, ref_tokens)
+    else:
+        paths.append(("tickloom default", {}))
+    if (dt, q) != DEFAULT_SETTING and _source_gguf(model) is not None:
+        # this CPU has no native bfloat16, so the default is float32; measure the setting a bfloat16 CPU gets too
+        paths.append(("tickloom bf16-CPU default", {"dtype": DEFAULT_SETTING[0], "quant": DEFAULT_SETTING[1]}))
+    paths.append(("tickloom float32 act + int4", {"dtype": "float32", "quant": "int4"}))
+    for label, kw in paths:
         lm = load_model(model, **kw)
         name = f"{label} ({lm.model.dtype}+{lm.model.quant})".replace("torch.", "")
         progress_note(name)
