@@ -17,6 +17,7 @@ from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.quant import QUANT_SETTINGS, bf16_supported
 from tickloom.engine.model.registry import smollm2_gguf_path
 from tickloom.engine.model.tables import step_of
+from tickloom.events import SamplingSpec
 from tickloom.events.commands import BindRequest
 
 pytestmark = [
@@ -74,7 +75,7 @@ def greedy_batch(model: LlamaModel, prompts: list[list[int]], n: int) -> list[li
     for k in per:
         tables.append(list(range(start, start + k)))
         start += k
-    spec = Greedy()
+    spec = SamplingSpec(temperature=0.0)
     for rid, p in zip(rids, prompts, strict=True):
         ex.bind(BindRequest(rid, spec, 0, len(p), []))
     b = len(prompts)
@@ -87,22 +88,6 @@ def greedy_batch(model: LlamaModel, prompts: list[list[int]], n: int) -> list[li
         for o, t in zip(outs, res.token_ids, strict=True):
             o.append(t)
     return outs
-
-
-class Greedy:
-    temperature = 0.0
-    top_k = 0
-    top_p = 1.0
-    min_p = 0.0
-    repetition_penalty = 1.0
-    presence_penalty = 0.0
-    frequency_penalty = 0.0
-    min_tokens = 0
-    logprobs = False
-    top_logprobs = 0
-    logit_bias: list[tuple[int, float]] = []  # noqa: RUF012 (read only)
-    allowed_token_ids = None
-    prompt_logprobs = None
 
 
 @functools.cache
