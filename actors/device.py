@@ -52,7 +52,7 @@ from tickloom.events import (
     SwapIn,
     SwapInFailed,
 )
-from tickloom.events.oracle import OracleRow, oracle_step
+from tickloom.events.oracle import OracleRow, oracle_extra_count, oracle_step
 
 
 class Executor(Protocol):
@@ -338,11 +338,9 @@ class StubDevice:
 
     def _extras(self, seed: int, request_id: str, index: int) -> list[int]:
         """The oracle's own next tokens, 0 to ``extras`` of them (stable per (seed, index)), within max_tokens."""
-        mixed = (seed * 2654435761 + index * 40503 + 12345) & 0xFFFFFFFF
-        count = (mixed >> 11) % (3 * self.extras)
         spec = self.specs.get(request_id, (None, []))[0]
         room = (spec.max_tokens if spec is not None else 16) - index - 1
-        count = min(count + 1 if count < self.extras else 0, room)
+        count = min(oracle_extra_count(seed, index, self.extras), room)
         return [self.token(request_id, index + 1 + j) for j in range(count)]
 
     def row(self, request_id: str, index: int) -> OracleRow:

@@ -44,6 +44,14 @@ def oracle_token(seed: int, index: int, vocab_size: int, avoid: Collection[int] 
     return token
 
 
+def oracle_extra_count(seed: int, index: int, most: int) -> int:
+    """How many extra tokens the oracle devices accept after output ``index`` (``OracleExecutor.extras``, the stub
+    device's ``extras``): 0 for about two thirds of the rows, else 1 to ``most``; stable per (seed, index)."""
+    mixed = (seed * 2654435761 + index * 40503 + 12345) & 0xFFFFFFFF
+    count = (mixed >> 11) % (3 * most)
+    return count + 1 if count < most else 0
+
+
 class OracleSample(NamedTuple):
     """A token with its logprob and the top-k alternatives (best first) under the oracle's distribution."""
 

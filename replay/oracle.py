@@ -27,7 +27,7 @@ from tickloom.events import (
     StepFailed,
     SwapIn,
 )
-from tickloom.events.oracle import OracleRow, oracle_step, oracle_token
+from tickloom.events.oracle import OracleRow, oracle_extra_count, oracle_step, oracle_token
 
 __all__ = ["OracleExecutor", "oracle_token"]
 
@@ -113,7 +113,8 @@ class OracleExecutor:
                 tokens.append(token)
                 sampled[request_id] = token
                 if self.extras:
-                    count = min(self._extra_count(request_id, index), self.max_tokens[request_id] - index - 1)
+                    count = min(oracle_extra_count(self.seeds[request_id], index, self.extras),
+                                self.max_tokens[request_id] - index - 1)
                     extras.append([self.token(request_id, index + 1 + j) for j in range(count)])
         if offset != len(step.token_ids):
             raise AssertionError(f"step {step.step_id}: rows cover {offset} tokens, not {len(step.token_ids)}")
@@ -124,9 +125,3 @@ class OracleExecutor:
         if any(extras):
             return StepDone(step.step_id, ids, tokens, self.step_time_ns, extra_token_ids=extras)
         return StepDone(step.step_id, ids, tokens, self.step_time_ns)
-
-    def _extra_count(self, request_id: str, index: int) -> int:
-        """0 for about two thirds of the rows, else 1 to ``extras``: stable per (seed, index)."""
-        mixed = (self.seeds[request_id] * 2654435761 + index * 40503 + 12345) & 0xFFFFFFFF
-        count = (mixed >> 11) % (3 * self.extras)
-        return count + 1 if count < self.extras else 0
