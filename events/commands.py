@@ -17,6 +17,9 @@ NOT_FED = -1
 NO_SAMPLE = -1
 """``RunStep.sample_indices`` value of a row that samples nothing (a prefill chunk before the prompt's end)."""
 
+PROPOSE = -1
+"""``RunStep.token_ids`` value of a proposal slot: a position the executor's proposer may fill (speculation)."""
+
 
 class BindRequest(Record, frozen=True, tag="bind"):
     """Tell the executor how a request samples; sent once, before its first ``RunStep`` row."""
@@ -38,6 +41,11 @@ class RunStep(Record, frozen=True, tag="step"):
     that step t samples for that request (its slot in ``token_ids`` holds 0). ``sample_indices[i]`` is the output
     index the row samples, or ``NO_SAMPLE``. The executor truncates the request's block table to
     ``block_starts[i]`` entries and appends the row's ``num_new_blocks[i]`` ids from ``new_block_ids``.
+
+    A decode row may end in proposal slots (``PROPOSE``): it reserves those positions (their blocks are in the
+    table) for tokens the executor proposes. The executor fills none, some or all of them, samples every filled
+    position with its own output index, and reports in ``StepDone.extra_token_ids`` the sampled tokens that
+    followed a correct proposal; the KV of the positions after the accepted ones is garbage the core never reads.
     """
 
     step_id: int

@@ -50,9 +50,11 @@ class StepDone(Record, frozen=True, tag="done"):
     prompt_top_logprobs: list[list[list[float]]] | None = None
     """Their logprobs, aligned with ``prompt_top_token_ids``."""
     extra_token_ids: list[list[int]] | None = None
-    """Per sampling row: the tokens accepted after the sampled one without a forward pass of their own (a
-    constraint that admits exactly one continuation forces them), in output order; ``[]`` on a row with none.
-    Their KV is written by the sequence's next row. None when no row has any."""
+    """Per sampling row: the tokens accepted after the sampled one, in output order; ``[]`` on a row with none.
+    None when no row has any. On a row without proposal slots they came without a forward pass of their own (a
+    constraint that admits exactly one continuation forces them), and their KV is written by the sequence's next
+    row. On a row with proposal slots (speculative decoding) they are the sampled tokens of the positions whose
+    proposal was right, at most one per slot; their KV, but for the last one's, is already written."""
 
 
 class StepFailed(Record, frozen=True, tag="fail"):

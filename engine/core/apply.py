@@ -16,6 +16,7 @@ from tickloom.engine.core.decode_lane import hand_tokens
 from tickloom.engine.core.errors import InvariantViolation
 from tickloom.engine.core.fences import release_fences
 from tickloom.engine.core.finish import mark_finish, track_stops
+from tickloom.engine.core.speculation import drop_proposals, may_speculate, settle_proposals
 from tickloom.engine.core.state import CoreState, InflightStep, Seq, WaitingQueue, ends_in_thinking
 from tickloom.engine.core.status import Status, StatusEvent, change_status
 from tickloom.events import (
@@ -149,6 +150,9 @@ def arrive(state: CoreState, ctx: TickContext, msg: RequestArrived) -> None:
     seq = Seq(msg.request_id, arrival, msg.priority, list(msg.prompt_token_ids), msg.params, seed,
               msg.deadline_ns, msg.cache_salt)
     seq.thinking = ends_in_thinking(seq.prompt, state.config.think_start_token, state.config.think_end_token)
+    if may_speculate(state.config, msg.params):
+        seq.spec_k = state.config.speculative_tokens
+        seq.spec_retry = 0
     state.seqs[msg.request_id] = seq
     track_stops(state, seq)
     state.waiting.insert(seq)
@@ -199,13 +203,16 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
     _settle_kv(ctx, step)
     extras = msg.extra_token_ids
     if (msg.logprobs is None and msg.top_token_ids is None and msg.prompt_logprobs is None and ctx.plain
-            and state.config.think_start_token is None and extras is None and not state.void_rows):
+            and state.config.think_start_token is None and extras is None and not state.void_rows
+            and not state.spec_rows):
         _commit_in_bulk(state, ctx, step, msg)
     else:
         running = Status.RUNNING
         logprobs = msg.logprobs
         for i, seq in enumerate(step.samplers):
             seq.inflight -= 1
+            if seq.spec_row and not seq.inflight:  # no row is planned after a row with proposal slots
+                settle_proposals(state, seq, len(extras[i]) if extras is not None else 0)
             if seq.void:  # a void row is the sequence's earliest in flight: steps settle in order
                 seq.void -= 1
                 state.void_rows -= 1
@@ -227,7 +234,9 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
 def _commit_extras(state: CoreState, ctx: TickContext, seq: Seq, extras: list[int]) -> None:
     """Commit the tokens a step accepted after a row's sampled one, in order, each through the stop rules.
 
-    Their KV is not written yet: the sequence's next row writes them (``catch_up``). A row already in flight
+    After a row with proposal slots their KV (but for the last one's) is written, and no row is in flight after it
+    (``speculation.settle_proposals`` rolled ``num_computed`` to its end). Otherwise their KV is not written yet:
+    the sequence's next row writes them (``catch_up``). A row already in flight
     for it (running ahead, fed from this step) was planned to sample the output the first extra token now is:
     it becomes void, and settles without a token. Its input, the sampled token, is still the right one, so the
     KV it writes is kept.
@@ -421,6 +430,8 @@ def fail_step(state: CoreState, ctx: TickContext, msg: StepFailed) -> None:
     state.lane = None
     for seq in step.samplers:
         seq.inflight -= 1
+        if not seq.inflight:
+            drop_proposals(state, seq)
     error = f"step {msg.step_id} failed: {msg.error}"
     for seq in step.seqs:
         if seq.status is not Status.FINISHED:

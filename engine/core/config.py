@@ -58,6 +58,10 @@ class SchedulingKnobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         ge=1, le=2**24, description="Requests waiting at once, at most: the core refuses an arrival beyond it, so "
                                     "the engine keeps at most this many requests open (submit then waits, or raises "
                                     "EngineOverloaded with overload='reject').")] = 1024
+    speculative_tokens: Annotated[int, Meta(
+        ge=0, le=32, description="Speculative decoding: proposal slots a decode row may carry, verified in the same "
+                                 "step (0: off). The executor's proposer fills them; a row that keeps rejecting "
+                                 "proposes fewer.")] = 0
     think_start_token: Annotated[TokenIdKnob | None, Meta(
         description="The token that opens a reasoning span (set with think_end_token); thinking_budget counts the "
                     "tokens inside.")] = None

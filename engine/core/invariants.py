@@ -133,6 +133,13 @@ def check_bounds(state: CoreState) -> None:
             raise InvariantViolation("fences", f"{seq.request_id!r} has {seq.inflight} tokens in flight")
         if not 0 <= seq.void <= seq.inflight:
             raise InvariantViolation("fences", f"{seq.request_id!r} has {seq.void} void rows, {seq.inflight} in flight")
+        if seq.spec_row and not (seq.inflight and seq.spec_row <= config.speculative_tokens and not seq.void):
+            raise InvariantViolation("fences", f"{seq.request_id!r} has a row with {seq.spec_row} proposal slots, "
+                                     f"{seq.inflight} rows in flight, {seq.void} void")
+    speculating = {seq.request_id for step in state.steps for seq in step.samplers if seq.spec_row}
+    if state.spec_rows != len(speculating):
+        raise InvariantViolation("fences", f"{state.spec_rows} rows with proposal slots counted, "
+                                 f"{len(speculating)} in flight")
 
 
 def check_lane(state: CoreState) -> None:

@@ -13,6 +13,9 @@ it still writes its input's KV, and settles without a token. The extra tokens' K
 next row, a catch-up row (``Seq.catch_up``) planned with the prefill chunks: it runs from the first position
 without KV through the pending token, and samples the next output as a decode row would.
 
+Proposal slots (speculative decoding, ``engine.core.speculation``): a decode row may end in slots the executor's
+proposer fills. No row is fed from such a row, since how many tokens it yields is unknown until it settles.
+
 KV exhaustion: reclaim prefix-cache blocks first, then preempt a victim (``preemption.choose_victim``). Rows of
 unsettled steps are never victims; if only they could give blocks, the row waits for the next step instead.
 
@@ -28,9 +31,10 @@ from tickloom.engine.core.decode_lane import advance_lane, plan_lane_decode, sta
 from tickloom.engine.core.finish import stop_rule
 from tickloom.engine.core.preemption import choose_victim, preempt
 from tickloom.engine.core.prefix_cache import cache_full_blocks, full_block_hashes, may_hit_cache
+from tickloom.engine.core.speculation import proposal_slots
 from tickloom.engine.core.state import CoreState, InflightStep, Seq
 from tickloom.engine.core.status import Status
-from tickloom.events import NO_SAMPLE, NOT_FED, RunStep
+from tickloom.events import NO_SAMPLE, NOT_FED, PROPOSE, RunStep
 
 
 def ensure_blocks(state: CoreState, ctx: TickContext, seq: Seq, blocks: int, step_id: int) -> bool:
@@ -57,7 +61,7 @@ def ensure_blocks(state: CoreState, ctx: TickContext, seq: Seq, blocks: int, ste
 
 def can_run_ahead(state: CoreState, seq: Seq) -> bool:
     """Whether a sequence with a token in flight may get a row fed from it."""
-    if seq.inflight >= state.config.pipeline_depth:
+    if seq.inflight >= state.config.pipeline_depth or seq.spec_row:
         return False
     params = seq.params
     produced = len(seq.outputs) + seq.inflight - seq.void
@@ -94,7 +98,8 @@ def plan_step(state: CoreState, ctx: TickContext) -> RunStep | None:
     remaining, completed = plan_prefill(state, ctx, planned, prefilling, config.max_batch_tokens - decode_rows)
     if not planned.seqs:
         return None
-    if prefilling is not None and not ctx.lane_broken and config.think_start_token is None and not state.void_rows:
+    if (prefilling is not None and not ctx.lane_broken and config.think_start_token is None and not state.void_rows
+            and not config.speculative_tokens):
         start_lane(state, planned, decode_rows, remaining, completed, left_out)
     return emit_step(state, ctx, planned)
 
@@ -118,6 +123,8 @@ def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None
     fed: list[tuple[int, int]] = []
     sample_indices: list[int] = []
     prefilling: list[Seq] = []
+    spec: list[tuple[int, int]] = []  # (row, proposal slots)
+    speculating = config.speculative_tokens > 0
     looked_at_all = True
     left_out: list[Seq] = []
     seqs_append = seqs.append
@@ -159,13 +166,20 @@ def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None
             token_ids_append(0)
         else:
             token_ids_append(outputs[-1])
+        index = num_outputs + live
+        slots = proposal_slots(state, seq, position, index, token_budget) if speculating else 0
+        if slots:
+            spec.append((len(seqs), slots))
+            token_ids.extend([PROPOSE] * slots)
+            seq.spec_row = slots
+            state.spec_rows += 1
         seqs_append(seq)
         positions_append(position)
-        sample_indices_append(num_outputs + live)
-        seq.num_computed = position + 1
+        sample_indices_append(index)
+        seq.num_computed = position + 1 + slots
         seq.inflight = inflight + 1
         seq.last_step = step_id
-        token_budget -= 1
+        token_budget -= 1 + slots
     if not looked_at_all and not seqs:
         return None, None, left_out
     fed_from = [NOT_FED] * len(seqs)
@@ -179,9 +193,14 @@ def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None
             if grown:
                 new_block_ids += seq.block_ids[sent:]
                 seq.sent_blocks = sent + grown
+    num_tokens = [1] * len(seqs)
+    for row, slots in spec:
+        num_tokens[row] += slots
     planned = StepColumns(
-        step_id, seqs, positions, [1] * len(seqs), token_ids, fed_from, sample_indices, block_starts, num_new_blocks,
-        new_block_ids, list(seqs), list(sample_indices), [position + 1 for position in positions],
+        step_id, seqs, positions, num_tokens, token_ids, fed_from, sample_indices, block_starts, num_new_blocks,
+        new_block_ids, list(seqs), list(sample_indices),
+        [position + n for position, n in zip(positions, num_tokens, strict=True)] if spec else
+        [position + 1 for position in positions],
     )
     planned.ending = [
         i for i, (seq, index) in enumerate(zip(seqs, sample_indices, strict=True))

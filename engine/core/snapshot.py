@@ -149,6 +149,7 @@ def restore_state(snapshot: CoreSnapshot) -> CoreState:
     state = CoreState(config=config, pool=pool)
     state.seqs = {seq.request_id: seq for seq in seqs[: snap.live]}
     state.void_rows = sum(seq.void for seq in seqs)
+    state.spec_rows = sum(1 for seq in seqs if seq.spec_row)
     state.waiting = WaitingQueue(seqs[i] for i in snap.waiting)
     state.running = [seqs[i] for i in snap.running]
     state.finished_in_running = [seq for seq in state.running if seq.status is not Status.RUNNING]

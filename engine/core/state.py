@@ -68,6 +68,14 @@ class Seq:
     void: int = 0
     """Rows in flight whose output an earlier step's extra tokens already supplied: they settle without a token.
     At most one (``pipeline_depth`` <= 2), and never together with ``catch_up``'s row in flight before it."""
+    spec_k: int = 0
+    """Proposal slots its next decode row asks for (speculative decoding; 0: none). Set at arrival for a request
+    whose tokens do not depend on per-token columns or forced tokens, then adapted to what its rows accept."""
+    spec_retry: int = -1
+    """The output count from which a sequence whose ``spec_k`` fell to 0 proposes again (-1: never)."""
+    spec_row: int = 0
+    """The proposal slots of its row in flight (0: none). No row is fed from such a row: how many tokens it yields
+    is unknown until it settles."""
     thinking: bool = False
     thinking_tokens: int = 0
     bound: bool = False
@@ -298,6 +306,9 @@ class CoreState:
     shut_down: bool = False
     void_rows: int = 0
     """The sum of every sequence's ``void``: while it is 0 (always, without extra tokens) a step settles in bulk."""
+    spec_rows: int = 0
+    """Rows in flight with proposal slots (sequences with ``spec_row``): while there are any, steps settle row by
+    row."""
     stop_tokens: set[int] = attrs.Factory(set)
     """Every token that may stop some live request: a step whose tokens miss it stops nothing. Kept exact by
     ``stop_refs`` (``finish.track_stops`` / ``untrack_stops``), so finished requests do not widen it."""
