@@ -34,25 +34,51 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    # Gemma's four norms: llama.cpp's ffn_norm is the norm before the MLP, HF's pre_feedforward_layernorm
+    "gemma2": {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    # Phi-3's fused projections: attn_qkv, and ffn_up holding gate and up
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+NORM_OFFSET_ARCHS = ("gemma2", "gemma3")
+"""GGUF architectures whose norm weights llama.cpp's converter stores with 1 added (HF's ``w`` as ``1 + w``)."""
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of architecture ``arch`` (the GGUF's, or the family's: the same
+    names except Mistral, which GGUF files call ``llama``); None for a tensor the model does not load."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     m = _BLK.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
+    if m is None:
+        return None
+    local = _ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+    return None if local is None else f"model.layers.{m.group(1)}.{local}"
+
+
+def is_offset_norm(gguf_name: str, arch: str) -> bool:
+    """Whether this tensor is a norm weight stored as ``1 + w`` (subtract 1 for the HF form)."""
+    return arch in NORM_OFFSET_ARCHS and gguf_name.endswith("norm.weight")
+
+
+def _permutes(arch: str) -> bool:
+    """llama.cpp's converter interleaves rope pairs in Q/K rows for Llama-format files (Mistral's included)."""
+    return arch in ("llama", "mistral")
 
 
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -133,7 +159,7 @@ def read_gguf_blocks(path: Path, cfg: ModelConfig) -> dict[str, Weight] | None:
     start = -(-cur.pos // alignment) * alignment
     out: dict[str, Weight] = {}
     for name, dims, ttype, offset in infos:
-        hf = hf_name(name)
+        hf = hf_name(name, cfg.architecture)
         if hf is None:
             continue
         if ttype not in _TYPES:
@@ -144,16 +170,19 @@ def read_gguf_blocks(path: Path, cfg: ModelConfig) -> dict[str, Weight] | None:
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         nbytes = rows * cols // per_block * block_bytes
         raw = data[start + offset : start + offset + nbytes].reshape(rows, -1)
-        if cfg.architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+        if _permutes(cfg.architecture) and name.endswith(("attn_q.weight", "attn_q.bias")):
             raw = unpermute_rope(raw, cfg.num_heads) if len(shape) == 2 else raw
-        elif cfg.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif _permutes(cfg.architecture) and name.endswith(("attn_k.weight", "attn_k.bias")):
             raw = unpermute_rope(raw, cfg.num_kv_heads) if len(shape) == 2 else raw
         if kind in ("F32", "F16"):
             arr = np.ascontiguousarray(raw).view(np.float32 if kind == "F32" else np.float16).reshape(shape)
-            if cfg.architecture == "llama" and len(shape) == 1 and name.endswith(("attn_q.bias", "attn_k.bias")):
+            if _permutes(cfg.architecture) and len(shape) == 1 and name.endswith(("attn_q.bias", "attn_k.bias")):
                 heads = cfg.num_heads if "attn_q" in name else cfg.num_kv_heads
                 arr = unpermute_rope(arr, heads)
-            out[hf] = torch.from_numpy(np.array(arr, dtype=np.float32))
+            f32 = torch.from_numpy(np.array(arr, dtype=np.float32))
+            out[hf] = f32 - 1 if is_offset_norm(name, cfg.architecture) else f32
+        elif is_offset_norm(name, cfg.architecture):
+            return None  # a quantized norm weight: the slow reader dequantizes it
         elif len(shape) == 2:
             out[hf] = RawBlocks(kind, np.ascontiguousarray(raw), (shape[0], shape[1]))
         else:

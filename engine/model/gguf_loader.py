@@ -1,7 +1,8 @@
 """Reading a GGUF file (llama.cpp format) into Hugging Face-named tensors, a config and a tokenizer.
 
 Weights are dequantized with ``gguf.quants.dequantize``; Q/K projections of ``llama`` files are
-un-permuted (llama.cpp's converter interleaves rope pairs for them). The tokenizer is rebuilt with the
+un-permuted (llama.cpp's converter interleaves rope pairs for them), and Gemma's norm weights, stored as ``1 + w``,
+are given back as ``w``. The tokenizer is rebuilt with the
 ``tokenizers`` library from ``tokenizer.ggml.*`` metadata.
 """
 
@@ -16,12 +17,13 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tickloom.engine.model.config import ModelConfig
+from tickloom.engine.model.config import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelConfig
 from tickloom.engine.model.errors import ModelLoadError
-from tickloom.engine.model.gguf_blocks import hf_name, unpermute_rope
+from tickloom.engine.model.gguf_blocks import hf_name, is_offset_norm, unpermute_rope
 from tickloom.engine.model.quant import RawBlocks
 
 Q = GGMLQuantizationType
+SUPPORTED_FAMILY_CLASSES = {family: cls for cls, family in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.F64, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
@@ -54,10 +56,15 @@ def open_gguf(path: Path) -> GGUFReader:
         raise ModelLoadError(path, f"not a readable GGUF file: {exc}") from exc
 
 
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+"""``general.architecture`` values read (a Mistral file is ``llama``, with its window if it has one)."""
+
+
 def gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
     arch = field_value(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ModelLoadError(path, f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(GGUF_ARCHITECTURES)
+        raise ModelLoadError(path, f"unsupported GGUF architecture {arch!r} (supported: {supported})")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ModelLoadError(path, "rope_freqs (GGUF Llama-3.1 rope scaling) is not supported")
@@ -68,42 +75,94 @@ def gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
             raise ModelLoadError(path, f"missing GGUF metadata {arch}.{key}")
         return v
 
+    def get(key: str, default: Any = None) -> Any:
+        return field_value(reader, f"{arch}.{key}", default)
+
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
+    layers = int(need("block_count"))
     tokens = field_value(reader, "tokenizer.ggml.tokens")
-    vocab = field_value(reader, f"{arch}.vocab_size")
+    vocab = get("vocab_size")
     if vocab is None:
         vocab = len(tokens) if tokens is not None else None
     if vocab is None:
         raise ModelLoadError(path, "cannot tell the vocabulary size (no vocab_size, no tokens)")
-    head_dim = field_value(reader, f"{arch}.attention.key_length") or hidden // heads
+    head_dim = int(get("attention.key_length") or hidden // heads)
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv") or heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(field_value(reader, f"{arch}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
-        rope_scaling=None,
-        bos_token_id=int(bos) if bos is not None else None,
-        eos_token_ids=(int(eos),) if eos is not None else (),
-    )
+    window = get("attention.sliding_window")
+    family = "mistral" if arch == "llama" and window else arch
+    ctx = int(get("context_length", 4096))
+    raw: dict[str, Any] = {
+        "architectures": [SUPPORTED_FAMILY_CLASSES[family]],
+        "vocab_size": int(vocab), "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv") or heads), "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "max_position_embeddings": ctx,
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in names,
+        "bos_token_id": int(bos) if bos is not None else None, "eos_token_id": int(eos) if eos is not None else None,
+        "sliding_window": int(window) if window else None,
+    }
+    if family == "phi3" and "rope_factors_long.weight" in names:
+        raw["rope_scaling"] = _longrope(path, reader, arch)
+    if arch in ("gemma2", "gemma3"):
+        raw.update(_gemma_options(reader, arch, hidden, heads, head_dim, layers))
+    return ModelConfig.from_hf_dict(raw, path)
+
+
+def _longrope(path: Path, reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """Phi-3's LongRoPE settings: its two factor sets are tensors in a GGUF file."""
+    factors = {t.name: [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)] for t in reader.tensors
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if "rope_factors_short.weight" not in factors or original is None:
+        raise ModelLoadError(path, "LongRoPE needs rope_factors_short and rope.scaling.original_context_length")
+    out: dict[str, Any] = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                           "short_factor": factors["rope_factors_short.weight"],
+                           "original_max_position_embeddings": int(original)}
+    attn = field_value(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn is not None:
+        out["attention_factor"] = float(attn)
+    return out
+
+
+def _gemma_options(reader: GGUFReader, arch: str, hidden: int, heads: int, head_dim: int,
+                   layers: int) -> dict[str, Any]:
+    """Gemma's options as config.json keys. A GGUF file does not carry ``query_pre_attn_scalar``: llama.cpp
+    takes ``hidden / heads`` for the 27B models (46 layers in Gemma 2, 62 in Gemma 3) and ``head_dim``
+    otherwise; an ``attention.scale`` key, when present, is the scale itself."""
+    def get(key: str, default: Any = None) -> Any:
+        return field_value(reader, f"{arch}.{key}", default)
+
+    scale = get("attention.scale")
+    big = layers == (46 if arch == "gemma2" else 62)
+    scalar = float(scale) ** -2 if scale else float(hidden // heads if big else head_dim)
+    out: dict[str, Any] = {"query_pre_attn_scalar": scalar,
+                           "attn_logit_softcapping": get("attn_logit_softcapping"),
+                           "final_logit_softcapping": get("final_logit_softcapping"),
+                           "hidden_activation": "gelu_pytorch_tanh"}
+    pattern = get("attention.sliding_window_pattern")
+    every = 2 if arch == "gemma2" else 6  # llama.cpp's fixed patterns when the file has none
+    if isinstance(pattern, list):
+        out["layer_types"] = [SLIDING if s else FULL for s in pattern]
+    else:
+        every = int(pattern) if pattern else every
+        out["layer_types"] = [SLIDING if (i + 1) % every else FULL for i in range(layers)]
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
+        kind = get("rope.scaling.type")
+        if kind not in (None, "none"):
+            out["rope_scaling"] = {"rope_type": kind, "factor": float(get("rope.scaling.factor", 1.0))}
+    return out
 
 
 def gguf_tensors(path: Path, reader: GGUFReader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Dequantized float32 tensors under Hugging Face names."""
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.architecture)
         if name is None:
             continue
         qtype = GGMLQuantizationType(int(t.tensor_type))
@@ -115,7 +174,9 @@ def gguf_tensors(path: Path, reader: GGUFReader, cfg: ModelConfig) -> dict[str, 
         except (NotImplementedError, ValueError) as exc:
             raise ModelLoadError(path, f"cannot dequantize {t.name!r} ({qtype.name}): {exc}") from exc
         arr = np.asarray(arr, dtype=np.float32).reshape(shape)
-        if cfg.architecture == "llama":
+        if is_offset_norm(t.name, cfg.architecture):
+            arr = arr - np.float32(1)
+        if cfg.architecture in ("llama", "mistral"):
             if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
                 arr = unpermute_rope(arr, cfg.num_heads)
             elif t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias"):
@@ -136,12 +197,12 @@ def gguf_weights(path: Path, reader: GGUFReader, cfg: ModelConfig) -> dict[str, 
               or len(t.shape) != 2]
     float_ids = {id(t) for t in floats}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.architecture)
         qtype = GGMLQuantizationType(int(t.tensor_type))
         if name is None or id(t) in float_ids:
             continue
         rows = np.asarray(t.data)
-        if cfg.architecture == "llama":
+        if cfg.architecture in ("llama", "mistral"):
             if t.name.endswith("attn_q.weight"):
                 rows = unpermute_rope(rows, cfg.num_heads)
             elif t.name.endswith("attn_k.weight"):

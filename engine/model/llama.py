@@ -1,4 +1,5 @@
-"""Llama-family decoder over a paged KV cache (Llama, Llama-3 rope scaling, Qwen2 qkv bias, SmolLM2).
+"""The decoder over a paged KV cache, for every family ``engine.model.arch`` describes (Llama, Mistral, Qwen2/3,
+Gemma 2/3, Phi-3): the forward reads the architecture's options (``ArchOptions``), never its name.
 
 Plain torch in the gpt-fast style: a fused qkv weight, small functions, an explicit KV
 cache. One forward runs a mixed batch of prefill chunks and decode rows, flattened to ``T`` tokens.
@@ -17,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from tickloom.engine.model import native
+from tickloom.engine.model.arch import ArchOptions, arch_options, expected_shapes
 from tickloom.engine.model.batch import AttnGroup, StepBatch
-from tickloom.engine.model.config import ModelConfig, rope_inv_freq
+from tickloom.engine.model.config import ModelConfig
 from tickloom.engine.model.head import head_linear
 from tickloom.engine.model.kv_cache import PagedKVCache
 from tickloom.engine.model.quant import (
@@ -30,56 +32,48 @@ from tickloom.engine.model.quant import (
     check_quant,
     join_linear,
 )
+from tickloom.engine.model.rope import rope_tables as rope_kind_tables
 
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes this architecture needs."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    out: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, h)
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        out[p + "input_layernorm.weight"] = (h,)
-        out[p + "post_attention_layernorm.weight"] = (h,)
-        out[p + "self_attn.q_proj.weight"] = (cfg.num_heads * d, h)
-        out[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * d, h)
-        out[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * d, h)
-        out[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
-        if cfg.attention_bias:
-            out[p + "self_attn.q_proj.bias"] = (cfg.num_heads * d,)
-            out[p + "self_attn.k_proj.bias"] = (cfg.num_kv_heads * d,)
-            out[p + "self_attn.v_proj.bias"] = (cfg.num_kv_heads * d,)
-        out[p + "mlp.gate_proj.weight"] = (i, h)
-        out[p + "mlp.up_proj.weight"] = (i, h)
-        out[p + "mlp.down_proj.weight"] = (h, i)
-    return out
+__all__ = ["LayerWeights", "LlamaModel", "apply_rope", "expected_shapes", "norm_weight2", "rms_norm", "rope_tables"]
 
 
 class LayerWeights:
     """One decoder layer's weights, with q/k/v fused and gate/up fused (``w13``: rows ``[gate; up]``).
 
     Projections are ``Linear`` callables (``engine.model.quant``): dense, int8 or int4. Norm weights are in the
-    form the model's norm takes (``LlamaModel._norm_weight``)."""
+    form the model's norm takes (``LlamaModel._norm_weight``); ``mlp_norm`` is the norm before the MLP (Gemma's
+    ``pre_feedforward_layernorm``, whose ``post_attention_layernorm`` is ``post_attn_norm``, after attention)."""
 
-    __slots__ = ("attn_norm", "mlp_norm", "qkv", "w2", "w13", "wo")
+    __slots__ = ("attn_norm", "k_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "qkv", "w2", "w13",
+                 "wo")
 
     def __init__(self, t: Mapping[str, Weight], prefix: str, bias: bool, quant: str, dtype: torch.dtype,
-                 act: torch.dtype, norm_weight: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 act: torch.dtype, norm_weight: Callable[[torch.Tensor], torch.Tensor],
+                 opts: ArchOptions | None = None) -> None:
         a = prefix + "self_attn."
-        self.attn_norm = norm_weight(_dense(t[prefix + "input_layernorm.weight"], dtype))
-        self.mlp_norm = norm_weight(_dense(t[prefix + "post_attention_layernorm.weight"], dtype))
+        sandwich = opts is not None and opts.sandwich_norms
+
+        def norm(name: str) -> torch.Tensor:
+            return norm_weight(_dense(t[prefix + name], dtype))
+
+        self.attn_norm = norm("input_layernorm.weight")
+        self.mlp_norm = norm("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")
+        self.post_attn_norm = norm("post_attention_layernorm.weight") if sandwich else None
+        self.post_mlp_norm = norm("post_feedforward_layernorm.weight") if sandwich else None
+        qk_norm = opts is not None and opts.qk_norm
+        self.q_norm = norm("self_attn.q_norm.weight") if qk_norm else None
+        self.k_norm = norm("self_attn.k_norm.weight") if qk_norm else None
         biases = None
         if bias:
             biases = [_dense(t[a + f"{p}_proj.bias"], dtype) for p in "qkv"]
-        self.qkv: Linear = join_linear([t[a + f"{p}_proj.weight"] for p in "qkv"], biases, quant, act)
+        fused = opts is not None and opts.fused_projections
+        qkv = [t[a + "qkv_proj.weight"]] if fused else [t[a + f"{p}_proj.weight"] for p in "qkv"]
+        self.qkv: Linear = join_linear(qkv, biases, quant, act)
         self.wo: Linear = join_linear([t[a + "o_proj.weight"]], None, quant, act)
-        self.w13: Linear = join_linear([t[prefix + "mlp.gate_proj.weight"], t[prefix + "mlp.up_proj.weight"]], None,
-                                       quant, act)
-        self.w2: Linear = join_linear([t[prefix + "mlp.down_proj.weight"]], None, quant, act)
+        m = prefix + "mlp."
+        w13 = [t[m + "gate_up_proj.weight"]] if fused else [t[m + "gate_proj.weight"], t[m + "up_proj.weight"]]
+        self.w13: Linear = join_linear(w13, None, quant, act)
+        self.w2: Linear = join_linear([t[m + "down_proj.weight"]], None, quant, act)
 
 
 def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -127,7 +121,7 @@ class LlamaModel:
     ``quant`` (``engine.model.quant.QUANT_SETTINGS``) picks the projections' form; the LM head is dense without
     ``quant`` and int8 with it (``head.head_linear``). The embedding table stays in ``dtype`` for lookup (or GGUF
     Q8_0 rows, dequantized per lookup). Tensors may be GGUF ``RawBlocks``; float tensors are converted to ``dtype``
-    as they are used."""
+    as they are used. What the architecture adds to Llama's forward is ``self.opts`` (``arch.ArchOptions``)."""
 
     def __init__(
         self,
@@ -139,6 +133,7 @@ class LlamaModel:
     ) -> None:
         check_quant(quant, dtype, device)
         self.cfg = cfg
+        self.opts = opts = arch_options(cfg)
         self.dtype = dtype
         self.device = device
         self.quant = quant
@@ -147,8 +142,9 @@ class LlamaModel:
             k: v if isinstance(v, RawBlocks) else v.to(device=device, dtype=dtype if quant == "none" else v.dtype)
             for k, v in tensors.items()
         }
-        # tickloom's fused CPU kernels (engine.model.native) for the row-wise ops and decode attention
-        self._native = (dtype == torch.bfloat16 and device.type == "cpu" and cfg.head_dim % 32 == 0
+        # tickloom's fused CPU kernels (engine.model.native) for the row-wise ops and decode attention; they
+        # implement Llama's forward only (no windows, soft-caps, extra norms or norm offsets)
+        self._native = (opts.plain and dtype == torch.bfloat16 and device.type == "cpu" and cfg.head_dim % 32 == 0
                         and cfg.head_dim <= 256 and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0
                         and native.available())
         self.embed = Embedding(t["model.embed_tokens.weight"], dtype)
@@ -159,20 +155,27 @@ class LlamaModel:
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(head_linear, head, quant, act)
             self.layers = [
-                LayerWeights(t, f"model.layers.{n}.", cfg.attention_bias, quant, dtype, act, self._norm_weight)
+                LayerWeights(t, f"model.layers.{n}.", cfg.attention_bias, quant, dtype, act, self._norm_weight, opts)
                 for n in range(cfg.num_layers)
             ]
             self.lm_head: Linear = pending.result()
         self.embed.release_pages()  # packing read every page of the file; lookups need a few rows
-        self.scale = cfg.head_dim**-0.5
+        self.scale = opts.attn_scale
         self._q_size, self._kv_size, self._gqa = cfg.q_size, cfg.kv_size, cfg.num_heads // cfg.num_kv_heads
         self._rope_heads, self._kv_heads2 = cfg.num_heads + cfg.num_kv_heads, 2 * cfg.num_kv_heads
-        self._inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64)
-        self._cos = self._sin = torch.empty(0, device=device)
+        self._ropes: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._grow_rope(max(min(cfg.max_position_embeddings, 2048), 1))
 
+    @property
+    def _cos(self) -> torch.Tensor:
+        return self._ropes[0][0]
+
+    @property
+    def _sin(self) -> torch.Tensor:
+        return self._ropes[0][1]
+
     def _grow_rope(self, n: int) -> None:
-        self._cos, self._sin = rope_tables(self._inv_freq, n, self.dtype, self.device)
+        self._ropes = [rope_kind_tables(r, n, self.dtype, self.device) for r in self.opts.ropes]
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.cfg
@@ -181,24 +184,61 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: PagedKVCache) -> torch.Tensor:
         """Run all rows; return logits (float32) for ``batch.logit_index`` tokens, in that order."""
+        opts = self.opts
         max_pos = batch.max_position
         if max_pos >= self._cos.shape[0]:
             self._grow_rope(max(2 * self._cos.shape[0], max_pos + 1))
-        rope = None if self._native else (self._cos.index_select(0, batch.positions).unsqueeze(1),
-                                          self._sin.index_select(0, batch.positions).unsqueeze(1))
-        masks = [self._decode_bias(g) if g.q_len == 1 and g.rows > 1 and not self._native else g.mask
-                 for g in batch.groups]
+        ropes = [None if self._native else (cos.index_select(0, batch.positions).unsqueeze(1),
+                                            sin.index_select(0, batch.positions).unsqueeze(1))
+                 for cos, sin in self._ropes]
+        masks = {w: self._step_masks(batch, w) for w in set(opts.layer_window)}
         x = self.embed(batch.input_ids)
+        if opts.embed_scale is not None:
+            # the scale rounded to the activations' dtype first, as the reference does
+            x.mul_(torch.tensor(opts.embed_scale, dtype=x.dtype))
         y: torch.Tensor | None = None  # the last sublayer's output, not yet added to the residual stream x
         for n, layer in enumerate(self.layers):
-            y = self._attention(n, layer, self._add_norm(x, y, layer.attn_norm), rope, batch, masks, kv)
-            y = layer.w2(self._silu_mul(layer.w13(self._add_norm(x, y, layer.mlp_norm))))
+            y = self._attention(n, layer, self._add_norm(x, y, layer.attn_norm), ropes[opts.layer_rope[n]], batch,
+                                masks[opts.layer_window[n]], kv)
+            if layer.post_attn_norm is not None:
+                y = rms_norm(y, layer.post_attn_norm, self.cfg.rms_norm_eps)
+            y = layer.w2(self._act_mul(layer.w13(self._add_norm(x, y, layer.mlp_norm))))
+            if layer.post_mlp_norm is not None:
+                y = rms_norm(y, layer.post_mlp_norm, self.cfg.rms_norm_eps)
         if y is not None:
             x.add_(y)
         h = x if batch.logit_index is None else x.index_select(0, batch.logit_index)
-        return self.lm_head(self._add_norm(h, None, self.norm)).float()
+        logits = self.lm_head(self._add_norm(h, None, self.norm)).float()
+        if opts.final_softcap is not None:
+            logits = _softcap(logits, opts.final_softcap)
+        return logits
+
+    def _step_masks(self, batch: StepBatch, window: int | None) -> list[torch.Tensor]:
+        """Each group's mask for layers with ``window`` (None: causal only); a batched decode group's as an
+        additive bias (``_decode_bias``). A window adds ``key position > query position - window`` to the causal
+        mask: the gathered context's index is the key's position, and the queries' positions are each decode row's
+        last one (``lengths - 1``) or a prefill chunk's ``batch.positions``."""
+        out: list[torch.Tensor] = []
+        for g in batch.groups:
+            mask = g.mask
+            if window is not None:
+                keys = torch.arange(mask.shape[-1], device=mask.device)
+                if g.q_len == 1 and g.lengths is not None:
+                    q_pos = (g.lengths - 1).view(-1, 1, 1, 1)
+                elif g.rows == 1:
+                    pos = (batch.positions[g.start : g.end] if g.token_index is None
+                           else batch.positions.index_select(0, g.token_index))
+                    q_pos = pos.repeat(self._gqa).view(1, 1, -1, 1)
+                else:
+                    raise NotImplementedError(f"sliding windows over a group of {g.rows} rows of {g.q_len} queries")
+                mask = mask & (keys > q_pos - window)
+            out.append(self._decode_bias(mask, g.rows) if g.q_len == 1 and g.rows > 1 and not self._native
+                       else mask)
+        return out
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        if self.opts.norm_offset:
+            w = w + self.opts.norm_offset
         return w.float().contiguous() if self._native else norm_weight2(w)
 
     def _add_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
@@ -210,10 +250,13 @@ class LlamaModel:
             x.add_(add)
         return rms_norm(x, weight, eps)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of the fused gate/up projection's output."""
         if self._native:
             return native.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.opts.gelu:
+            return F.gelu(gate, approximate="tanh").mul_(up)
         return F.silu(gate).mul_(up)
 
     def weight_bytes(self) -> int:
@@ -226,10 +269,10 @@ class LlamaModel:
         shared = self.cfg.tie_word_embeddings and self.quant == "none" and self.embed.table is not None
         return self.weight_bytes() + (0 if shared else self.embed.nbytes())
 
-    def _decode_bias(self, g: AttnGroup) -> torch.Tensor:
+    def _decode_bias(self, mask: torch.Tensor, rows: int) -> torch.Tensor:
         """A decode group's mask as an additive bias, ``1 x rows x 1 x ctx``, made once per step for all layers."""
-        bias = torch.zeros(g.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~g.mask, float("-inf"))
-        return bias.view(1, g.rows, 1, -1)
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        return bias.view(1, rows, 1, -1)
 
     def _attention(
         self,
@@ -244,6 +287,12 @@ class LlamaModel:
         t = x.shape[0]
         qs, d = self._q_size, self.cfg.head_dim
         qkv = layer.qkv(x)
+        if layer.q_norm is not None and layer.k_norm is not None:  # per head, before rope
+            heads = self.cfg.num_heads
+            qk = qkv[:, : qs + self._kv_size].view(t, self._rope_heads, d)
+            eps = self.cfg.rms_norm_eps
+            qk[:, :heads] = rms_norm(qk[:, :heads], layer.q_norm, eps)
+            qk[:, heads:] = rms_norm(qk[:, heads:], layer.k_norm, eps)
         if rope is None:
             native.rope_and_store(qkv, batch.positions, self._cos, self._sin, self._rope_heads,
                                   self.cfg.num_kv_heads, batch.write_slots, kv.kv[n])
@@ -269,21 +318,40 @@ class LlamaModel:
         Grouped-query heads are folded into the query axis (head ``h`` uses kv head ``h // G``), so K/V are never
         repeated, and kv heads lead (the gathered cache's order): queries become ``kv_heads x rows x (G * q_len) x
         head_dim``. Batched decode rows use two matmuls and a softmax: torch's CPU flash attention runs per (row,
-        head) and cost 3x that at batch 32; a single row or a prefill chunk uses it."""
+        head) and cost 3x that at batch 32; a single row or a prefill chunk uses it (unless scores are
+        soft-capped, which it cannot do)."""
         kvh, groups, d = self.cfg.num_kv_heads, self._gqa, self.cfg.head_dim
         b, ql = g.rows, g.q_len
         if ql == 1 and self._native and g.lengths is not None:
             return native.decode_attention(q, kv.kv[n], g.block_index, g.lengths, groups, self.scale)
         kb, vb = kv.gather(n, g.block_index)
         k, v = kb.view(kvh, b, -1, d), vb.view(kvh, b, -1, d)
-        if ql == 1 and b == 1:  # one token: rows x kv_heads and kv_heads x rows are the same memory
+        cap = self.opts.attn_softcap
+        if ql == 1 and b == 1 and cap is None:  # one token: rows x kv_heads and kv_heads x rows are the same memory
             o = F.scaled_dot_product_attention(q.view(kvh, 1, groups, d), k, v, attn_mask=mask, scale=self.scale)
             return o.view(1, self._q_size)
         if ql == 1:
             qq = q.view(b, kvh, groups, d).transpose(0, 1)
-            scores = torch.add(mask, torch.matmul(qq, k.transpose(-1, -2)), alpha=self.scale)
+            if cap is None:
+                scores = torch.add(mask, torch.matmul(qq, k.transpose(-1, -2)), alpha=self.scale)
+            else:
+                scores = _masked(_softcap(torch.matmul(qq, k.transpose(-1, -2)).mul_(self.scale), cap), mask)
             o = torch.matmul(scores.softmax(-1), v)
             return o.transpose(0, 1).reshape(b, self._q_size)
         qq = q.view(ql, kvh, groups, d).permute(1, 2, 0, 3).reshape(kvh, 1, groups * ql, d)
-        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=self.scale)
+        if cap is None:
+            o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=self.scale)
+        else:
+            scores = _softcap(torch.matmul(qq, k.transpose(-1, -2)).mul_(self.scale), cap)
+            o = torch.matmul(_masked(scores, mask).softmax(-1), v)
         return o.view(kvh, groups, ql, d).permute(2, 0, 1, 3).reshape(ql, self._q_size)
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: scores or logits squashed smoothly into ``(-cap, cap)`` (Gemma 2)."""
+    return torch.tanh(x / cap).mul_(cap)
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scores with masked-out keys at -inf; ``mask`` is a bool mask (True = attend) or an additive bias."""
+    return scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
