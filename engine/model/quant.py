@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tickloom.engine.model import int4pack, native
+from tickloom.engine.model import gguf_quants, int4pack, native
+from tickloom.engine.model.quant_grouped import GroupedInt8Linear, SplitLinear
 
 QUANT_SETTINGS: dict[str, tuple[int, int]] = {
     "none": (0, 0),
@@ -187,13 +188,9 @@ class Int4Linear:
     @classmethod
     def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None,
                          act: torch.dtype = torch.bfloat16, use_native: bool | None = None) -> Int4Linear:
-        """``blocks``: a GGUF Q4_0 or Q4_1 tensor's raw bytes, ``N x (K / 32 * block bytes)`` uint8. The nibbles
-        are taken as they are, never widened."""
-        size = {"Q4_0": 18, "Q4_1": 20}[kind]
-        b = np.ascontiguousarray(blocks).reshape(blocks.shape[0], -1, size)
-        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        z = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else -8.0 * d
-        return cls(b[..., size - 16 :], d, z, 32, bias, act, use_native)
+        """``blocks``: a GGUF Q4_0, Q4_1 or Q4_K tensor's raw bytes, ``N x row bytes`` uint8. The nibbles are
+        rearranged as bytes (Q4_K's into Q4_0's order), never widened; Q4_K's ``s = d sc``, ``z = -dmin m``."""
+        return cls(*gguf_quants.int4_fields(kind, blocks), 32, bias, act, use_native)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``N x K`` weight this layer multiplies by."""
@@ -246,25 +243,22 @@ def gguf_q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class RawBlocks:
-    """A GGUF tensor kept in its block form (Q4_0, Q4_1 or Q8_0): ``data`` is ``N x row bytes`` uint8."""
+    """A GGUF tensor kept as the file stores it (any ``gguf_quants.BLOCKS`` type but F32): ``data`` is
+    ``N x row bytes`` uint8, often a view of the file's mapping."""
 
     __slots__ = ("data", "kind", "shape")
 
     def __init__(self, kind: str, data: np.ndarray, shape: tuple[int, int]) -> None:
-        if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+        if kind not in gguf_quants.BLOCKS or kind == "F32":
             raise ValueError(f"no block form for {kind}")
         self.kind, self.data, self.shape = kind, data, shape
 
     def dequantize(self) -> torch.Tensor:
-        """float32 ``N x K``."""
-        n = self.shape[0]
-        if self.kind == "Q8_0":
-            d8, q8 = gguf_q8_0(self.data)
-            return torch.from_numpy((q8.astype(np.float32) * d8[..., None]).reshape(n, -1))
-        d, m, q = gguf_q4_fields(self.data, self.kind)
-        df = d.astype(np.float32)[..., None]
-        w = q.astype(np.float32) * df + m.astype(np.float32)[..., None] if m is not None else (q - 8.0) * df
-        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(n, -1))
+        """float32 ``N x K`` (ggml's reference values: ``gguf_quants.dequantize``)."""
+        return torch.from_numpy(gguf_quants.dequantize(self.kind, self.data))
+
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
 
     @staticmethod
     def concat(parts: list[RawBlocks]) -> RawBlocks | None:
@@ -280,18 +274,54 @@ class RawBlocks:
 Weight = torch.Tensor | RawBlocks
 
 
+def _block_form(kind: str, quant: str, rows: int) -> str:
+    """How a GGUF tensor of ``kind`` becomes a layer under ``quant`` (not "none"): "int4" (``Int4Linear``, the
+    file's 4-bit integers as they are), "grouped" (``GroupedInt8Linear``, as they are), "rows" (``Int8Linear``,
+    one scale per row: Q8_0 under int8, as before), or "float" (dequantized, then quantized as a float weight)."""
+    bits = QUANT_SETTINGS[quant][0]
+    if kind in gguf_quants.INT4_KINDS and bits == 4 and rows % 16 == 0:
+        return "int4"
+    if kind == "Q8_0" and bits == 8:
+        return "rows"
+    if kind in gguf_quants.FLOAT_KINDS or (bits == 8 and kind in ("Q4_0", "Q4_1")):
+        return "float"
+    return "grouped"
+
+
+def _blocks_linear(run: list[RawBlocks], form: str, bias: torch.Tensor | None, quant: str,
+                   act: torch.dtype) -> Linear:
+    """One layer of consecutive GGUF tensors that share a ``_block_form``, stacked along the output axis."""
+    if form == "int4":
+        fields = [gguf_quants.int4_fields(w.kind, w.data) for w in run]
+        nibbles, s, z = (np.concatenate([f[i] for f in fields]) for i in range(3))
+        return Int4Linear(nibbles, s, z, 32, bias, act)
+    if form == "grouped":
+        parts = [gguf_quants.int8_fields(w.kind, w.data) for w in run]
+        group = min(p[3] for p in parts)  # 32-groups split into 16s where a Q6_K part has them: the same weights
+        q = np.concatenate([p[0] for p in parts])
+        s = np.concatenate([np.repeat(p[1], p[3] // group, axis=1) for p in parts])
+        z = None
+        if any(p[2] is not None for p in parts):
+            z = np.concatenate([np.repeat(np.zeros_like(p[1]) if p[2] is None else p[2], p[3] // group, axis=1)
+                                for p in parts])
+        return GroupedInt8Linear(q, s, z, group, bias, act)
+    joined = RawBlocks.concat(run) if len(run) > 1 else run[0]
+    if form == "rows" and joined is not None:
+        return Int8Linear.from_q8_0(joined.data, bias, act)
+    return quantize_linear(torch.cat([w.dequantize() for w in run]), bias, quant, act)
+
+
 def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch.dtype) -> Linear:
-    """A linear layer for weight ``w`` under ``quant`` (a ``QUANT_SETTINGS`` key). GGUF Q4_0/Q4_1 blocks under
-    ``"int4"`` are packed as they are (no float detour, no second rounding); anything else is dequantized and
-    quantized. Int4 falls back to int8 where the group does not divide the input size or the output size is
-    not a multiple of 16. ``act`` is the activation dtype (and, with ``"none"``,
-    the weight dtype)."""
+    """A linear layer for weight ``w`` under ``quant`` (a ``QUANT_SETTINGS`` key). A GGUF tensor under a setting
+    keeps the file's integers where a layer takes them (``_block_form``: Q4_0/Q4_1/Q4_K as int4 under "int4";
+    Q5_0/Q5_1/Q5_K/Q6_K, and Q8_0 under "int4", as grouped int8; no float detour, no second rounding); anything
+    else is dequantized and quantized. Int4 falls back to int8 where the group does not divide the input size or
+    the output size is not a multiple of 16. ``act`` is the activation dtype (and, with ``"none"``, the weight
+    dtype)."""
     bits, group = QUANT_SETTINGS[quant]
     if isinstance(w, RawBlocks):
-        if bits == 4 and group == 32 and w.kind in ("Q4_0", "Q4_1") and w.shape[0] % 16 == 0:
-            return Int4Linear.from_gguf_blocks(w.data, w.kind, bias, act)
-        if bits == 8 and w.kind == "Q8_0":
-            return Int8Linear.from_q8_0(w.data, bias, act)
+        if bits:
+            return _blocks_linear([w], _block_form(w.kind, quant, w.shape[0]), bias, quant, act)
         w = w.dequantize()
     if bits == 4 and w.shape[0] % 16 == 0 and w.shape[1] % group == 0:  # the int4 pack wants rows in sixteens
         return Int4Linear.from_float(w, group, bias, act)
@@ -301,23 +331,37 @@ def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch
 
 
 def join_linear(ws: list[Weight], biases: list[torch.Tensor] | None, quant: str, act: torch.dtype) -> Linear:
-    """One linear layer for several weights stacked along the output axis (fused q/k/v)."""
+    """One linear layer for several weights stacked along the output axis (fused q/k/v). GGUF tensors of
+    different types join where their forms do (Q4_0 with Q4_K as int4, Q5_K with Q6_K as grouped int8); parts of
+    different forms become a ``SplitLinear``."""
     bias = None if biases is None else torch.cat(biases)
     if len(ws) == 1:
         return quantize_linear(ws[0], bias, quant, act)
-    if all(isinstance(w, RawBlocks) for w in ws):
-        joined = RawBlocks.concat([w for w in ws if isinstance(w, RawBlocks)])
+    blocks = [w for w in ws if isinstance(w, RawBlocks)]
+    if len(blocks) == len(ws):
+        joined = RawBlocks.concat(blocks)
         if joined is not None:
             return quantize_linear(joined, bias, quant, act)
+        if quant != "none":
+            forms = [_block_form(w.kind, quant, w.shape[0]) for w in blocks]
+            runs: list[tuple[str, list[RawBlocks]]] = []
+            for form, w in zip(forms, blocks, strict=True):
+                if runs and runs[-1][0] == form:
+                    runs[-1][1].append(w)
+                else:
+                    runs.append((form, [w]))
+            if len(runs) == 1:
+                return _blocks_linear(runs[0][1], runs[0][0], bias, quant, act)
+            return SplitLinear([_blocks_linear(run, form, None, quant, act) for form, run in runs], bias)
     floats = [w.dequantize() if isinstance(w, RawBlocks) else w for w in ws]
     dense = torch.cat([f.to(act) if quant == "none" else f.float() for f in floats])
     return quantize_linear(dense, bias, quant, act)
 
 
 class Embedding:
-    """Token lookup: a dense table, or GGUF Q8_0 rows dequantized per lookup.
+    """Token lookup: a dense table, or a GGUF integer type's rows (Q8_0, Q4_K, ...) dequantized per lookup.
 
-    The Q8_0 rows stay where the loader found them: when that is a read-only mapping of the GGUF file, only the
+    The rows stay where the loader found them: when that is a read-only mapping of the GGUF file, only the
     rows looked up are resident (``release_pages`` drops the rest, which the loader read while packing)."""
 
     __slots__ = ("blocks", "dtype", "table")
@@ -325,7 +369,7 @@ class Embedding:
     def __init__(self, w: Weight, dtype: torch.dtype) -> None:
         self.table: torch.Tensor | None = None
         self.blocks: RawBlocks | None = None
-        if isinstance(w, RawBlocks) and w.kind == "Q8_0":
+        if isinstance(w, RawBlocks) and w.kind in gguf_quants.INT_KINDS:
             self.blocks = w
         else:
             self.table = (w.dequantize() if isinstance(w, RawBlocks) else w).to(dtype)
@@ -335,8 +379,7 @@ class Embedding:
         if self.table is not None:
             return F.embedding(ids, self.table)
         assert self.blocks is not None
-        d8, q8 = gguf_q8_0(self.blocks.data[ids.cpu().numpy()])
-        rows = torch.from_numpy(q8).float().mul_(torch.from_numpy(d8)[..., None])
+        rows = torch.from_numpy(gguf_quants.dequantize(self.blocks.kind, self.blocks.data[ids.cpu().numpy()]))
         return rows.reshape(ids.shape[0], -1).to(device=ids.device, dtype=self.dtype)
 
     def weight(self) -> Weight:

@@ -1,0 +1,135 @@
+"""Layers for GGUF tensors that no one packed int4 or per-row int8 form holds exactly: ``GroupedInt8Linear`` (a
+scale per group of 16 or 32: GGUF's 5-, 6- and 8-bit types as the file has them) and ``SplitLinear`` (a fused
+projection whose parts have different forms). ``quant.quantize_linear`` and ``quant.join_linear`` choose them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tickloom.engine.model import gguf_quants, native
+
+
+class Layer(Protocol):
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def nbytes(self) -> int: ...
+
+
+def _nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class GroupedInt8Linear:
+    """Weight-only int8 with a scale, and for some types an offset, per group of 16 or 32 inputs:
+    ``w[n, k] = s[n, g] * q[n, k] (+ z[n, g])``, ``g = k // group``. GGUF's 5-, 6- and 8-bit types (and 4-bit ones
+    beside them in a fused projection) as the file has them: their integers fit int8 with the block's own scale, so
+    nothing is rounded again (``gguf_quants.int8_fields``). ``Int8Linear``'s one scale per row could not hold them.
+
+    Two ways to multiply: tickloom's 8-bit kernel (``native.q8_matmul``, the ``head.Q8Linear`` form) where it runs
+    and the groups are 32 (``s`` rounded to float16; the offset added as the activations' group sums times ``z``);
+    else float32, the weight dequantized a slice of rows at a time (exact, a temporary of at most
+    ``_SLICE_ELEMENTS`` floats; slower than a packed kernel: see the README's table)."""
+
+    __slots__ = ("act", "bias", "group", "in_features", "out_features", "q", "s", "tiles", "z")
+
+    def __init__(self, q: np.ndarray, s: np.ndarray, z: np.ndarray | None, group: int, bias: torch.Tensor | None,
+                 act: torch.dtype, use_native: bool | None = None) -> None:
+        n, k = q.shape
+        if k % group or s.shape != (n, k // group) or (z is not None and z.shape != s.shape):
+            raise ValueError(f"grouped int8: bad shapes q {q.shape}, s {s.shape}, group {group}")
+        self.out_features, self.in_features, self.group, self.act = n, k, group, act
+        self.bias = None if bias is None else bias.to(act)
+        can = group == native.GROUP and n % native.TILE_ROWS == 0
+        if use_native is None:
+            use_native = can and native.available()
+        if use_native and not can:
+            raise ValueError(f"the native 8-bit kernel takes groups of 32 and rows in 16s (group {group}, {n} rows)")
+        self.tiles = native.pack_q8_tiles(np.ascontiguousarray(q), s) if use_native else None
+        self.q = None if use_native else torch.from_numpy(np.ascontiguousarray(q))
+        self.s = torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32))
+        self.z = None if z is None else torch.from_numpy(np.ascontiguousarray(z, dtype=np.float32))
+
+    @classmethod
+    def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None,
+                         act: torch.dtype = torch.bfloat16, use_native: bool | None = None) -> GroupedInt8Linear:
+        q, s, z, group = gguf_quants.int8_fields(kind, blocks)
+        return cls(q, s, z, group, bias, act, False if group != native.GROUP else use_native)
+
+    def _weights(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of the float32 weight, as ``gguf_quants.dequantize`` computes it."""
+        if self.q is None:
+            assert self.tiles is not None
+            s16 = self.s[lo:hi].half().float().repeat_interleave(self.group, dim=1)  # what the kernel holds
+            w = _q8_tiles_rows(self.tiles, self.out_features)[lo:hi] * s16
+            return w if self.z is None else w + self.z[lo:hi].repeat_interleave(self.group, dim=1)
+        g = self.in_features // self.group
+        w = self.s[lo:hi, :, None] * self.q[lo:hi].view(-1, g, self.group).float()
+        if self.z is not None:
+            w += self.z[lo:hi, :, None]
+        return w.view(-1, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self._weights(0, self.out_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = tuple(x.shape[:-1])
+        y = self._mm(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features).to(x.dtype)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.tiles is not None:
+            y = native.q8_matmul(x.to(torch.bfloat16).contiguous(), self.tiles, self.out_features).float()
+            if self.z is not None:
+                y += xf.view(x.shape[0], -1, self.group).sum(-1) @ self.z.t()
+            return y.to(self.act)
+        step = max(16, _SLICE_ELEMENTS // self.in_features)
+        y = torch.empty(x.shape[0], self.out_features)
+        for lo in range(0, self.out_features, step):
+            hi = min(lo + step, self.out_features)
+            y[:, lo:hi] = F.linear(xf, self._weights(lo, hi))
+        return y.to(self.act)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.q, self.tiles, self.s, self.z, self.bias)
+
+
+_SLICE_ELEMENTS = 1 << 21
+"""``GroupedInt8Linear``'s float32 temporary without the native kernel: 8 MB at most."""
+
+
+def _q8_tiles_rows(tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """``native.pack_q8_tiles``' integers back as float32 ``N x K``."""
+    t = tiles.numpy()
+    b, g, _ = t.shape
+    q = t[..., :512].view(np.int8).reshape(b, g, 8, 16, 4).transpose(0, 3, 1, 2, 4).reshape(n, g * 32)
+    return torch.from_numpy(q.astype(np.float32))
+
+
+class SplitLinear:
+    """Linear layers side by side along the output axis: a fused projection (q/k/v, gate/up) whose parts the file
+    stores in forms no one kernel takes (Q4_K_M files keep some ``attn_v`` in Q6_K beside Q4_K ``attn_q``)."""
+
+    __slots__ = ("bias", "in_features", "out_features", "parts")
+
+    def __init__(self, parts: list[Layer], bias: torch.Tensor | None) -> None:
+        self.parts, self.bias = parts, bias
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts) + _nbytes(self.bias)
