@@ -1,27 +1,29 @@
 """A GGUF file's weights as blocks, read fast: only the tensor directory is parsed, the metadata skipped.
 
 ``gguf.GGUFReader`` builds a numpy view per metadata element (every token and merge string: ~4 s for the
-bundled model); a quantized load needs only the tensor directory, so this walks the header with ``struct`` and
-maps the data. Q4_0/Q4_1/Q8_0 matrices come back as ``RawBlocks``, F32/F16 tensors as float32 tensors; a file
-with any other type returns None (the caller falls back to ``gguf_loader.gguf_weights``).
+bundled model); a load needs only the tensor directory, so this walks the header with ``struct`` and maps the
+data. Matrices of the types in ``gguf_quants.BLOCKS`` come back as ``RawBlocks`` (views of the mapping, nothing
+copied), F32 matrices and every vector (norms, biases) as float32 tensors; a file with any other type returns None
+(the caller falls back to ``gguf_loader.gguf_weights``). ``read_gguf_header`` reads a few metadata values too (the
+chat template, for the command line's defaults) in the same walk.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tickloom.engine.model import gguf_quants
 from tickloom.engine.model.config import ModelConfig
 from tickloom.engine.model.quant import RawBlocks, Weight
 
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 """GGUF metadata value type -> bytes (8 string and 9 array are variable)."""
-_TYPES = {0: ("F32", 4, 1), 1: ("F16", 2, 1), 2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32), 8: ("Q8_0", 34, 32)}
-"""GGML tensor type -> (name, bytes per block, elements per block)."""
 
 
 _LAYER_NAMES = {
@@ -103,6 +105,17 @@ class _Cursor:
         self.pos += n
         return s
 
+    def value(self, vtype: int) -> object:
+        """One value: a string, a number or a bool (an array is skipped: None)."""
+        if vtype == 8:
+            return self.string()
+        if vtype in _FORMATS:
+            (v,) = struct.unpack_from(_FORMATS[vtype], self.buf, self.pos)
+            self.pos += _SCALAR[vtype]
+            return bool(v) if vtype == 7 else v
+        self.skip_value(vtype)
+        return None
+
     def skip_value(self, vtype: int) -> int | None:
         """Skip one value; return it if it is an unsigned/signed 32- or 64-bit integer (for general.alignment)."""
         if vtype == 8:
@@ -133,58 +146,104 @@ class _Cursor:
 
 
 _U64 = struct.Struct("<Q")
+_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+"""GGUF metadata scalar type -> struct format."""
 
 
-def read_gguf_blocks(path: Path, cfg: ModelConfig) -> dict[str, Weight] | None:
-    """The tensors the model uses, under Hugging Face names, or None if one has a type not read here."""
+@dataclass(slots=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    """Row-major (the GGUF's dims reversed)."""
+    type_id: int
+    offset: int
+    """From the start of the data section."""
+
+    @property
+    def kind(self) -> str | None:
+        """The type's name if tickloom reads it as it is (``gguf_quants.BLOCKS``), else None."""
+        return gguf_quants.GGML_TYPES.get(self.type_id)
+
+    @property
+    def type_name(self) -> str:
+        return gguf_quants.GGML_TYPE_NAMES.get(self.type_id, f"type {self.type_id}")
+
+
+@dataclass(slots=True)
+class GGUFHeader:
+    data: np.memmap
+    tensors: list[TensorInfo]
+    data_start: int
+    metadata: dict[str, object] = field(default_factory=dict)
+    """The values of the keys asked for that the file has (arrays are not read)."""
+
+    def tensor_bytes(self, t: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as ``rows x row bytes`` (a view of the mapping)."""
+        size, per = gguf_quants.BLOCKS[t.kind or "F32"]
+        cols = t.shape[-1]
+        rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+        at = self.data_start + t.offset
+        return self.data[at : at + rows * (cols // per) * size].reshape(rows, -1)
+
+
+def read_gguf_header(path: Path, keys: tuple[str, ...] = ()) -> GGUFHeader | None:
+    """The tensor directory and the metadata values of ``keys``, or None if this is not a GGUF file (version 2
+    or later)."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(data))  # type: ignore[arg-type]
-    if bytes(data[:4]) != b"GGUF":
+    if len(data) < 24 or bytes(data[:4]) != b"GGUF":
         return None
+    cur = _Cursor(memoryview(data))  # type: ignore[arg-type]
     cur.pos = 4
     version, n_tensors, n_kv = cur.take("<I"), cur.take("<Q"), cur.take("<Q")
     if version < 2:
         return None
     alignment = 32
+    wanted: dict[str, object] = {}
     for _ in range(n_kv):
         key = cur.string()
-        value = cur.skip_value(cur.take("<I"))
+        vtype = cur.take("<I")
+        if key in keys:
+            wanted[key] = cur.value(vtype)
+            continue
+        value = cur.skip_value(vtype)
         if key == "general.alignment" and value:
             alignment = value
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
         dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
-        infos.append((name, dims, cur.take("<I"), cur.take("<Q")))
+        infos.append(TensorInfo(name, tuple(reversed(dims)), cur.take("<I"), cur.take("<Q")))
     start = -(-cur.pos // alignment) * alignment
+    return GGUFHeader(data, infos, start, wanted)
+
+
+def read_gguf_blocks(path: Path, cfg: ModelConfig) -> dict[str, Weight] | None:
+    """The tensors the model uses, under Hugging Face names, or None if one has a type not read here."""
+    header = read_gguf_header(path)
+    if header is None:
+        return None
+    arch = cfg.architecture
     out: dict[str, Weight] = {}
-    for name, dims, ttype, offset in infos:
-        hf = hf_name(name, cfg.architecture)
+    for t in header.tensors:
+        hf = hf_name(t.name, arch)
         if hf is None:
             continue
-        if ttype not in _TYPES:
+        kind = t.kind
+        if kind is None or len(t.shape) > 2:
             return None
-        kind, block_bytes, per_block = _TYPES[ttype]
-        shape = tuple(reversed(dims))
-        cols = shape[-1]
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        nbytes = rows * cols // per_block * block_bytes
-        raw = data[start + offset : start + offset + nbytes].reshape(rows, -1)
-        if _permutes(cfg.architecture) and name.endswith(("attn_q.weight", "attn_q.bias")):
-            raw = unpermute_rope(raw, cfg.num_heads) if len(shape) == 2 else raw
-        elif _permutes(cfg.architecture) and name.endswith(("attn_k.weight", "attn_k.bias")):
-            raw = unpermute_rope(raw, cfg.num_kv_heads) if len(shape) == 2 else raw
-        if kind in ("F32", "F16"):
-            arr = np.ascontiguousarray(raw).view(np.float32 if kind == "F32" else np.float16).reshape(shape)
-            if _permutes(cfg.architecture) and len(shape) == 1 and name.endswith(("attn_q.bias", "attn_k.bias")):
-                heads = cfg.num_heads if "attn_q" in name else cfg.num_kv_heads
-                arr = unpermute_rope(arr, heads)
-            f32 = torch.from_numpy(np.array(arr, dtype=np.float32))
-            out[hf] = f32 - 1 if is_offset_norm(name, cfg.architecture) else f32
-        elif is_offset_norm(name, cfg.architecture):
-            return None  # a quantized norm weight: the slow reader dequantizes it
-        elif len(shape) == 2:
+        name, shape = t.name, t.shape
+        raw = header.tensor_bytes(t)
+        if _permutes(arch) and len(shape) == 2 and name.endswith("attn_q.weight"):
+            raw = unpermute_rope(raw, cfg.num_heads)
+        elif _permutes(arch) and len(shape) == 2 and name.endswith("attn_k.weight"):
+            raw = unpermute_rope(raw, cfg.num_kv_heads)
+        if len(shape) == 2 and kind != "F32" and not is_offset_norm(name, arch):
             out[hf] = RawBlocks(kind, np.ascontiguousarray(raw), (shape[0], shape[1]))
-        else:
-            return None
+            continue
+        arr = gguf_quants.dequantize(kind, raw).reshape(shape)
+        if is_offset_norm(name, arch):
+            arr = arr - np.float32(1)
+        if _permutes(arch) and len(shape) == 1 and name.endswith(("attn_q.bias", "attn_k.bias")):
+            arr = unpermute_rope(arr, cfg.num_heads if "attn_q" in name else cfg.num_kv_heads)
+        out[hf] = torch.from_numpy(np.array(arr, dtype=np.float32))
     return out

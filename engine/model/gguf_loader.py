@@ -8,6 +8,7 @@ are given back as ``w``. The tokenizer is rebuilt with the
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,13 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from tickloom.engine.model import gguf_quants
 from tickloom.engine.model.config import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelConfig
 from tickloom.engine.model.errors import ModelLoadError
 from tickloom.engine.model.gguf_blocks import hf_name, is_offset_norm, unpermute_rope
 from tickloom.engine.model.quant import RawBlocks
+
+log = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
 SUPPORTED_FAMILY_CLASSES = {family: cls for cls, family in SUPPORTED_ARCHITECTURES.items()}
@@ -66,8 +70,6 @@ def gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
         supported = ", ".join(GGUF_ARCHITECTURES)
         raise ModelLoadError(path, f"unsupported GGUF architecture {arch!r} (supported: {supported})")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ModelLoadError(path, "rope_freqs (GGUF Llama-3.1 rope scaling) is not supported")
 
     def need(key: str) -> Any:
         v = field_value(reader, f"{arch}.{key}")
@@ -107,6 +109,8 @@ def gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
     }
     if family == "phi3" and "rope_factors_long.weight" in names:
         raw["rope_scaling"] = _longrope(path, reader, arch)
+    elif "rope_freqs.weight" in names:
+        raw["rope_scaling"] = _freq_factors(reader, ctx)
     if arch in ("gemma2", "gemma3"):
         raw.update(_gemma_options(reader, arch, hidden, heads, head_dim, layers))
     return ModelConfig.from_hf_dict(raw, path)
@@ -126,6 +130,16 @@ def _longrope(path: Path, reader: GGUFReader, arch: str) -> dict[str, Any]:
     if attn is not None:
         out["attention_factor"] = float(attn)
     return out
+
+
+def _freq_factors(reader: GGUFReader, ctx: int) -> dict[str, Any]:
+    """Llama 3.x rope scaling as llama.cpp stores it: ``rope_freqs``, per rotated pair the divisor of its
+    frequency. That is LongRoPE with one factor set for all positions and no attention factor, which is how the
+    converted config.json states it (the ``llama3`` parameters the factors came from are not in the file)."""
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    factors = [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    return {"rope_type": "longrope", "short_factor": factors, "long_factor": factors,
+            "original_max_position_embeddings": ctx, "attention_factor": 1.0}
 
 
 def _gemma_options(reader: GGUFReader, arch: str, hidden: int, heads: int, head_dim: int,
@@ -185,13 +199,17 @@ def gguf_tensors(path: Path, reader: GGUFReader, cfg: ModelConfig) -> dict[str, 
     return out
 
 
-BLOCK_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})
-"""Types ``gguf_weights`` keeps in block form (``engine.model.quant.RawBlocks``) for quantized loading."""
+BLOCK_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    Q(i) for i, name in gguf_quants.GGML_TYPES.items() if name != "F32")
+"""Types ``gguf_weights`` keeps as the file stores them (``engine.model.quant.RawBlocks``)."""
 
 
-def gguf_weights(path: Path, reader: GGUFReader, cfg: ModelConfig) -> dict[str, torch.Tensor | RawBlocks]:
-    """Like ``gguf_tensors``, but Q4_0/Q4_1/Q8_0 matrices stay as their raw blocks (rows un-permuted for
-    rope like the floats), for layers that pack them without a float32 detour."""
+def gguf_weights(path: Path, reader: GGUFReader, cfg: ModelConfig, *,
+                 quantized: bool = True) -> dict[str, torch.Tensor | RawBlocks]:
+    """Like ``gguf_tensors``, but matrices of the ``BLOCK_TYPES`` stay as the file stores them (rows un-permuted
+    for rope like the floats), for layers that pack them without a float32 detour. Matrices of other types
+    (Q2_K, Q3_K, ...) are dequantized to float32, with a warning that says what that costs when the model is
+    ``quantized`` (otherwise every weight becomes a float anyway)."""
     out: dict[str, torch.Tensor | RawBlocks] = {}
     floats = [t for t in reader.tensors if GGMLQuantizationType(int(t.tensor_type)) not in BLOCK_TYPES
               or len(t.shape) != 2]
@@ -202,6 +220,8 @@ def gguf_weights(path: Path, reader: GGUFReader, cfg: ModelConfig) -> dict[str, 
         if name is None or id(t) in float_ids:
             continue
         rows = np.asarray(t.data)
+        if qtype == Q.F16:
+            rows = rows.view(np.uint8).reshape(rows.shape[0], -1)
         if cfg.architecture in ("llama", "mistral"):
             if t.name.endswith("attn_q.weight"):
                 rows = unpermute_rope(rows, cfg.num_heads)
@@ -211,8 +231,25 @@ def gguf_weights(path: Path, reader: GGUFReader, cfg: ModelConfig) -> dict[str, 
         out[name] = RawBlocks(qtype.name, np.ascontiguousarray(rows), shape)
     if floats:
         rest = gguf_tensors(path, _Only(reader, floats), cfg)  # type: ignore[arg-type]
+        if quantized:
+            _warn_dequantized(path, [t for t in floats if len(t.shape) == 2
+                                     and hf_name(t.name, cfg.architecture) is not None
+                                     and GGMLQuantizationType(int(t.tensor_type)) not in (Q.F32, Q.F64)])
         out.update(rest)
     return out
+
+
+def _warn_dequantized(path: Path, tensors: list[Any]) -> None:
+    """One warning per type tickloom has no layer for: how many matrices, and the float32 memory they take."""
+    by_type: dict[str, list[Any]] = {}
+    for t in tensors:
+        by_type.setdefault(GGMLQuantizationType(int(t.tensor_type)).name, []).append(t)
+    for kind, ts in sorted(by_type.items()):
+        floats = sum(int(np.prod(t.shape)) * 4 for t in ts)
+        stored = sum(int(t.n_bytes) for t in ts)
+        log.warning("%s: %d matrices (%r, ...) are %s, which tickloom has no packed form of: dequantized to "
+                    "float32, %.1f MB of memory (%.1f MB in the file), then quantized again for the setting",
+                    path.name, len(ts), ts[0].name, kind, floats / 1e6, stored / 1e6)
 
 
 class _Only:

@@ -299,12 +299,12 @@ def _blocks_linear(run: list[RawBlocks], form: str, bias: torch.Tensor | None, q
         parts = [gguf_quants.int8_fields(w.kind, w.data) for w in run]
         group = min(p[3] for p in parts)  # 32-groups split into 16s where a Q6_K part has them: the same weights
         q = np.concatenate([p[0] for p in parts])
-        s = np.concatenate([np.repeat(p[1], p[3] // group, axis=1) for p in parts])
-        z = None
+        scales = np.concatenate([np.repeat(p[1], p[3] // group, axis=1) for p in parts])
+        zeros = None
         if any(p[2] is not None for p in parts):
-            z = np.concatenate([np.repeat(np.zeros_like(p[1]) if p[2] is None else p[2], p[3] // group, axis=1)
-                                for p in parts])
-        return GroupedInt8Linear(q, s, z, group, bias, act)
+            zeros = np.concatenate([np.repeat(np.zeros_like(p[1]) if p[2] is None else p[2], p[3] // group, axis=1)
+                                    for p in parts])
+        return GroupedInt8Linear(q, scales, zeros, group, bias, act)
     joined = RawBlocks.concat(run) if len(run) > 1 else run[0]
     if form == "rows" and joined is not None:
         return Int8Linear.from_q8_0(joined.data, bias, act)
