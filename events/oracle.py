@@ -52,6 +52,13 @@ def oracle_extra_count(seed: int, index: int, most: int) -> int:
     return count + 1 if count < most else 0
 
 
+def oracle_accept_count(seed: int, index: int, slots: int) -> int:
+    """How many of a row's ``slots`` proposals the oracle devices accept when the row samples output ``index``
+    (speculative decoding): 0 to ``slots``, about evenly, stable per (seed, index)."""
+    mixed = (seed * 2246822519 + index * 3266489917 + 374761393) & 0xFFFFFFFF
+    return (mixed >> 13) % (slots + 1)
+
+
 class OracleSample(NamedTuple):
     """A token with its logprob and the top-k alternatives (best first) under the oracle's distribution."""
 

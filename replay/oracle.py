@@ -17,17 +17,19 @@ import attrs
 from tickloom.events import (
     NO_SAMPLE,
     NOT_FED,
+    PROPOSE,
     BindRequest,
     Command,
     Input,
     ReleaseRequest,
     RunStep,
     SamplingSpec,
+    SpillOut,
     StepDone,
     StepFailed,
     SwapIn,
 )
-from tickloom.events.oracle import OracleRow, oracle_extra_count, oracle_step, oracle_token
+from tickloom.events.oracle import OracleRow, oracle_accept_count, oracle_extra_count, oracle_step, oracle_token
 
 __all__ = ["OracleExecutor", "oracle_token"]
 
@@ -56,6 +58,11 @@ class OracleExecutor:
     tokens come: how many is a stable function of (seed, output index), and they are the oracle's own next
     tokens, so a request's output is the same with or without them. 0: none (and no extra column)."""
     max_tokens: dict[str, int] = attrs.Factory(dict)
+    block_size: int | None = None
+    """Set to check the KV of rejected proposals: the slots that hold one (``garbage``) must be written again
+    before any row attends to them, and never be spilled."""
+    garbage: set[int] = attrs.Factory(set)
+    """KV slots (``block * block_size + offset``) written with a rejected proposal and not written since."""
 
     def token(self, request_id: str, index: int) -> int:
         script = self.scripted.get(request_id)
@@ -81,6 +88,10 @@ class OracleExecutor:
                 results.append(self.run_step(command))
             elif isinstance(command, SwapIn):
                 self.tables[command.request_id] = list(command.block_ids)
+                self.garbage.difference_update(self._slots(command.block_ids, 0, len(command.block_ids) * (
+                    self.block_size or 0)))
+            elif isinstance(command, SpillOut) and self.block_size:
+                self._check_clean(f"spill of {command.request_id!r}", command.block_ids, command.num_tokens)
             elif isinstance(command, ReleaseRequest):
                 self.seeds.pop(command.request_id, None)
                 self.max_tokens.pop(command.request_id, None)
@@ -105,17 +116,28 @@ class OracleExecutor:
                 raise AssertionError(f"step {step.step_id} row {i} is fed from step {fed}, which sampled nothing")
             start, count = step.positions[i], step.num_tokens[i]
             self.written.setdefault(request_id, []).extend(range(start, start + count))
+            slots = _proposal_slots(step, i, offset, count)
             offset += count
+            if self.block_size:
+                self.garbage.difference_update(self._slots(table, start, start + count))
+                self._check_clean(f"step {step.step_id} row {i}", table, start + count)
             index = step.sample_indices[i]
             if index != NO_SAMPLE:
                 token = self.token(request_id, index)
                 ids.append(request_id)
                 tokens.append(token)
                 sampled[request_id] = token
-                if self.extras:
+                if slots:
+                    accepted = oracle_accept_count(self.seeds[request_id], index, slots)
+                    extras.append([self.token(request_id, index + 1 + j) for j in range(accepted)])
+                    if self.block_size:
+                        self.garbage.update(self._slots(table, start + 1 + accepted, start + count))
+                elif self.extras:
                     count = min(oracle_extra_count(self.seeds[request_id], index, self.extras),
                                 self.max_tokens[request_id] - index - 1)
                     extras.append([self.token(request_id, index + 1 + j) for j in range(count)])
+                else:
+                    extras.append([])
         if offset != len(step.token_ids):
             raise AssertionError(f"step {step.step_id}: rows cover {offset} tokens, not {len(step.token_ids)}")
         self.sampled[step.step_id] = sampled
@@ -125,3 +147,25 @@ class OracleExecutor:
         if any(extras):
             return StepDone(step.step_id, ids, tokens, self.step_time_ns, extra_token_ids=extras)
         return StepDone(step.step_id, ids, tokens, self.step_time_ns)
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        size = self.block_size or 1
+        return [table[q // size] * size + q % size for q in range(start, end) if q // size < len(table)]
+
+    def _check_clean(self, what: str, table: list[int], end: int) -> None:
+        """Positions ``0..end-1`` of ``table`` hold no rejected proposal's KV."""
+        dirty = self.garbage.intersection(self._slots(table, 0, end))
+        if dirty:
+            raise AssertionError(f"{what} reads KV slots {sorted(dirty)} written with rejected proposals")
+
+
+def _proposal_slots(step: RunStep, row: int, offset: int, count: int) -> int:
+    """The ``PROPOSE`` slots ending row ``row`` (tokens ``offset..offset+count-1``); anywhere else they are an error."""
+    tokens = step.token_ids[offset : offset + count]
+    slots = 0
+    while slots < len(tokens) and tokens[len(tokens) - 1 - slots] == PROPOSE:
+        slots += 1
+    misplaced = slots == count or step.sample_indices[row] == NO_SAMPLE
+    if PROPOSE in tokens[: len(tokens) - slots] or (slots and misplaced):
+        raise AssertionError(f"step {step.step_id} row {row}: proposal slots that do not end a sampling decode row")
+    return slots

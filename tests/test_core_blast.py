@@ -64,8 +64,10 @@ class BlastHarness(Harness):
             rng=self.rng, fail_rate=fail_rate,
             step_choices=(0, 1, 1, 1, 2, 2) if config.pipeline_depth == 2 else (0, 1, 1, 1, 1),
         )
-        super().__init__(config, oracle=OracleExecutor(config.vocab_size, avoid=(EOS, STOP_TOKEN), extras=extras),
-                         policy=self.random_policy)
+        # With proposal slots the oracle also checks that no rejected proposal's KV is ever read or spilled.
+        oracle = OracleExecutor(config.vocab_size, avoid=(EOS, STOP_TOKEN), extras=extras,
+                                block_size=config.block_size if config.speculative_tokens else None)
+        super().__init__(config, oracle=oracle, policy=self.random_policy)
         self.arrived: dict[str, RequestArrived] = {}
         self.stop_sent: set[str] = set()
         self.next_id = 0
