@@ -36,7 +36,7 @@ import trio
 
 from tickloom.actors.mailbox import ChannelOverflow, Outbox
 from tickloom.actors.spill import SpillActor
-from tickloom.engine.model.tables import BoundRequests
+from tickloom.engine.model.tables import BoundRequests, proposal_slots
 from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import (
     NO_SAMPLE,
@@ -52,7 +52,7 @@ from tickloom.events import (
     SwapIn,
     SwapInFailed,
 )
-from tickloom.events.oracle import OracleRow, oracle_extra_count, oracle_step
+from tickloom.events.oracle import OracleRow, oracle_accept_count, oracle_extra_count, oracle_step
 
 
 class Executor(Protocol):
@@ -327,20 +327,26 @@ class StubDevice:
                 if index != NO_SAMPLE]
         out = oracle_step(rows, self.vocab_size, self.avoid)
         result = StepResult(out.token_ids, *out.columns)
-        if self.extras:
-            extras = [self._extras(row.seed, rid, row.output_index) for rid, row in zip(
+        slots = [n for n, k in zip(proposal_slots(step), step.sample_indices, strict=True) if k != NO_SAMPLE]
+        if self.extras or any(slots):
+            extras = [self._extras(row.seed, rid, row.output_index, n) for rid, row, n in zip(
                 (r for r, k in zip(step.request_ids, step.sample_indices, strict=True) if k != NO_SAMPLE), rows,
-                strict=True)]
+                slots, strict=True)]
             result.extra_token_ids = extras if any(extras) else None
         if dead:
             result = with_placeholders(command, dead, result)
         await self._outbox.send(step_done(command, result, int(seconds * 1e9)))
 
-    def _extras(self, seed: int, request_id: str, index: int) -> list[int]:
-        """The oracle's own next tokens, 0 to ``extras`` of them (stable per (seed, index)), within max_tokens."""
-        spec = self.specs.get(request_id, (None, []))[0]
-        room = (spec.max_tokens if spec is not None else 16) - index - 1
-        count = min(oracle_extra_count(seed, index, self.extras), room)
+    def _extras(self, seed: int, request_id: str, index: int, slots: int) -> list[int]:
+        """The oracle's own next tokens, so that a request's output does not change: on a row with proposal slots,
+        as many as the oracle's proposer got right (``oracle_accept_count``); on another row, 0 to ``extras`` of
+        them, within max_tokens. Both counts are stable per (seed, index)."""
+        if slots:
+            count = oracle_accept_count(seed, index, slots)
+        else:
+            spec = self.specs.get(request_id, (None, []))[0]
+            room = (spec.max_tokens if spec is not None else 16) - index - 1
+            count = min(oracle_extra_count(seed, index, self.extras), room)
         return [self.token(request_id, index + 1 + j) for j in range(count)]
 
     def row(self, request_id: str, index: int) -> OracleRow:

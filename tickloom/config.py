@@ -96,6 +96,10 @@ class _EngineFields(SchedulingKnobs, frozen=True, kw_only=True, forbid_unknown_f
         ge=100, le=10_000_000, description="Symbols a constraint's compiled grammar may hold (llguidance's "
                                            "max_grammar_size): bounds each constraint's compile time and memory; "
                                            "a larger one is refused at submit.")] = 100_000
+    speculative_proposer: Annotated[Literal["prompt_lookup"], Meta(
+        description="What fills the proposal slots when speculative_tokens > 0: prompt_lookup proposes what followed "
+                    "the request's last 3 (or 2) tokens where they occurred before in its prompt or output. The "
+                    "stub model accepts a stable pseudo-random share instead. Logged in the header.")] = "prompt_lookup"
     stub_vocab_size: Annotated[int, Meta(ge=96, le=2**20, description="The stub model's vocabulary.")] = 96
     stub_step_time: Annotated[float, Meta(
         ge=0.0, le=3600.0, description="Seconds per step of the stub model (virtual time under MockClock).")] = 0.01
@@ -140,6 +144,10 @@ def _check_tensor_parallel(fields: _EngineFields) -> None:
         raise ConfigError(f"EngineConfig.tensor_parallel_size={world}: KV spill (spill_dir, host_spill_bytes) is not "
                           "supported with tensor parallelism (each rank holds a shard of the KV cache); turn spill "
                           "off or use tensor_parallel_size=1")
+    if fields.speculative_tokens:
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={world}: speculative decoding (speculative_tokens="
+                          f"{fields.speculative_tokens}) does not run on tensor-parallel ranks yet; set "
+                          "speculative_tokens=0 or use tensor_parallel_size=1")
 
 
 def _with_chat_template_text(fields: _EngineFields) -> _EngineFields:

@@ -392,12 +392,14 @@ async def build_runtime(config: EngineConfig) -> Runtime:
                                       vocab_size=mcfg.vocab_size, eos_token_ids=tuple(mcfg.eos_token_ids))
         executor: Any
         if ranks is None:
+            from tickloom.engine.model.speculate import make_proposer
             from tickloom.engine.model.structured import ConstraintLimits, Constraints
 
             limits = ConstraintLimits(max_text_chars=config.max_constraint_chars,
                                       max_grammar_size=config.max_constraint_grammar_size)
             constraints = Constraints(loaded.tokenizer, mcfg.vocab_size, tuple(mcfg.eos_token_ids), limits)
-            executor = ModelExecutor(loaded.model, num_blocks, config.block_size, constraints)
+            proposer = make_proposer(config.speculative_proposer) if config.speculative_tokens else None
+            executor = ModelExecutor(loaded.model, num_blocks, config.block_size, constraints, proposer)
         else:
             executor = await trio.to_thread.run_sync(ranks.connect, num_blocks, config.block_size)
         dtype_name = str(loaded.model.dtype).removeprefix("torch.")

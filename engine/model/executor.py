@@ -12,7 +12,8 @@ from tickloom.engine.model.host_pool import CopyEngine
 from tickloom.engine.model.kv_cache import HostKV, PagedKVCache
 from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.sampling import SampleOutput, Sampler, SampleRow, has_penalties
-from tickloom.engine.model.tables import BoundRequests, step_inputs
+from tickloom.engine.model.speculate import Proposer, accepted
+from tickloom.engine.model.tables import BoundRequests, proposal_slots, step_inputs
 from tickloom.engine.model.types import ConstraintEngine, PendingMasks, StepResult
 from tickloom.events import SamplingSpec
 from tickloom.events.commands import BindRequest, PromptLogprobs, RunStep
@@ -41,10 +42,12 @@ class ModelExecutor(BoundRequests[_RequestState]):
     """Forced tokens accepted after one sampled token at most (a long JSON key is a few tokens)."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
-                 constraints: ConstraintEngine | None = None) -> None:
+                 constraints: ConstraintEngine | None = None, proposer: Proposer | None = None) -> None:
         super().__init__(block_size)
         self.constraints = constraints
         """The grammar engine for structured outputs (None: a request with a constraint cannot be bound)."""
+        self.proposer = proposer
+        """Fills the proposal slots of speculating rows (None: they stay empty, and the rows decode plainly)."""
         self.model = model
         self.kv: PagedKVCache = model.new_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(model.cfg.vocab_size, model.device)
@@ -75,10 +78,16 @@ class ModelExecutor(BoundRequests[_RequestState]):
         super().release(request_id)
         if self.constraints is not None:
             self.constraints.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def run_step(self, step: RunStep) -> StepResult:
         """Run one mixed step. A row fed from a step still in flight when the command was made (``fed_from``)
         takes the token its request sampled for that position.
+
+        A row ending in proposal slots speculates: its input and up to that many proposed tokens run as consecutive
+        one-token rows, each position is sampled with its own output index, and the sampled tokens that followed
+        right proposals are the row's extras (``speculate.accepted``).
 
         A sampling row whose next output this executor already holds is void: an earlier step accepted extra
         tokens after its sampled one (a constraint forced them) and the core planned this row, running ahead,
@@ -90,20 +99,39 @@ class ModelExecutor(BoundRequests[_RequestState]):
         request_ids, positions, num_tokens, sample_indices = (step.request_ids, step.positions, step.num_tokens,
                                                               step.sample_indices)
         tokens = step_inputs(step)
+        slots = proposal_slots(step)
         rows: list[RowSpec] = []
+        row_states: list[_RequestState] = []  # each forward row's request (a speculating row makes several)
+        inputs: list[int] = []  # the forward's input tokens: ``tokens`` with proposals in their slots
         held: dict[int, int] = {}  # void row -> the output it already holds
+        proposals: dict[int, list[int]] = {}  # speculating row -> its proposed tokens (maybe none)
         off = 0
         for i, st in enumerate(states):
             p, n = positions[i], num_tokens[i]
             if len(st.tokens) < p:
                 raise ValueError(f"{request_ids[i]}: step starts at {p}, only {len(st.tokens)} tokens known")
-            for j in range(off, off + n):
+            known = n - slots[i]
+            for j in range(off, off + known):
                 if tokens[j] < 0:
                     pos = p + j - off
                     if pos >= len(st.tokens):
                         raise ValueError(f"{request_ids[i]}: no sampled token for position {pos}")
                     tokens[j] = st.tokens[pos]
             samples = sample_indices[i] >= 0
+            if slots[i]:
+                # The input and the proposals as consecutive one-token rows: each position is computed as a plain
+                # decode row computes it. Proposals stand in ``st.tokens`` until sampled (penalties read them).
+                del st.tokens[p:]
+                st.tokens.append(tokens[off])
+                proposed = self._propose(request_ids[i], st, slots[i])
+                proposals[i] = proposed
+                st.tokens.extend(proposed)
+                rows.extend(RowSpec(p + j, 1, st.block_table, True) for j in range(1 + len(proposed)))
+                row_states.extend([st] * (1 + len(proposed)))
+                inputs.append(tokens[off])
+                inputs.extend(proposed)
+                off += n
+                continue
             if samples and len(st.tokens) > p + n:
                 held[i] = st.tokens[p + n]
             else:
@@ -112,33 +140,44 @@ class ModelExecutor(BoundRequests[_RequestState]):
             # Logits at every position for a chunk that holds prompt positions whose next token is a prompt token.
             whole = st.prompt is not None and p < st.prompt_len - 1
             rows.append(RowSpec(p, n, st.block_table, samples and i not in held, whole))
+            row_states.append(st)
+            inputs.extend(tokens[off : off + n])
             off += n
         masks = self._start_masks(step, states, held)
-        batch = build_step_batch(rows, tokens, self.block_size, self._gqa, self.model.device)
+        batch = build_step_batch(rows, inputs, self.block_size, self._gqa, self.model.device)
         self.copier.before_compute()
         logits = self.model.forward(batch, self.kv)
         if any(row.all_logits for row in rows):
-            logits = self._prompt_logprobs(rows, states, logits)
+            logits = self._prompt_logprobs(rows, row_states, logits)
         allowed = masks[1].wait() if masks is not None else None
         sample_rows: list[SampleRow] = []
         for i, st in enumerate(states):
             k = sample_indices[i]
             if k < 0 or i in held:
                 continue
-            end = positions[i] + num_tokens[i]
-            sample_rows.append(
-                SampleRow(
-                    spec=st.spec,
-                    seed=st.seed,
-                    output_index=k,
-                    prompt_tokens=st.tokens[: st.prompt_len] if has_penalties(st.spec) else [],
-                    output_tokens=st.tokens[st.prompt_len : end] if has_penalties(st.spec) else [],
-                    masked_token_ids=st.masked_token_ids,
-                    allowed=None if allowed is None or i not in masks[0] else allowed[masks[0][i]],  # type: ignore[index]
+            end = positions[i] + num_tokens[i] - slots[i]
+            penalties = has_penalties(st.spec)
+            for j in range(1 + len(proposals.get(i, ()))):
+                sample_rows.append(
+                    SampleRow(
+                        spec=st.spec,
+                        seed=st.seed,
+                        output_index=k + j,
+                        prompt_tokens=st.tokens[: st.prompt_len] if penalties else [],
+                        output_tokens=st.tokens[st.prompt_len : end + j] if penalties else [],
+                        masked_token_ids=st.masked_token_ids,
+                        allowed=None if allowed is None or i not in masks[0] else allowed[masks[0][i]],  # type: ignore[index]
+                    )
                 )
-            )
         out = self.sampler.sample(logits, sample_rows)
-        return self._collect(step, states, held, out)
+        return self._collect(step, states, held, proposals, out)
+
+    def _propose(self, request_id: str, st: _RequestState, most: int) -> list[int]:
+        """Up to ``most`` proposals for a speculating row (``st.tokens`` ends with its input); none for a request
+        whose constraint forces or masks its tokens (the core gives such rows no slots anyway)."""
+        if self.proposer is None or (self.constraints is not None and request_id in self.constraints):
+            return []
+        return self.proposer.propose(request_id, st.tokens, most)[:most]
 
     def _start_masks(self, step: RunStep, states: list[_RequestState],
                      held: dict[int, int]) -> tuple[dict[int, int], PendingMasks] | None:
@@ -159,8 +198,9 @@ class ModelExecutor(BoundRequests[_RequestState]):
         return (which, constraints.start_masks(wanted)) if wanted else None
 
     def _collect(self, step: RunStep, states: list[_RequestState], held: dict[int, int],
-                 out: SampleOutput) -> StepResult:
-        """The step's result in row order: sampled tokens, held ones for void rows, and each row's extras."""
+                 proposals: dict[int, list[int]], out: SampleOutput) -> StepResult:
+        """The step's result in row order: sampled tokens, held ones for void rows, and each row's extras: a
+        speculating row's accepted tokens, or the tokens a constraint forces next."""
         constraints = self.constraints
         tokens: list[int] = []
         extras: list[list[int]] = []
@@ -186,12 +226,21 @@ class ModelExecutor(BoundRequests[_RequestState]):
                 logprobs.append(out.logprobs[t_i])
                 top_ids.append(out.top_token_ids[t_i] if out.top_token_ids is not None else [])
                 top_lps.append(out.top_logprobs[t_i] if out.top_logprobs is not None else [])
-            t_i += 1
-            st.tokens.append(token)
             tokens.append(token)
             forced: list[int] = []
             rid = step.request_ids[i]
-            if constraints is not None and rid in constraints and not _wants_logprobs(st.spec):
+            proposed = proposals.get(i)
+            if proposed is not None:
+                sampled = out.token_ids[t_i : t_i + 1 + len(proposed)]
+                forced = sampled[1 : 1 + accepted(proposed, sampled)]
+                del st.tokens[step.positions[i] + 1 :]  # the proposals, now replaced by what was sampled
+                st.tokens.append(token)
+                st.tokens.extend(forced)
+                t_i += 1 + len(proposed)
+            else:
+                st.tokens.append(token)
+                t_i += 1
+            if proposed is None and constraints is not None and rid in constraints and not _wants_logprobs(st.spec):
                 limit = min(self.MAX_EXTRAS, st.spec.max_tokens - k - 1)
                 if limit > 0:
                     forced = constraints.forced(rid, st.tokens[st.prompt_len :], limit)

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tickloom.engine.model.tables import BoundRequests
+from tickloom.engine.model.tables import BoundRequests, proposal_slots
 from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import SamplingSpec
 from tickloom.events.commands import BindRequest, RunStep
-from tickloom.events.oracle import OracleRow, oracle_step, oracle_token
+from tickloom.events.oracle import OracleRow, oracle_accept_count, oracle_step, oracle_token
 
 
 def token_for(seed: int, output_index: int, vocab_size: int = 32000) -> int:
@@ -55,12 +55,23 @@ class StubExecutor(BoundRequests[_StubRequest]):
                                                           list(command.prompt_token_ids))
 
     def run_step(self, step: RunStep) -> StepResult:
+        """Oracle tokens for the sampling rows. A row with proposal slots accepts a stable number of them
+        (``events.oracle.oracle_accept_count``, as if a proposer had guessed that many of the oracle's next tokens),
+        so its output is the same with or without speculation."""
         states = self.start_step(step)
         rows = [OracleRow(st.seed, k, st.spec, st.prompt)
                 for st, k in zip(states, step.sample_indices, strict=True) if k >= 0]
         self.steps_run += 1
         out = oracle_step(rows, self.vocab_size, self.avoid)
-        return StepResult(out.token_ids, *out.columns)
+        result = StepResult(out.token_ids, *out.columns)
+        slots = [n for n, k in zip(proposal_slots(step), step.sample_indices, strict=True) if k >= 0]
+        if any(slots):
+            extras = [[oracle_step([row._replace(output_index=row.output_index + 1 + j)], self.vocab_size,
+                                   self.avoid).token_ids[0]
+                       for j in range(oracle_accept_count(row.seed, row.output_index, n))]
+                      for row, n in zip(rows, slots, strict=True)]
+            result.extra_token_ids = extras if any(extras) else None
+        return result
 
     def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV:
         if request_id not in self._requests:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
-from tickloom.events.commands import NOT_FED, RunStep
+from tickloom.events.commands import NOT_FED, PROPOSE, RunStep
 
 FED = -1
 """In ``step_inputs``: "the token this request sampled for this position" (a row fed from a step in flight)."""
@@ -26,6 +26,25 @@ def step_inputs(step: RunStep) -> list[int]:
             tokens[offset] = FED
         offset += count
     return tokens
+
+
+def proposal_slots(step: RunStep) -> list[int]:
+    """Per row, the ``PROPOSE`` slots that end it (speculative decoding): positions the executor's proposer may fill
+    after the row's input. A ``PROPOSE`` anywhere else is an error."""
+    tokens = step.token_ids
+    if PROPOSE not in tokens:
+        return [0] * len(step.num_tokens)
+    slots: list[int] = []
+    offset = 0
+    for i, count in enumerate(step.num_tokens):
+        n = 0
+        while n < count and tokens[offset + count - 1 - n] == PROPOSE:
+            n += 1
+        if n and (n == count or step.sample_indices[i] < 0 or PROPOSE in tokens[offset : offset + count - n]):
+            raise ValueError(f"row {i}: proposal slots must end a sampling row after its input")
+        slots.append(n)
+        offset += count
+    return slots
 
 
 def step_of(request_ids: Sequence[str], positions: Sequence[int], num_tokens: Sequence[int],

@@ -1,0 +1,102 @@
+"""Proposers for speculative decoding, and the rule that accepts a row's proposals.
+
+The core reserves proposal slots at the end of a decode row (``RunStep``'s ``PROPOSE`` entries); the executor asks
+its proposer for up to that many tokens, runs the row's input and the proposals as consecutive decode rows of the
+same request (each at its own position, so each position is computed exactly as a plain decode row would compute
+it), samples every position with its own output index, and keeps the longest prefix of proposals that equal the
+sampled tokens (``accepted``). Since a token is a pure function of the logits and (seed, output index), the tokens
+are the ones decoding without speculation gives: a proposal only decides how many of them one step produces.
+
+A proposer sees only the request's tokens (prompt and outputs so far), never the logits, so a replay that runs the
+same proposer over the same tokens proposes the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Proposer(Protocol):
+    """Proposes the next tokens of a request from its tokens so far."""
+
+    name: str
+
+    def propose(self, request_id: str, tokens: Sequence[int], most: int) -> list[int]:
+        """At most ``most`` tokens to follow ``tokens`` (the request's prompt and outputs, the row's input last)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget the request."""
+        ...
+
+
+def accepted(proposed: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many proposals to keep: ``sampled[j]`` is the token sampled at the position whose input was the row's
+    input (j = 0) or ``proposed[j - 1]``; proposal ``j`` stands while it equals ``sampled[j]``."""
+    n = 0
+    while n < len(proposed) and proposed[n] == sampled[n]:
+        n += 1
+    return n
+
+
+@dataclass(slots=True)
+class _Index:
+    tokens: list[int] = field(default_factory=list)
+    """The tokens indexed so far (a copy): a request whose tokens changed before ``end`` is indexed again."""
+    end: int = 0
+    """n-grams ending before this position are indexed (each has a following token)."""
+    grams: dict[tuple[int, ...], int] = field(default_factory=dict)
+    """n-gram -> the position after its latest occurrence."""
+
+
+class PromptLookup:
+    """Prompt lookup decoding: find the request's last ``n`` tokens earlier in its prompt or output (the longest
+    ``n`` from ``max_n`` down to ``min_n`` that occurs, its latest occurrence), and propose what followed it there.
+
+    It pays where the output copies its input (summaries, edits, extraction, code). Each request's n-grams are
+    indexed incrementally, so a proposal costs O(new tokens), not O(history).
+    """
+
+    name = "prompt_lookup"
+
+    def __init__(self, max_n: int = 3, min_n: int = 2) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self._index: dict[str, _Index] = {}
+
+    def propose(self, request_id: str, tokens: Sequence[int], most: int) -> list[int]:
+        length = len(tokens)
+        if most <= 0 or length < self.min_n + 1:
+            return []
+        index = self._index.get(request_id)
+        if index is None or index.tokens[: index.end + 1] != list(tokens[: index.end + 1]):
+            index = self._index[request_id] = _Index()
+        grams = index.grams
+        for stop in range(index.end, length - 1):  # the n-grams ending at ``stop``, each followed by a token
+            for n in range(self.min_n, self.max_n + 1):
+                if stop + 1 >= n:
+                    grams[tuple(tokens[stop + 1 - n : stop + 1])] = stop + 1
+        index.end = max(index.end, length - 1)
+        index.tokens = list(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            after = grams.get(tuple(tokens[length - n :]))
+            if after is not None:
+                return list(tokens[after : after + most])
+        return []
+
+    def release(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+PROPOSERS = ("prompt_lookup",)
+"""The proposer names ``EngineConfig.speculative_proposer`` accepts."""
+
+
+def make_proposer(name: str) -> Proposer:
+    """The proposer called ``name``."""
+    if name == "prompt_lookup":
+        return PromptLookup()
+    raise ValueError(f"unknown speculative proposer {name!r}; choose one of {list(PROPOSERS)}")
