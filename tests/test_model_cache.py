@@ -93,11 +93,10 @@ def test_the_fingerprint_is_stored_with_the_conversion(cache: Path, tiny_gguf: P
     converted = resolve_model(tiny_gguf)
     meta = json.loads((converted / "tickloom.json").read_text())
     with monkeypatch.context() as m:  # what a load computes when nothing is stored
-        m.setattr(loaders, "stored_fingerprint", lambda model_dir: None)
-        m.setattr(loaders, "_remember_fingerprint", lambda *args: None)
+        m.setattr(loaders, "_entry_fingerprint", lambda model_dir: None)
         computed = load_model(tiny_gguf).fingerprint
     assert meta["fingerprint"] == computed
-    monkeypatch.setattr(loaders, "fingerprint", _no_hashing)
+    monkeypatch.setattr(loaders, "gguf_fingerprint", _no_hashing)
     assert load_model(tiny_gguf).fingerprint == computed
 
 

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from tickloom import EngineConfig, SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
-"""The default model is an instruct model, so ``--chat`` is on by default for it."""
+"""The model a command loads unless ``--model`` says otherwise (an instruct model: it has a chat template, so
+``--chat`` is on by default for it)."""
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -40,13 +41,14 @@ class EngineFlag:
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("model", ("--model",), help=f"a model name (see `tickloom models`), a checkpoint directory, a .gguf "
-                                           f"file, or 'stub' (default {DEFAULT_MODEL})"),
+                                           f"file, a Hugging Face org/name in the local Hugging Face cache (offline), "
+                                           f"or 'stub' (default {DEFAULT_MODEL})"),
     EngineFlag("device", ("--device",), help="torch device: cpu, cuda, cuda:N (default cpu)"),
-    EngineFlag("dtype", ("--dtype",), help=f"model dtype (default: float32 on CPU, bfloat16 on CUDA; {DEFAULT_MODEL} "
+    EngineFlag("dtype", ("--dtype",), help="model dtype (default: float32 on CPU, bfloat16 on CUDA; a quantized GGUF "
                                            "on a CPU with native bfloat16: bfloat16 with --quant int4)"),
     EngineFlag("quant", ("--quant",), help="weight-only quantization on CPU: int8 per channel, int4 in groups of 32 (a "
-                                           "GGUF's Q4 blocks as they are); none: the --dtype weights (default: the "
-                                           "model's)"),
+                                           "GGUF's Q4_0/Q4_1/Q4_K blocks as they are, its 5- to 8-bit ones as int8 "
+                                           "per group); none: the --dtype weights (default: the model's)"),
     EngineFlag("chat_template", ("--chat-template",), "TEMPLATE",
                help="a Jinja chat template replacing the model's: a file's path or the template itself, as vLLM's "
                     "(default: the model's)"),
@@ -131,7 +133,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, max_tokens: int = DE
                         help="no progress lines on stderr (model loading and conversion)")
     if chat_flag:
         parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                            help=f"wrap prompts as chat messages (default: on for {DEFAULT_MODEL}, off otherwise)")
+                            help="wrap prompts as chat messages (default: on when the model has a chat template, "
+                                 "or --chat-template is given)")
 
 
 def check_dtype(dtype: str | None) -> None:
@@ -166,9 +169,10 @@ def check_device(device: str | None) -> None:
 
 
 def check_model(model: str, *, flag: str = "--model") -> None:
-    """A usage error if ``model`` is neither a model name nor an existing .gguf file or directory with a
-    config.json (what is wrong inside one is found while loading: exit 65)."""
-    from tickloom.engine.model.registry import available_models
+    """A usage error if ``model`` is neither a model name, an existing .gguf file or directory with a config.json,
+    nor an ``org/name`` in the local Hugging Face cache (what is wrong inside one is found while loading: exit
+    65)."""
+    from tickloom.engine.model.registry import available_models, hf_cached_snapshot, unknown_model
     from tickloom.tools.cli import CliError
 
     names = [m.name for m in available_models()] + ["stub"]
@@ -176,8 +180,9 @@ def check_model(model: str, *, flag: str = "--model") -> None:
         return
     path = Path(model).expanduser()
     if not path.exists():
-        raise CliError(f"cannot load model {model!r}: no such file or directory, and not a model name "
-                       f"({', '.join(names)}; see `tickloom models`)")
+        if hf_cached_snapshot(model) is not None:
+            return
+        raise CliError(f"cannot load model {model!r}: no such file or directory; {unknown_model(model)}")
     if path.is_file() and path.suffix != ".gguf":
         raise CliError(f"{flag} {model!r}: a file must be a .gguf; a checkpoint is a directory (config.json + "
                        "safetensors)")

@@ -31,19 +31,19 @@ from tickloom.engine.model.llama import expected_shapes
 def write_checkpoint_files(
     out_dir: Path,
     cfg: ModelConfig,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor] | None,
     tokenizer: Tokenizer,
     tokenizer_config: dict[str, Any],
     torch_dtype: str = "float32",
 ) -> None:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
-    generation_config.json into an existing directory."""
+    """Write config.json, model.safetensors (unless ``tensors`` is None: a GGUF's cache entry, whose weights stay
+    in the file), tokenizer.json, tokenizer_config.json and generation_config.json into an existing directory."""
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = torch_dtype
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True), encoding="utf-8")
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"}
-    )
+    if tensors is not None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+                  metadata={"format": "pt"})
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config, indent=2, sort_keys=True), encoding="utf-8"
@@ -57,7 +57,7 @@ def write_checkpoint_files(
 def write_checkpoint_atomic(
     out_dir: Path,
     cfg: ModelConfig,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor] | None,
     tokenizer: Tokenizer,
     tokenizer_config: dict[str, Any],
     torch_dtype: str = "float32",

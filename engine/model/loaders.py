@@ -27,18 +27,18 @@ from tickloom.engine.model.checkpoint import (
     read_safetensors,
 )
 from tickloom.engine.model.config import ModelConfig
-from tickloom.engine.model.convert import resolve_model
+from tickloom.engine.model.convert import model_source, resolve_model
 from tickloom.engine.model.errors import ModelLoadError
-from tickloom.engine.model.llama import LlamaModel, expected_shapes
+from tickloom.engine.model.gguf_weights import gguf_fingerprint, gguf_model_weights
+from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.quant import Weight, bf16_supported
 from tickloom.engine.model.registry import (
-    DEFAULT_MODEL,
+    META_FILE,
     cache_dir,
     file_identity,
     locked_index,
     read_index,
     read_meta,
-    smollm2_gguf_path,
 )
 from tickloom.engine.model.tokenizer import TokenizerWrapper
 
@@ -90,14 +90,9 @@ def stored_fingerprint(model_dir: Path) -> str | None:
     ``tickloom.json`` (its files' sizes unchanged), else the cache index's record for the directory (every
     file's identity unchanged). None if there is none, so the caller computes it."""
     real = model_dir.resolve()
-    if real.is_relative_to((cache_dir() / "models").resolve()):  # a user's directory cannot vouch for itself
-        meta = read_meta(real)
-        if meta is not None:
-            fp, sizes = meta.get("fingerprint"), meta.get("files")
-            if (isinstance(fp, str) and isinstance(sizes, dict) and "model.safetensors" in sizes
-                    and all((real / str(n)).is_file() and (real / str(n)).stat().st_size == size
-                            for n, size in sizes.items())):
-                return fp
+    fp = _entry_fingerprint(real)
+    if fp is not None:
+        return fp
     record = read_index()["dirs"].get(str(real))
     if not isinstance(record, dict) or not isinstance(record.get("fingerprint"), str):
         return None
@@ -105,6 +100,22 @@ def stored_fingerprint(model_dir: Path) -> str | None:
     if record.get("files") != _identities(model_dir, names):
         return None
     return str(record["fingerprint"])
+
+
+def _entry_fingerprint(real: Path) -> str | None:
+    """A cache entry's recorded fingerprint, if its files' sizes are unchanged (a GGUF's entry: its weights are
+    the GGUF's, whose content names the entry)."""
+    if not real.is_relative_to((cache_dir() / "models").resolve()):  # a user's directory cannot vouch for itself
+        return None
+    meta = read_meta(real)
+    if meta is None:
+        return None
+    fp, sizes = meta.get("fingerprint"), meta.get("files")
+    if (isinstance(fp, str) and isinstance(sizes, dict) and "config.json" in sizes
+            and all((real / str(n)).is_file() and (real / str(n)).stat().st_size == size
+                    for n, size in sizes.items())):
+        return fp
+    return None
 
 
 def _remember_fingerprint(model_dir: Path, identities: dict[str, list[int]], fp: str) -> None:
@@ -125,9 +136,10 @@ def load_hf_dir(
     gguf: Path | None = None,
     build: ModelBuilder = LlamaModel,
 ) -> LoadedModel:
-    """``gguf``: the file ``model_dir`` was converted from; with a ``quant`` setting its Q4_0/Q4_1/Q8_0 blocks
-    are read straight from it (no float32 weights are read or made). The fingerprint gains ``+<quant>``; it is the
-    whole checkpoint's, whatever ``build`` makes of it."""
+    """``gguf``: the file ``model_dir`` (its cache entry: config and tokenizer, no weights) was converted from;
+    the weights are read from it as it stores them (``gguf_weights.gguf_model_weights``: no float32 copy unless
+    the setting is float32). The fingerprint gains ``+<quant>``; it is the whole checkpoint's, whatever
+    ``build`` makes of it."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(model_dir, "not a directory")
@@ -136,19 +148,24 @@ def load_hf_dir(
     for name in CHECKPOINT_FILES:  # read below only if present; each must stay inside the directory
         contained(model_dir, name)
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    fp = stored_fingerprint(model_dir)
-    identities = _identities(model_dir, fingerprint_files(model_dir)) if fp is None else {}
     needed: dict[str, Weight]
-    if gguf is not None and quant != "none" and fp is not None:
-        needed = _gguf_weights(gguf, cfg)
+    if gguf is not None:
+        needed = gguf_model_weights(gguf, cfg, quantized=quant != "none")
+        fp = _entry_fingerprint(model_dir.resolve())
+        if fp is None:
+            log.info("computing the weight fingerprint of %s…", gguf)
+            fp = gguf_fingerprint(cfg, needed)
     else:
+        _refuse_weightless_entry(model_dir)
+        fp = stored_fingerprint(model_dir)
+        identities = _identities(model_dir, fingerprint_files(model_dir)) if fp is None else {}
         tensors, origin = read_safetensors(model_dir)
         needed = dict(check_tensors(cfg, tensors, origin, model_dir))
+        if fp is None:
+            log.info("computing the weight fingerprint of %s (once per checkpoint)…", model_dir)
+            fp = fingerprint(cfg, {k: v for k, v in needed.items() if isinstance(v, torch.Tensor)})
+            _remember_fingerprint(model_dir, identities, fp)
     tok = TokenizerWrapper.from_dir(model_dir)
-    if fp is None:
-        log.info("computing the weight fingerprint of %s (once per checkpoint)…", model_dir)
-        fp = fingerprint(cfg, {k: v for k, v in needed.items() if isinstance(v, torch.Tensor)})
-        _remember_fingerprint(model_dir, identities, fp)
     if tok.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
             model_dir / "tokenizer.json",
@@ -162,23 +179,14 @@ def load_hf_dir(
     return LoadedModel(model=model, tokenizer=tok, config=cfg, fingerprint=fp, path=model_dir)
 
 
-def _gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, Weight]:
-    from tickloom.engine.model.gguf_blocks import read_gguf_blocks
-
-    got = read_gguf_blocks(path, cfg)
-    if got is None:  # only now import the gguf package (0.2 s)
-        from tickloom.engine.model.gguf_loader import gguf_weights, open_gguf
-
-        got = gguf_weights(path, open_gguf(path), cfg)
-    out: dict[str, Weight] = {}
-    for name, shape in expected_shapes(cfg).items():
-        w = got.get(name)
-        if w is None:
-            raise ModelLoadError(path, f"missing tensor {name!r}")
-        if tuple(w.shape) != shape:
-            raise ModelLoadError(path, f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
-        out[name] = w
-    return out
+def _refuse_weightless_entry(model_dir: Path) -> None:
+    """A GGUF's cache entry given as a directory: its weights are in the GGUF, so say which file to load."""
+    if any(model_dir.glob("*.safetensors")) or not (model_dir / META_FILE).is_file():
+        return
+    meta = read_meta(model_dir) or {}
+    if meta.get("weights") == "gguf":
+        raise ModelLoadError(model_dir, f"a tickloom cache entry holds no weights: load the GGUF it was converted "
+                                        f"from ({meta.get('source', 'its .gguf file')})")
 
 
 def split_setting(dtype: str | torch.dtype | None, quant: str | None) -> tuple[str | torch.dtype | None, str | None]:
@@ -192,23 +200,40 @@ def split_setting(dtype: str | torch.dtype | None, quant: str | None) -> tuple[s
 
 
 def default_setting(path_or_name: str | os.PathLike[str], device: torch.device) -> tuple[str | None, str]:
-    """(dtype, quant) when neither is given: for the bundled model on a CPU with native bfloat16, bfloat16
-    activations and int4 weights packed from its Q4_1 blocks (the fastest setting that passes
-    tests/test_model_agreement.py); for every other model, float32 on CPU (bfloat16 on CUDA), unquantized."""
-    if str(path_or_name) == DEFAULT_MODEL and device.type == "cpu" and bf16_supported():
+    """(dtype, quant) when neither is given. A GGUF, by name or by path alike, on a CPU with native bfloat16:
+    the file's own quantization when its matrices are quantized (``DEFAULT_SETTING``: bfloat16 activations, Q4
+    blocks as int4 and 5- to 8-bit ones as grouped int8, each as the file stores it; the bundled model's setting,
+    the fastest that passes tests/test_model_agreement.py). Every other model, and any model elsewhere: float32
+    on CPU (bfloat16 on CUDA), unquantized."""
+    if device.type != "cpu" or not bf16_supported():
+        return None, "none"
+    gguf = _source_gguf(path_or_name)
+    if gguf is not None and gguf_is_quantized(gguf):
         return DEFAULT_SETTING
     return None, "none"
 
 
 DEFAULT_SETTING = ("bfloat16", "int4")
-"""The bundled model's setting on a CPU with native bfloat16 (``default_setting``)."""
+"""A quantized GGUF's setting on a CPU with native bfloat16 (``default_setting``)."""
+
+
+def gguf_is_quantized(path: Path) -> bool:
+    """Whether any of the file's matrices has an integer type (read from the tensor directory alone)."""
+    from tickloom.engine.model.gguf_blocks import read_gguf_header
+
+    header = read_gguf_header(path)
+    if header is None:
+        return False
+    return any(len(t.shape) == 2 and t.type_name not in ("F32", "F16", "BF16", "F64") for t in header.tensors)
 
 
 def _source_gguf(path_or_name: str | os.PathLike[str]) -> Path | None:
-    if str(path_or_name) == DEFAULT_MODEL:
-        return smollm2_gguf_path()
-    p = Path(path_or_name).expanduser()
-    return p if p.suffix == ".gguf" and p.is_file() else None
+    """The GGUF file a name or path loads from (the bundled one, a path, a Hugging Face cache snapshot's), if any."""
+    try:
+        src = model_source(path_or_name)
+    except ModelLoadError:
+        return None
+    return src if src.suffix == ".gguf" and src.is_file() else None
 
 
 def _release_heap() -> None:

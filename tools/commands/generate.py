@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from tickloom.tools.cli import plural
-from tickloom.tools.model_options import DEFAULT_MODEL, add_model_arguments, engine_config, sampling
+from tickloom.tools.model_options import add_model_arguments, engine_config, sampling
 
 if TYPE_CHECKING:
     import trio
@@ -51,7 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def use_chat(args: argparse.Namespace) -> bool:
-    return bool(args.chat) if args.chat is not None else args.model == DEFAULT_MODEL
+    """``--chat`` as given, else on when a chat template applies: ``--chat-template``, or the model's own (an
+    instruct model's, read from its GGUF or directory; the same by name or by path)."""
+    if args.chat is not None:
+        return bool(args.chat)
+    if getattr(args, "chat_template", None) is not None:
+        return True
+    from tickloom.engine.model.convert import model_chat_template
+
+    return model_chat_template(args.model) is not None
 
 
 def label(index: int, prompt: str, width: int = 48) -> str:
