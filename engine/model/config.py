@@ -124,7 +124,8 @@ class ModelConfig:
                 out["use_sliding_window"] = True
         if family in GEMMA:
             out["hidden_activation"] = self.hidden_act
-            out["query_pre_attn_scalar"] = self.query_pre_attn_scalar
+            q = self.query_pre_attn_scalar
+            out["query_pre_attn_scalar"] = int(q) if q is not None and q.is_integer() else q
             out["attn_logit_softcapping"] = self.attn_logit_softcapping
             out["final_logit_softcapping"] = self.final_logit_softcapping
         if self.rope_local_theta is not None:
