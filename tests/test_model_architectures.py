@@ -60,8 +60,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                "rope_parameters": {
                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}),
-    "phi3": ("phi3", {"num_hidden_layers": 2, "sliding_window": 7, "head_dim": 16, "original_max_position_embeddings": 64,
-                      "rope_parameters": LONGROPE, "tie_word_embeddings": False}),
+    "phi3": ("phi3", {"num_hidden_layers": 2, "sliding_window": 7, "head_dim": 16,
+                      "original_max_position_embeddings": 64, "rope_parameters": LONGROPE,
+                      "tie_word_embeddings": False}),
 }
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 
