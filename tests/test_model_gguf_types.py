@@ -158,3 +158,15 @@ def test_embedding_rows_are_looked_up_from_the_blocks(kind: str) -> None:
     assert emb.table is None and emb.nbytes() == 0
     ids = torch.tensor([5, 0, 63, 5])
     assert torch.equal(emb(ids), oracle(kind, data)[ids])
+
+
+@pytest.mark.parametrize("kind", ("Q6_K", "Q4_K", "Q5_0", "F16"))
+def test_a_block_head_quantizes_per_row_a_slice_at_a_time_as_a_float_one_would(kind: str) -> None:
+    """The LM head's per-row int8 form of a GGUF head (a Q4_K_M file's is Q6_K) is made ``chunk`` rows at a time
+    (no float32 copy of the whole head) with the float path's rounding, bit for bit."""
+    from tickloom.engine.model.head import int8_rows
+
+    w = RawBlocks(kind, blocks(kind, 100, 512), (100, 512))
+    q, s = int8_rows(w, chunk=32)
+    whole = Int8Linear.from_float(w.dequantize(), act=torch.float32)
+    assert torch.equal(q, whole.q) and torch.equal(s, whole.scales)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tickloom.engine.model import native
+from tickloom.engine.model import gguf_quants, native
 from tickloom.engine.model.quant import (
     Int8Linear,
     Linear,
@@ -27,11 +27,23 @@ from tickloom.engine.model.quant import (
 )
 
 
-def int8_rows(w: Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Any weight as symmetric int8 ``N x K`` (-127..127) and float32 scales, one per row."""
+def int8_rows(w: Weight, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any weight as symmetric int8 ``N x K`` (-127..127) and float32 scales, one per row. GGUF blocks of other
+    types than Q8_0 (a Q4_K_M file's Q6_K head) are dequantized ``chunk`` rows at a time, so the float32 head
+    (131 MB for 32000 x 1024) is never whole in memory; the rounding is ``Int8Linear.from_float``'s."""
     if isinstance(w, RawBlocks) and w.kind == "Q8_0":
         return q8_0_rows(w.data)
-    lin = Int8Linear.from_float(w.dequantize() if isinstance(w, RawBlocks) else w, act=torch.float32)
+    if isinstance(w, RawBlocks):
+        n = w.shape[0]
+        q = np.empty(w.shape, dtype=np.int8)
+        scales = np.empty(n, dtype=np.float32)
+        for lo in range(0, n, chunk):
+            f = gguf_quants.dequantize(w.kind, w.data[lo : lo + chunk])
+            s = np.maximum(np.abs(f).max(axis=1) / np.float32(127.0), np.float32(1e-12))
+            q[lo : lo + chunk] = np.clip(np.rint(f / s[:, None]), -127, 127)
+            scales[lo : lo + chunk] = s
+        return torch.from_numpy(q), torch.from_numpy(scales)
+    lin = Int8Linear.from_float(w, act=torch.float32)
     return lin.q, lin.scales
 
 

