@@ -31,7 +31,7 @@ from tickloom.engine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tickloom.engine.model.errors import ModelLoadError
 from tickloom.engine.model.loaders import load_model
 from tickloom.engine.model.rope import Rope
-from tickloom.engine.model.tiny import tiny_tokenizer
+from tickloom.engine.model.tiny import tiny_tokenizer, write_tiny_model
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 torch.set_num_threads(1)
@@ -289,6 +289,26 @@ def test_each_rule_matters(case: str, rule: int, checkpoints: Callable[[str], tu
     assert gap > 1e-2, f"{case}: turning off {name} moved the logits by only {gap}"
 
 
+def test_native_kernels_are_refused_for_options_they_lack(
+    checkpoints: Callable[[str], tuple[Path, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The fused native CPU kernels implement Llama's forward only: a model with windows, soft-caps or extra norms
+    runs the torch path even where they are available."""
+    from tickloom.engine.model import native
+    from tickloom.engine.model.checkpoint import check_tensors, read_safetensors
+
+    monkeypatch.setattr(native, "available", lambda: True)
+    built = {}
+    dirs = {case: checkpoints(case)[0] for case in ("mistral-window", "gemma2", "qwen3")}
+    dirs["llama"] = write_tiny_model(tmp_path / "llama", head_dim=32)
+    for case, d in dirs.items():
+        cfg = ModelConfig.from_file(d / "config.json")
+        tensors, origin = read_safetensors(d)
+        built[case] = llama.LlamaModel(cfg, check_tensors(cfg, tensors, origin, d), torch.bfloat16,
+                                       torch.device("cpu"))._native
+    assert built == {"mistral-window": False, "gemma2": False, "qwen3": False, "llama": True}
+
+
 def test_longrope_long_factors_matter(checkpoints: Callable[[str], tuple[Path, Any]]) -> None:
     d, _ = checkpoints("phi3")
     model = load_model(d, dtype="float32").model
@@ -326,6 +346,7 @@ def _raw(arch: str, **extra: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("raw", "message"), [
     (_raw("MambaForCausalLM"), r"unsupported architecture 'MambaForCausalLM'; supported: \['Gemma2ForCausalLM'"),
+    (_raw("Gemma3ForConditionalGeneration"), r"'Gemma3ForConditionalGeneration'; supported: .*text-only"),
     ({**COMMON, "num_hidden_layers": 2, "model_type": "falcon"}, r"unsupported architecture 'falcon'; supported:"),
     (_raw("Phi3ForCausalLM", rope_scaling={"type": "yarn", "factor": 4.0}),
      r"unsupported rope scaling type 'yarn'; supported: \['linear', 'llama3', 'longrope'\]"),

@@ -37,6 +37,8 @@ class ArchOptions:
     layer_rope: tuple[int, ...]
     """Per layer, an index into ``ropes``."""
     ropes: tuple[Rope, ...]
+    qkv_rows: int
+    """Rows of the q, k and v projections together."""
 
     @property
     def plain(self) -> bool:
@@ -67,6 +69,7 @@ def arch_options(cfg: ModelConfig) -> ArchOptions:
         layer_window=tuple(cfg.sliding_window if s else None for s in sliding),
         layer_rope=tuple(1 if s and len(ropes) > 1 else 0 for s in sliding),
         ropes=tuple(ropes),
+        qkv_rows=cfg.q_size + 2 * cfg.kv_size,
     )
 
 

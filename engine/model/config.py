@@ -160,6 +160,10 @@ _OPTION_DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "sliding_window": None
                                     "final_logit_softcapping": None, "rope_local_theta": None}
 
 
+_HINTS = {"Gemma3ForConditionalGeneration": " (Gemma 3 4B and up, images and text: tickloom runs the text-only "
+                                            "Gemma3ForCausalLM, or a GGUF file of the text model)"}
+
+
 def _family(raw: dict[str, Any], source: object) -> str:
     archs = raw.get("architectures") or []
     name = archs[0] if archs else None
@@ -167,7 +171,9 @@ def _family(raw: dict[str, Any], source: object) -> str:
         mt = str(raw.get("model_type"))
         name = _CLASS_OF.get(_MODEL_TYPES.get(mt, ""), mt)
     if name not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(source, f"unsupported architecture {name!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        hint = _HINTS.get(str(name), "")
+        raise ModelLoadError(source, f"unsupported architecture {name!r}; supported: "
+                                     f"{sorted(SUPPORTED_ARCHITECTURES)}{hint}")
     return SUPPORTED_ARCHITECTURES[name]
 
 

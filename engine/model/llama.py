@@ -68,6 +68,10 @@ class LayerWeights:
             biases = [_dense(t[a + f"{p}_proj.bias"], dtype) for p in "qkv"]
         fused = opts is not None and opts.fused_projections
         qkv = [t[a + "qkv_proj.weight"]] if fused else [t[a + f"{p}_proj.weight"] for p in "qkv"]
+        if fused and opts is not None and qkv[0].shape[0] != opts.qkv_rows:
+            # a model of part of the heads (tensor parallelism) cannot take the whole fused projection
+            raise ValueError(f"{a}qkv_proj.weight has {qkv[0].shape[0]} rows, this model's heads take "
+                             f"{opts.qkv_rows}: fused projections cannot be split over ranks")
         self.qkv: Linear = join_linear(qkv, biases, quant, act)
         self.wo: Linear = join_linear([t[a + "o_proj.weight"]], None, quant, act)
         m = prefix + "mlp."
