@@ -137,6 +137,16 @@ class StepModel:
     def predict(self, step: RunStep) -> int:
         return self.time(StepShape.of(step))
 
+    def scaled(self, factor: float) -> StepModel:
+        """Every cost and the overhead times ``factor`` (a host that gives the steps less of a CPU); the residual
+        ratios, being relative, stay."""
+        return dataclasses.replace(
+            self, per_step_ns=self.per_step_ns * factor, per_prefill_token_ns=self.per_prefill_token_ns * factor,
+            per_decode_row_ns=self.per_decode_row_ns * factor, per_context_ns=self.per_context_ns * factor,
+            per_prefill_chunk_ns=self.per_prefill_chunk_ns * factor,
+            per_matrix_step_ns=self.per_matrix_step_ns * factor, overhead_ns=self.overhead_ns * factor,
+            mean_abs_error_ns=self.mean_abs_error_ns * factor)
+
     def outside(self, shape: StepShape) -> tuple[str, ...]:
         """The dimensions in which ``shape`` leaves the fitted range (beyond ``SLACK``)."""
         if self.bounds is None:
@@ -227,12 +237,8 @@ def rescaled(model: StepModel, samples: Sequence[StepSample]) -> tuple[StepModel
     if not measured:
         return model, 1.0
     scale = float(statistics.median(s.step_time_ns / max(1.0, model.device_time(s.shape)) for s in measured))
-    out = dataclasses.replace(model, per_step_ns=model.per_step_ns * scale,
-                              per_prefill_token_ns=model.per_prefill_token_ns * scale,
-                              per_decode_row_ns=model.per_decode_row_ns * scale,
-                              per_context_ns=model.per_context_ns * scale,
-                              per_prefill_chunk_ns=model.per_prefill_chunk_ns * scale,
-                              per_matrix_step_ns=model.per_matrix_step_ns * scale)
+    out = dataclasses.replace(model.scaled(scale), overhead_ns=model.overhead_ns,
+                              mean_abs_error_ns=model.mean_abs_error_ns)
     return dataclasses.replace(out, ratios=residual_ratios(out, measured)), scale
 
 

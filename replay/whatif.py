@@ -292,12 +292,14 @@ class WhatIfResult:
 
 def whatif(path: str | os.PathLike[str], config: CoreConfig | None = None, *, modelled: bool = False,
            run: LoggedRun | None = None, max_ticks: int | None = None, step_model: ModelChoice = "auto",
-           draws: int = DRAWS) -> WhatIfResult:
+           draws: int = DRAWS, speed: float = 1.0) -> WhatIfResult:
     """Re-simulate the log at ``path`` (or its already read ``run``) under ``config`` (default: the log's own).
 
     ``step_model``: ``auto`` chooses (``whatif_model.choose``), ``log`` keeps the log's own model, ``calibration``
     takes the stored calibration profile (``ValueError`` if there is none). ``draws``: the residual draws the
-    intervals come from (0: none). Raises ``LogError`` / ``ReplayConfigError`` for an unreadable log.
+    intervals come from (0: none). ``speed`` (modelled mode): every modelled step time times this, for a host that
+    runs the steps that much slower than the log's did (``--validate`` sets it from the CPU share each real run had).
+    Raises ``LogError`` / ``ReplayConfigError`` for an unreadable log.
     """
     run = run or read_log(path)
     config = config or run.config
@@ -319,7 +321,8 @@ def whatif(path: str | os.PathLike[str], config: CoreConfig | None = None, *, mo
     else:
         limit = max_ticks or max(100_000, 50 * len(run.ticks))
         sim, model, extrapolation = run_on_chosen_model(
-            lambda clock: _modelled(run, config, clock, limit), sim_steps, setting, model, run.samples, step_model)
+            lambda clock: _modelled(run, config, clock, limit), sim_steps, setting, model, run.samples, step_model,
+            speed)
         ticks = len(sim.outputs)
         notes.append(f"modelled: {model.describe()}; spill copies, swap-ins and reports take no time")
         notes.append(f"step model: {model.source}: {model.why}")

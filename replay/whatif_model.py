@@ -205,11 +205,18 @@ def choose(fitted: StepModel, profile: StepModel | None, covered: float) -> Step
 
 def run_on_chosen_model(simulate: Callable[[StepClock], R], steps_of: Callable[[R], list[RunStep]],
                         setting: LogSetting, fitted: StepModel, samples: list[StepSample],
-                        choice: ModelChoice) -> tuple[R, StepModel, Extrapolation]:
+                        choice: ModelChoice, speed: float = 1.0) -> tuple[R, StepModel, Extrapolation]:
     """The modelled run (``simulate``; ``steps_of`` its steps) on the model ``choice`` names (``auto``: ``choose``'s;
     the run on the log's own model comes first, and tells how much of the what-if the log covers), that model, and
-    the run's extrapolation on it. ``calibration`` without a stored profile raises ``ValueError``."""
+    the run's extrapolation on it. ``calibration`` without a stored profile raises ``ValueError``. ``speed``: every
+    step time of the chosen model times this (a host slower or faster than the log's by that factor; 1: as logged).
+    """
     profile = None if choice == "log" else stored_profile(setting, samples, fitted.overhead_ns)
+    if speed != 1.0:
+        note = f"; times x{speed:.3f} for the host's speed"
+        fitted = dataclasses.replace(fitted.scaled(speed), why=fitted.why + note)
+        if profile is not None:
+            profile = dataclasses.replace(profile.scaled(speed), why=profile.why + note)
     if choice == "calibration":
         if profile is None:
             raise ValueError("no calibration profile is stored for this log's model and setting "

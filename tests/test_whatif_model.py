@@ -240,6 +240,7 @@ def test_bench_calibrate_stores_a_profile_whatif_finds(tmp_path: Path, capsys: p
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # decode: 2 sizes x 2 contexts; prefill: 1 length x 3 starts; mixed: 2 sizes x 1 length; each twice
     assert out["samples"] == 2 * (4 + 3 + 2) and out["threads"] == 1
+    assert out["waited_s"] >= 0  # the time the steps waited for a CPU, taken out of their samples
     assert out["step_model"]["source"] == "calibration" and out["profile"]
     fingerprint = load_model(model_dir, num_threads=1).fingerprint
     found = load_profile(fingerprint, out["device"], out["dtype"], 1)

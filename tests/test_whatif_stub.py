@@ -19,7 +19,7 @@ from tickloom.replay.record import arrival, record_core_run
 from tickloom.replay.whatif import read_log, whatif
 from tickloom.replay.whatif_measure import RunMetrics, measure, percentile
 from tickloom.tools.cli import EX_USAGE, main
-from tickloom.tools.commands._whatif_validate import FIGURES, run_for_real
+from tickloom.tools.commands._whatif_validate import FIGURES, run_for_real, validate
 
 BASE: dict[str, Any] = dict(num_blocks=40, block_size=8, max_seq_len=128, max_batch_size=8, stub_step_time=0.005,
                             max_prefill_tokens=64)
@@ -124,6 +124,60 @@ def test_validate_prints_predicted_against_measured(base_log: Path, capsys: pyte
     for row in report["rows"]:
         assert set(row) == {"figure", "key", "predicted", "low", "high", "measured", "ratio"}
         assert row["ratio"] == pytest.approx(1.0) and row["low"] <= row["predicted"] <= row["high"]
+
+
+def test_validate_against_a_baseline_rerun(base_log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--baseline rerun`` (the default for a model's log, whose host speed drifts between recording and validation):
+    before each changed run the log's arrivals are re-run under the log's own configuration, and the prediction
+    compared is the what-if of that fresh recording. On the stub, in virtual time, the fresh recording is the log
+    again: its figures are the log's, and the prediction made from it is the log's own, figure for figure."""
+    logged = read_log(base_log)
+    prediction = whatif(base_log, msgspec.structs.replace(logged.config, max_batch_size=4), run=logged)
+    report = validate(base_log, prediction, logged, baseline="rerun", rounds=2)
+    assert report.baseline == "rerun" and len(report.rounds) == 2 and report.step_model == "stub"
+    logged_figures, predicted = prediction.original.summary(), prediction.whatif.summary()
+    for r in report.rounds:
+        assert r.baseline is not None and r.from_log == predicted
+        assert [r.baseline[k] for _, k in FIGURES] == [logged_figures[k] for _, k in FIGURES]
+        assert [r.predicted[k] for _, k in FIGURES] == [predicted[k] for _, k in FIGURES]
+        assert r.measured == report.rounds[0].measured
+    assert [row["ratio"] for row in report.rows()] == pytest.approx([1.0] * len(FIGURES))
+    text = report.format_text()
+    assert "baseline: before each changed run, the same arrivals re-run under the log's own configuration" in text
+    assert "2 rounds: each figure is the median over them" in text
+    lines = text.splitlines()
+    head = lines.index(f"inter-token p50 (ms) by round (the log: {logged_figures['itl_ms_p50']:.3f})")
+    p50, base = f"{predicted['itl_ms_p50']:.3f}", f"{logged_figures['itl_ms_p50']:.3f}"
+    # virtual time: no slowdown to measure, so the prediction is the baseline's own, uncorrected
+    for i in (1, 2):
+        assert lines[head + 1 + i].split() == [str(i), p50, p50, "1.00x", "-,", "-", p50, "(1.00x)", base, p50,
+                                               "(1.00x)"]
+    assert all(r.speed == 1.0 and r.uncorrected == r.predicted for r in report.rounds)
+    # the stub's default is the log itself (nothing drifts in virtual time); a round count below 1 is refused
+    assert validate(base_log, prediction, logged).baseline == "log"
+    args = ["whatif", str(base_log), "--set", "max_batch_size=4", "--validate", "--json"]
+    assert main([*args, "--baseline", "rerun"]) == 0
+    out = json.loads(capsys.readouterr().out)["validate"]
+    assert out["baseline"] == "rerun" and len(out["rounds"]) == 1
+    assert out["rounds"][0]["baseline_itl_ms_p50"] == out["log_itl_ms_p50"] == logged_figures["itl_ms_p50"]
+    assert main([*args, "--rounds", "0"]) == EX_USAGE
+    assert "--rounds takes a number >= 1" in capsys.readouterr().err
+
+
+def test_a_slower_host_stretches_the_prediction(base_log: Path) -> None:
+    """``speed``: every modelled step time times it (``--validate`` sets it from the real runs' slowdowns). The
+    stub's 5 ms steps at twice the time give a 10 ms inter-token p50; and a round's speed is the changed run's
+    slowdown over its baseline's."""
+    from tickloom.tools.commands._whatif_validate import Round
+
+    logged = read_log(base_log)
+    config = msgspec.structs.replace(logged.config, max_batch_size=4)
+    plain, slow = whatif(base_log, config, run=logged), whatif(base_log, config, run=logged, speed=2.0)
+    assert plain.whatif.summary()["itl_ms_p50"] == pytest.approx(5.0)
+    assert slow.whatif.summary()["itl_ms_p50"] == pytest.approx(10.0)
+    assert slow.model.per_step_ns == 2 * plain.model.per_step_ns and "x2.000 for the host's speed" in slow.model.why
+    assert Round({}, {}, baseline_slowdown=1.25, slowdown=2.0).speed == pytest.approx(1.6)
+    assert Round({}, {}, baseline_slowdown=None, slowdown=2.0).speed == 1.0
 
 
 def test_validate_needs_an_engine_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,11 @@ around ``run_step``): decode steps of each ``--batch-sizes`` rows at each ``--co
 of one row of each ``--prefill`` tokens (from position 0, and again after each context), and mixed steps (the
 fewest and the most decode rows, with a prefill chunk). After a warm-up, the whole grid runs ``--repeat`` times,
 each time from another shape, so that a busy spell on the machine does not fall on one shape; every run is a
-sample.
+sample. A sample is the step's time less the time its thread waited, runnable, for a CPU during it
+(``tools/bench/host_share.py``; Linux): on a shared machine another process's work is not the model's (a profile of
+the default model measured while other sessions' tests came and went, without this, had a mean absolute error of
+29 ms on 60-1100 ms steps). The what-if scales a profile to the speed a log's steps ran at, so a profile of
+uncontended times loses nothing.
 
 The profile (``replay.step_model.Profile``) is stored beside the models in the cache, under the model's weight
 fingerprint and its device, dtype and thread count, exactly as an engine log's header names them
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from tickloom.events import SamplingSpec
     from tickloom.events.commands import BindRequest
     from tickloom.replay.step_model import Profile, StepSample, StepShape, save_profile
+    from tickloom.tools.bench.host_share import waited_ns
     from tickloom.tools.cli import CliError
     from tickloom.tools.progress import progress_note
 
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
     samples: list[StepSample] = []
     step_id = 0
+    waited = [0]
 
     def timed(ids: list[str], positions: list[int], counts: list[int]) -> None:
         nonlocal step_id
@@ -89,9 +95,14 @@ def run(args: argparse.Namespace) -> int:
         step = step_of(ids, positions, counts, tokens, [0] * len(ids), [0] * len(ids), [per_row] * len(ids),
                        [b for i in range(len(ids)) for b in tables[i]], step_id=step_id)
         step_id += 1
+        before = waited_ns()
         start = time.perf_counter_ns()
         ex.run_step(step)
-        samples.append(StepSample(StepShape.of(step), time.perf_counter_ns() - start))
+        elapsed = time.perf_counter_ns() - start
+        after = waited_ns()
+        wait = 0 if before is None or after is None else max(0, min(after - before, elapsed - 1))
+        waited[0] += wait
+        samples.append(StepSample(StepShape.of(step), elapsed - wait))
 
     shapes: list[tuple[str, list[str], list[int], list[int]]] = []
     for context in sorted(args.contexts):
@@ -107,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
                            [f"c{i}" for i in range(batch + 1)], [middle] * batch + [0], [1] * batch + [length]))
     timed(["c0"], [0], [min(args.prefill)])  # warm-up, not kept
     samples.clear()
+    waited[0] = 0
     # Every repeat runs the whole grid, each from another starting shape: a busy spell on the machine slows
     # every shape a little rather than one shape a lot.
     for r in range(args.repeat):
@@ -123,12 +135,13 @@ def run(args: argparse.Namespace) -> int:
     model = profile.fit(path)
     summary: dict[str, Any] = {"model": args.model, "fingerprint": loaded.fingerprint, "device": profile.device,
                                "dtype": dtype, "threads": profile.threads, "samples": len(samples),
-                               "step_model": model.to_json(), "profile": None if path is None else str(path)}
+                               "step_model": model.to_json(), "profile": None if path is None else str(path),
+                               "waited_s": waited[0] / 1e9}
     if args.json:
         print(json.dumps(summary))
     else:
         print(f"calibrated {args.model} ({profile.device}, {dtype}, {profile.threads} threads): {len(samples)} "
-              f"steps")
+              f"steps ({waited[0] / 1e9:.1f} s waiting for a CPU taken out of their times)")
         print(f"  {model.describe()}")
         print(f"  stored: {path}" if path is not None else "  not stored (--no-save)")
     return 0

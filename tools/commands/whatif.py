@@ -2,7 +2,9 @@
 compare the original run with the what-if side by side (``replay/whatif.py`` says how).
 
 With ``--validate`` the log's arrivals are also re-run for real under the changed configuration, and the prediction
-is printed against the measurement (``tools/commands/_whatif_validate.py``).
+is printed against the measurement (``tools/commands/_whatif_validate.py``; for a model's log, the prediction is
+made from a baseline re-run of the log's arrivals under its own configuration just before, ``--baseline``, and
+``--rounds N`` repeats the pair).
 
 Exit status: 0 done; 1 a what-if with the log's own configuration did not reproduce the log's decisions; 2 the
 log cannot be read; 64 usage errors (an unknown ``--set`` key, a bad value, a configuration the core rejects, a
@@ -45,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validate", action="store_true",
                         help="also re-run the log's arrivals for real under the changed configuration (the log's "
                              "model, or the stub) and print predicted against measured")
+    parser.add_argument("--baseline", choices=("auto", "rerun", "log"), default="auto",
+                        help="with --validate, what the prediction is made from: rerun: the log's arrivals re-run "
+                             "under its own configuration right before the changed run (both real runs then share "
+                             "the host's speed of the moment); log: the log as recorded; auto (default): rerun for "
+                             "a model's log, log for the stub's (virtual time)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="with --validate, repeat the real runs N times and compare each figure's median "
+                             "(a shared host's load comes and goes)")
     parser.add_argument("--plot", metavar="PNG", help="also plot both runs' latency distributions to PNG")
     parser.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
 
@@ -142,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         from tickloom.tools.commands._whatif_validate import ValidateError, validate
 
         try:
-            report = validate(args.log, result, logged)
+            report = validate(args.log, result, logged, baseline=args.baseline, rounds=args.rounds,
+                              step_model=args.step_model)
         except ValidateError as exc:
             raise CliError(str(exc)) from exc
     if args.json:
