@@ -343,6 +343,8 @@ class StubDevice:
         them, within max_tokens. Both counts are stable per (seed, index)."""
         if slots:
             count = oracle_accept_count(seed, index, slots)
+        elif not self.extras:
+            return []
         else:
             spec = self.specs.get(request_id, (None, []))[0]
             room = (spec.max_tokens if spec is not None else 16) - index - 1

@@ -197,17 +197,20 @@ def _pad_blocks(host: Any, blocks: int) -> Any:
 
 
 def load_device(model: str, num_blocks: int, block_size: int, *, dtype: str | None = None,
-                device: str | None = None) -> tuple[ModelDevice, str]:
-    """Load ``model`` (a name or path ``engine.model.loaders.load_model`` knows) as a ``ModelDevice``; returns it
-    and the model's fingerprint."""
+                device: str | None = None, proposer: str | None = None) -> tuple[ModelDevice, str]:
+    """Load ``model`` (a name or path ``engine.model.loaders.load_model`` knows) as a ``ModelDevice`` with the
+    speculative ``proposer`` the log ran (``header.proposer_from_header``); returns it and the model's
+    fingerprint."""
     from tickloom.engine.model.executor import ModelExecutor
     from tickloom.engine.model.loaders import load_model
+    from tickloom.engine.model.speculate import make_proposer
     from tickloom.engine.model.structured import Constraints
 
     loaded = load_model(model, dtype=dtype or None, device=device or None)
     cfg = loaded.config
     constraints = Constraints(loaded.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
-    executor = ModelExecutor(loaded.model, num_blocks=num_blocks, block_size=block_size, constraints=constraints)
+    executor = ModelExecutor(loaded.model, num_blocks=num_blocks, block_size=block_size, constraints=constraints,
+                             proposer=None if proposer is None else make_proposer(proposer))
     return ModelDevice(executor), loaded.fingerprint
 
 

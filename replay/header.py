@@ -74,3 +74,18 @@ def digest_problem(header: LogHeader) -> str | None:
             "its digests cannot be compared"
         )
     return None
+
+
+def proposer_from_header(header: LogHeader, config: CoreConfig) -> str | None:
+    """The speculative proposer a log's engine ran (``EngineConfig.speculative_proposer``), or None when it did not
+    speculate. A full replay runs the same one: proposals are a function of the tokens alone."""
+    if not config.speculative_tokens:
+        return None
+    try:
+        engine = json.loads(header.config_json).get("engine", {})
+    except (json.JSONDecodeError, RecursionError, AttributeError) as exc:
+        raise ReplayConfigError(f"config_json is not a JSON object: {exc}") from exc
+    name = engine.get("speculative_proposer", "prompt_lookup") if isinstance(engine, dict) else "prompt_lookup"
+    if not isinstance(name, str):
+        raise ReplayConfigError(f"config_json's speculative_proposer is {name!r}, not a name")
+    return name

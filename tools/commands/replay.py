@@ -155,6 +155,7 @@ def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int
     from tickloom.events import LogError, LogReader
     from tickloom.replay import ReplayConfigError, core_config_from_header
     from tickloom.replay.full import ModelDevice, load_device, verify_full
+    from tickloom.replay.header import proposer_from_header
     from tickloom.tools.cli import EX_DATAERR, CliError
 
     try:
@@ -175,7 +176,8 @@ def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int
     else:
         try:
             device, fingerprint = load_device(model, config.num_blocks, config.block_size,
-                                              dtype=args.dtype or header.dtype or None, device=args.device)
+                                              dtype=args.dtype or header.dtype or None, device=args.device,
+                                              proposer=proposer_from_header(header, config))
         except ModelLoadError as exc:
             raise CliError(f"cannot load model {model!r}: {exc}", EX_DATAERR) from None
     note = None

