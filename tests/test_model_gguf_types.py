@@ -170,3 +170,14 @@ def test_a_block_head_quantizes_per_row_a_slice_at_a_time_as_a_float_one_would(k
     q, s = int8_rows(w, chunk=32)
     whole = Int8Linear.from_float(w.dequantize(), act=torch.float32)
     assert torch.equal(q, whole.q) and torch.equal(s, whole.scales)
+
+
+@pytest.mark.parametrize("kind", ("Q5_1", "Q6_K"))
+def test_grouped_int8_gives_one_product_at_any_batch(kind: str) -> None:
+    """Few rows take the group-by-group path, many the dequantized weight's: both are the float32 product."""
+    data = blocks(kind, 64, 512)
+    want = oracle(kind, data)
+    lin = GroupedInt8Linear.from_gguf_blocks(data, kind, act=torch.float32)
+    for m in (1, 8, 9, 40):
+        x = torch.randn(m, 512)
+        torch.testing.assert_close(lin(x), x @ want.t(), atol=1e-4, rtol=1e-4)

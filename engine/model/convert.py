@@ -144,3 +144,26 @@ def model_chat_template(name_or_path: str | os.PathLike[str]) -> str | None:
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                         None)
     return template if isinstance(template, str) and template.strip() else None
+
+
+def float32_checkpoint(name_or_path: str | os.PathLike[str], out_dir: Path) -> Path:
+    """A Hugging Face-format directory with float32 safetensors weights (what transformers reads) for any model:
+    its own directory, or for a GGUF its cache entry's files and its weights dequantized, written into
+    ``out_dir`` (a bench's reference; the cache keeps no such copy)."""
+    entry = resolve_model(name_or_path)
+    src = model_source(name_or_path)
+    if not (src.suffix == ".gguf" and src.is_file()):
+        return entry
+    from safetensors.torch import save_file
+
+    from tickloom.engine.model.gguf_weights import gguf_model_weights
+    from tickloom.engine.model.quant import RawBlocks
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in entry.iterdir():
+        if f.is_file() and f.name != META_FILE:
+            shutil.copyfile(f, out_dir / f.name)
+    weights = gguf_model_weights(src, ModelConfig.from_file(entry / "config.json"), quantized=False)
+    tensors = {k: (w.dequantize() if isinstance(w, RawBlocks) else w).float().contiguous() for k, w in weights.items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

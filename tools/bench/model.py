@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tickloom.engine.model.convert import resolve_model
+from tickloom.engine.model.convert import float32_checkpoint
 from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.engine.model.tables import step_of
@@ -51,9 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model_dir(name: str, tmp: Path) -> Path:
+    """A float32 Hugging Face-format directory of the model, for transformers (a GGUF's, dequantized into ``tmp``:
+    the cache keeps only its config and tokenizer)."""
     if name == "tiny-bench":
         return write_tiny_model(tmp / "tiny-bench", "tiny-bench", seed=0)
-    return resolve_model(name)
+    return float32_checkpoint(name, tmp / "float32")
 
 
 def _ours(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, block_size: int) -> tuple[float, float]:
