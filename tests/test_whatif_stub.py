@@ -145,6 +145,8 @@ def test_validate_against_a_baseline_rerun(base_log: Path, capsys: pytest.Captur
     text = report.format_text()
     assert "baseline: before each changed run, the same arrivals re-run under the log's own configuration" in text
     assert "2 rounds: each figure is the median over them" in text
+    count = f"{predicted['preemptions']} ({predicted['requeues']}, {predicted['swaps']})"
+    assert f"preemptions (requeued, swapped): predicted {count}, measured {count}" in text
     lines = text.splitlines()
     head = lines.index(f"inter-token p50 (ms) by round (the log: {logged_figures['itl_ms_p50']:.3f})")
     p50, base = f"{predicted['itl_ms_p50']:.3f}", f"{logged_figures['itl_ms_p50']:.3f}"

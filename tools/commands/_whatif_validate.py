@@ -70,6 +70,8 @@ FIGURES = (("TTFT p50 (ms)", "ttft_ms_p50"), ("TTFT p90 (ms)", "ttft_ms_p90"),
            ("inter-token p50 (ms)", "itl_ms_p50"), ("inter-token p90 (ms)", "itl_ms_p90"),
            ("throughput (tok/s)", "throughput_tok_s"))
 """The validated figures: (row label, ``RunMetrics.summary`` key)."""
+COUNTS = ("preemptions", "requeues", "swaps")
+"""Counts the report sets side by side too (a median over rounds)."""
 
 
 class ValidateError(ValueError):
@@ -270,6 +272,9 @@ class ValidateReport:
                          f"{_num(row['measured']):>10} {ratio:>7}")
         if self.extrapolated:
             lines.append("(the prediction extrapolates beyond its step model's range: see the notes)")
+        if "preemptions" in self.predicted and "preemptions" in self.measured:
+            lines.append(f"preemptions (requeued, swapped): predicted {_preemptions(self.predicted)}, measured "
+                         f"{_preemptions(self.measured)}")
         if self.baseline == "rerun" or len(self.rounds) > 1:
             lines += self._round_lines()
         return "\n".join(lines)
@@ -297,6 +302,13 @@ def _against(summary: dict[str, object] | None, measured: object) -> str:
     if summary is None:
         return "-"
     return f"{_num(summary['itl_ms_p50'])} ({_ratio(summary['itl_ms_p50'], measured)})"
+
+
+def _preemptions(summary: dict[str, object]) -> str:
+    def count(value: object) -> str:  # a median over an even number of rounds can be a half
+        return f"{value:g}" if isinstance(value, int | float) else "-"
+
+    return f"{count(summary['preemptions'])} ({count(summary['requeues'])}, {count(summary['swaps'])})"
 
 
 def _factor(value: float | None) -> str:
@@ -357,9 +369,10 @@ def validate(path: str | os.PathLike[str], prediction: WhatIfResult, run: Logged
 
 
 def _median(summaries: Sequence[dict[str, object]]) -> dict[str, object]:
-    """``summaries[0]`` with each of ``FIGURES``' figures the median over all of them (None if any lacks it)."""
+    """``summaries[0]`` with each of ``FIGURES``' figures and ``COUNTS``' counts the median over all of them (None if
+    any lacks it)."""
     out = dict(summaries[0])
-    for _, key in FIGURES:
+    for key in [key for _, key in FIGURES] + [k for k in COUNTS if k in out]:
         values = [v for s in summaries if isinstance(v := s[key], int | float)]
         out[key] = median(values) if len(values) == len(summaries) else None
     return out
