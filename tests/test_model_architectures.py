@@ -226,10 +226,10 @@ def test_longrope_switches_to_long_factors_past_the_original_context(
     ids = _prompt(70, seed=9)
     cache = transformers.DynamicCache(config=ref.config)
     with torch.no_grad():
-        first = ref(torch.tensor([ids[:60]]), past_key_values=cache, use_cache=True)
+        first = ref(torch.tensor([ids[:60]]), cache=cache, use_cache=True)
         expect = [first.logits[0, -1]]
         for p in range(60, 70):
-            step = ref(torch.tensor([[ids[p]]]), past_key_values=cache, use_cache=True,
+            step = ref(torch.tensor([[ids[p]]]), cache=cache, use_cache=True,
                        position_ids=torch.tensor([[p]]))
             expect.append(step.logits[0, -1])
     kv = model.new_kv_cache(num_blocks=32, block_size=4)
