@@ -31,7 +31,7 @@ from engine_helpers import assert_replays, stub_config
 
 from tickloom import Engine, EngineConfig, FaultPlan, RequestOutput, SamplingParams
 from tickloom.engine.model.tiny import write_tiny_model
-from tickloom.events import Finish, LogReader, RunStep
+from tickloom.events import PROPOSE, Finish, LogReader, RunStep
 
 FATES = ("normal", "cancel", "disconnect", "deadline_short", "deadline_long")
 FATE_WEIGHTS = (45, 15, 15, 8, 17)
@@ -170,7 +170,9 @@ def _check(log: Path, plans: list[Plan], seen: dict[str, Seen], faults: FaultPla
 
 
 @pytest.mark.slow
-async def test_soak_1000_requests_on_the_stub(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+@pytest.mark.parametrize("speculative_tokens", [0, 4])
+async def test_soak_1000_requests_on_the_stub(tmp_path: Path, autojump_clock: trio.testing.MockClock,
+                                              speculative_tokens: int) -> None:
     rng = random.Random(20261201)
     plans = _plans(rng, 1000, lambda r: "".join(r.choice("abcdefghij ") for _ in range(r.randint(1, 70))), 48)
     faults = FaultPlan(fail_steps=[40, 333, 901, 1777, 2600], fail_spill=[p.rid for p in plans[::37]],
@@ -179,7 +181,8 @@ async def test_soak_1000_requests_on_the_stub(tmp_path: Path, autojump_clock: tr
     spill = tmp_path / "spill"
     # 24 blocks of 16 tokens hold about four long sequences: preemption and swapping never stop.
     config = stub_config(log, num_blocks=24, max_seq_len=128, max_batch_size=12, spill_dir=str(spill),
-                         host_spill_bytes=2048, faults=faults, stub_step_time=0.01)
+                         host_spill_bytes=2048, faults=faults, stub_step_time=0.01,
+                         speculative_tokens=speculative_tokens)
     seen = await _soak(config, plans, concurrency=48, pace=0.004)
     reasons = _check(log, plans, seen, faults)
     print(f"soak: {len(plans)} requests, finishes {dict(reasons)}")
@@ -188,8 +191,11 @@ async def test_soak_1000_requests_on_the_stub(tmp_path: Path, autojump_clock: tr
     assert reasons["error"] > 0, "the injected faults ended some requests"
     assert not any(spill.rglob("*.kv")) and not [p for p in spill.rglob("*") if p.is_file()], "spill files removed"
     with LogReader(log) as reader:
-        preempts = sum(1 for t in reader.ticks() for c in t.outputs.commands if type(c).__name__ == "Preempted")
+        commands = [c for t in reader.ticks() for c in t.outputs.commands]
+    preempts = sum(1 for c in commands if type(c).__name__ == "Preempted")
     assert preempts > 20, "the pool forced preemption"
+    slots = sum(c.token_ids.count(PROPOSE) for c in commands if isinstance(c, RunStep))
+    assert (slots > 1000) == (speculative_tokens > 0), "with speculation on, rows carried proposal slots"
     assert_replays(log)
 
 
@@ -199,7 +205,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-async def test_soak_on_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("speculative_tokens", [0, 3])
+async def test_soak_on_the_tiny_model(tiny_model: Path, tmp_path: Path, speculative_tokens: int) -> None:
     rng = random.Random(7)
     plans = _plans(rng, 80, lambda r: [r.randrange(5, 500) for _ in range(r.randint(1, 40))], 24)
     for plan in plans:  # real time: a few ms per step, so short deadlines and cancels land mid-run
@@ -210,7 +217,7 @@ async def test_soak_on_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
     log = tmp_path / "tiny.tlog"
     config = EngineConfig(model=str(tiny_model), dtype="float32", max_seq_len=96, num_blocks=12, max_batch_size=8,
                           log_path=str(log), spill_dir=str(tmp_path / "spill"), host_spill_bytes=4096,
-                          faults=faults)
+                          faults=faults, speculative_tokens=speculative_tokens)
     seen = await _soak(config, plans, concurrency=16, pace=0.002)
     reasons = _check(log, plans, seen, faults)
     print(f"tiny soak: {len(plans)} requests, finishes {dict(reasons)}")

@@ -87,6 +87,9 @@ class Setup(msgspec.Struct, frozen=True):
     io_delay: float
     """Spill writes, drops and swap-in reads take up to this many (virtual) seconds."""
     report_delay: float
+    speculative_tokens: int = 0
+    """Proposal slots per decode row (the stub device accepts a stable share): drawn for half the seeds with
+    faults, from a generator of its own, so that the seeds without faults run as they always have."""
 
 
 class Script(msgspec.Struct, frozen=True):
@@ -115,6 +118,7 @@ def make_script(seed: int, faults: bool) -> Script:
         copy_delay=rng.choice([0.0, 0.003, 0.015] + ([0.05] if faults else [])),
         io_delay=rng.choice([0.0, 0.005, 0.03]) if faults else 0.0,
         report_delay=rng.choice([0.0, 0.0, 0.02, 0.05]) if faults else 0.0,
+        speculative_tokens=random.Random(f"speculation-{seed}").choice([0, 0, 2, 4]) if faults else 0,
     )
     bases = [[rng.randrange(95) for _ in range(rng.randint(1, 24))] for _ in range(3)]
     actions: list[Action] = []
@@ -170,7 +174,7 @@ def engine_config(script: Script, log_path: Path) -> EngineConfig:
         max_seq_len=s.max_seq_len, max_batch_size=s.max_batch_size, pipeline_depth=s.pipeline_depth,  # type: ignore[arg-type]
         max_waiting=s.max_waiting + s.max_batch_size, overload=s.overload,  # type: ignore[arg-type]
         host_spill_bytes=1 << 30 if s.spill else 0, spill_dir=None, prefix_caching=s.prefix_caching,
-        preempt_immunity_tokens=s.immunity,
+        preempt_immunity_tokens=s.immunity, speculative_tokens=s.speculative_tokens,
         snapshot_every=s.snapshot_every, stub_step_time=s.step_time, faults=plan,
     )
 
