@@ -68,6 +68,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("prefix_caching", ("--prefix-caching", "--enable-prefix-caching")),
     EngineFlag("max_waiting", ("--max-waiting",), "N"),
     EngineFlag("overload", ("--overload",)),
+    EngineFlag("speculative_tokens", ("--speculative-tokens", "--num-speculative-tokens", "--draft-max"), "K",
+               help="speculative decoding: propose and verify up to K tokens per decode row (default 0: off); the "
+                    "tokens are the same as without it"),
+    EngineFlag("speculative_proposer", ("--speculative-proposer",)),
     EngineFlag("stub_step_time", ("--stub-step-time",), "SECONDS"),
 )
 """The engine flags every engine-building command takes (``generate``, ``chat``, ``serve``, ``fleet``)."""
