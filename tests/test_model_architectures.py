@@ -210,6 +210,9 @@ def test_greedy_generation_and_gguf(
     g = write_gguf(d, CASES[case][0], tmp_path / f"{case}.gguf")
     from_gguf, from_dir = load_model(g, dtype="float32"), load_model(d, dtype="float32")
     assert from_gguf.config.architecture == from_dir.config.architecture
+    if CASES[case][0] in ("mistral", "phi3", *GEMMA_TYPES):
+        ref_ids = spm_reference("hello world", add_prefix=CASES[case][0] not in GEMMA_TYPES)
+        assert from_gguf.tokenizer.encode("hello world")[-len(ref_ids) :] == ref_ids
     torch.testing.assert_close(_paged_logits(from_gguf.model)[1], _paged_logits(from_dir.model)[1], atol=1e-4,
                                rtol=0)
     assert _greedy_tickloom(g, ps, 12) == expect
@@ -457,13 +460,22 @@ def write_gguf(d: Path, model_type: str, out: Path) -> Path:
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", np.asarray(_llama3_factors(rope, cfg["head_dim"]), dtype=np.float32))
-    tok = json.loads((d / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t.startswith("<|") else 1 for t, _ in vocab])
-    w.add_token_merges([])
-    w.add_bos_token_id(0)
+    if model_type in ("mistral", "phi3", *GEMMA_TYPES):  # their files' tokenizer: SentencePiece
+        tokens, scores, types = spm_vocab()
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_add_space_prefix(model_type not in GEMMA_TYPES)
+        w.add_bos_token_id(1)
+    else:
+        tok = json.loads((d / "tokenizer.json").read_text())
+        vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([t for t, _ in vocab])
+        w.add_token_types([3 if t.startswith("<|") else 1 for t, _ in vocab])
+        w.add_token_merges([])
+        w.add_bos_token_id(0)
     w.add_eos_token_id(2)
     for name, t in load_file(str(d / "model.safetensors")).items():
         base, _, suffix = name.rpartition(".")
@@ -482,3 +494,86 @@ def write_gguf(d: Path, model_type: str, out: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# --- SentencePiece GGUF tokenizers (Llama 2, Mistral, Gemma, Phi-3 files) ------------------------------------------
+
+SPM_PIECES = [("▁", -1.0), ("t", -50.0), ("h", -50.0), ("e", -50.0), ("l", -50.0), ("o", -50.0), ("a", -50.0),
+              ("w", -50.0), ("r", -50.0), ("d", -50.0), ("▁t", -5.0), ("he", -4.0), ("▁the", -3.0), ("ll", -2.0),
+              ("llo", -6.0), ("▁he", -7.0), ("▁hello", -8.0), ("▁a", -9.0), ("lo", -1.5), ("or", -10.0),
+              ("ld", -11.0), ("▁w", -12.0), ("▁wor", -13.0), ("▁world", -14.0), ("▁▁", -15.0), ("é", -16.0)]
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *(p for p, _ in SPM_PIECES),
+              "<start_of_turn>"]
+    scores = [0.0] * 259 + [sc for _, sc in SPM_PIECES] + [0.0]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES) + [3]
+    return tokens, scores, types
+
+
+def spm_reference(text: str, add_prefix: bool) -> list[int]:
+    """llama.cpp's SentencePiece tokenization, written out: control tokens split the text; in each piece of text
+    (after a control token or at the start, with a space in front), the adjacent pair whose join has the highest
+    score is merged (leftmost on ties) until none joins; what is left outside the vocabulary becomes bytes."""
+    tokens, scores, types = spm_vocab()
+    ids = {t: i for i, t in enumerate(tokens)}
+    controls = [t for t, ty in zip(tokens, types, strict=True) if ty == 3]
+    out: list[int] = []
+    rest, prev_special = text, True
+    while rest:
+        at = min(((rest.find(c), c) for c in controls if c in rest), default=(len(rest), ""))
+        if at[0] == 0:
+            out.append(ids[at[1]])
+            rest, prev_special = rest[len(at[1]) :], True
+            continue
+        seg, rest = rest[: at[0]], rest[at[0] :]
+        syms = list(((" " if add_prefix and prev_special else "") + seg).replace(" ", "▁"))
+        while True:
+            best: tuple[float, int] | None = None
+            for i in range(len(syms) - 1):
+                j = ids.get(syms[i] + syms[i + 1])
+                if j is not None and types[j] == 1 and (best is None or scores[j] > best[0]):
+                    best = (scores[j], i)
+            if best is None:
+                break
+            syms[best[1] : best[1] + 2] = [syms[best[1]] + syms[best[1] + 1]]
+        for sym in syms:
+            out.extend([ids[sym]] if sym in ids else [ids[f"<0x{b:02X}>"] for b in sym.encode()])
+        prev_special = False
+    return out
+
+
+def write_spm_gguf(out: Path, add_prefix: bool) -> Path:
+    tokens, scores, types = spm_vocab()
+    w = gguf.GGUFWriter(str(out), "gemma2")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_add_space_prefix(add_prefix)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("add_prefix", [True, False])
+def test_sentencepiece_gguf_tokenizer_matches_llama_cpp_rules(add_prefix: bool, tmp_path: Path) -> None:
+    from tickloom.engine.model.gguf_loader import gguf_tokenizer, open_gguf
+
+    g = write_spm_gguf(tmp_path / "spm.gguf", add_prefix)
+    tok, tok_cfg = gguf_tokenizer(g, open_gguf(g))
+    assert tok_cfg["bos_token"] == "<s>" and tok_cfg["eos_token"] == "</s>"
+    texts = ["hello world", "the  hello", "hello", "Hello wörld", "a<start_of_turn>hello the",
+             "llo he", "", "  the", "héllo 🙂"]
+    for text in texts:
+        got = tok.encode(text).ids
+        assert got == [1, *spm_reference(text, add_prefix)], text
+        if "<start" not in text:
+            assert tok.decode(got, skip_special_tokens=True) == text

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from tickloom.engine.model import gguf_quants
 from tickloom.engine.model.config import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelConfig
@@ -260,16 +260,53 @@ class _Only:
         self.fields = reader.fields
 
 
+_SPM_SPACE = "\u2581"
+"""SentencePiece's stand-in for a space (``▁``)."""
+
+
+def _spm_tokenizer(tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool) -> Tokenizer:
+    """llama.cpp's ``llama`` tokenizer (SentencePiece BPE: Llama 2, Mistral, Gemma, Phi-3) as a ``tokenizers`` BPE.
+
+    SentencePiece merges, among adjacent pieces, the pair whose joined piece is in the vocabulary with the highest
+    score; a BPE whose merges are every such split of every normal piece, ranked by the joined piece's score, makes
+    the same choices. Characters outside the vocabulary become their UTF-8 bytes (``<0x..>`` tokens). Spaces are
+    ``▁``, with one in front of the text unless the file says ``add_space_prefix`` false (Gemma)."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for i, piece in enumerate(tokens):
+        if types[i] not in (1, 4) or len(piece) < 2:  # normal and user pieces only: not control, byte, unknown
+            continue
+        for cut in range(1, len(piece)):
+            a, b = piece[:cut], piece[cut:]
+            if a in vocab and b in vocab:
+                ranked.append((-scores[i], vocab[a], vocab[b], a, b))
+    ranked.sort()
+    unk = next((tokens[i] for i, ty in enumerate(types) if ty == 2), None)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=unk, fuse_unk=True,
+                               byte_fallback=True))
+    steps: list[Any] = [normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPM_SPACE)])
+    undo: list[Any] = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*undo, decoders.Strip(" ", 1, 0)] if add_space_prefix else undo)
+    return tok
+
+
 def gguf_tokenizer(path: Path, reader: GGUFReader) -> tuple[Tokenizer, dict[str, Any]]:
-    """A byte-level BPE tokenizer and a tokenizer_config dict (chat template, bos/eos)."""
+    """The file's tokenizer (byte-level BPE ``gpt2``, or SentencePiece ``llama``) and a tokenizer_config dict
+    (chat template, bos/eos)."""
     kind = field_value(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(path, f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+    if kind not in ("gpt2", "llama"):
+        raise ModelLoadError(path, f"unsupported GGUF tokenizer model {kind!r} (supported: byte-level BPE 'gpt2', "
+                                   "SentencePiece 'llama')")
     tokens: list[str] = list(field_value(reader, "tokenizer.ggml.tokens") or [])
     merges_raw: list[str] = list(field_value(reader, "tokenizer.ggml.merges") or [])
     types: list[int] = list(field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
     if not tokens:
         raise ModelLoadError(path, "GGUF has no tokenizer.ggml.tokens")
+    if kind == "llama":
+        scores = [float(x) for x in field_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)]
+        prefix = bool(field_value(reader, "tokenizer.ggml.add_space_prefix", True))
+        return _with_specials(reader, _spm_tokenizer(tokens, scores, types, prefix), tokens, types)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges: list[tuple[str, str]] = []
     for m in merges_raw:
@@ -294,6 +331,12 @@ def gguf_tokenizer(path: Path, reader: GGUFReader) -> tuple[Tokenizer, dict[str,
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
+    return _with_specials(reader, tok, tokens, types)
+
+
+def _with_specials(reader: GGUFReader, tok: Tokenizer, tokens: list[str],
+                   types: list[int]) -> tuple[Tokenizer, dict[str, Any]]:
+    """Control and user-defined tokens added whole, bos prepended when the file asks, and the config dict."""
     specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == 3]
     user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == 4]
     tok.add_special_tokens(specials)
