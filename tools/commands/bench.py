@@ -30,6 +30,7 @@ BENCHES: dict[str, str] = {
     "fleet": "tickloom.tools.bench.fleet",
     "calibrate": "tickloom.tools.bench.calibrate",
     "structured": "tickloom.tools.bench.structured",
+    "speculative": "tickloom.tools.bench.speculative",
 }
 """Benchmark name -> module (imported when the parser is built). ``model`` is in ``ROW_BENCHES``."""
 

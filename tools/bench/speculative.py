@@ -1,0 +1,223 @@
+"""``tickloom bench speculative``: decoding with speculation against decoding without, side by side in one run.
+
+Two engines on the same model (default: the bundled one) differ only in ``speculative_tokens`` (``--k``, prompt
+lookup). Greedy requests, on two kinds of prompt:
+
+- **copy-heavy**: summarise, edit or extract from a given text, where the output repeats its input;
+- **open-ended**: stories, explanations, lists, where it does not.
+
+At batch 1 (requests one after another) and at each ``--batch`` (that many at once, ``max_batch_size`` the batch),
+each side runs ``--repeat`` times, alternating; the fastest run counts. Tokens per second is the output tokens over
+the wall time of the run. Both sides must give the same tokens (speculation never changes one; checked here too).
+From the speculating engine's log: the acceptance rate (proposals accepted per proposal slot planned) and the
+tokens per decode row.
+
+llama.cpp's own prompt lookup decoding (llama-cpp-python's ``LlamaPromptLookupDecoding``) runs the same prompts at
+batch 1 when llama-cpp-python is installed (``tickloom[bench]``), with and without it.
+
+Goals: >= 1.6x at batch 1 on the copy-heavy prompts, >= 0.95x on the open-ended ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tickloom.tools.progress import progress_note
+
+HELP = "speculative decoding (prompt lookup) against plain decoding: copy-heavy and open-ended prompts, batch 1-16"
+
+GOAL_COPY = 1.6
+GOAL_OPEN = 0.95
+
+TEXTS = [
+    "The city council met on Tuesday evening to vote on the new budget. After three hours of debate, the council "
+    "approved a plan that adds two bus lines, repairs the old library roof and hires twelve more teachers for the "
+    "primary schools. The mayor said the plan would be paid for by a small rise in the parking fees.",
+    "def parse_config(path):\n    with open(path) as handle:\n        data = json.load(handle)\n    if 'name' not "
+    "in data:\n        raise ValueError('config has no name')\n    return Config(name=data['name'], "
+    "size=data.get('size', 10), verbose=data.get('verbose', False))\n",
+    "Order 4471 was placed by Maria Lopez on 12 March 2024. It contains two blue wool sweaters at 45 euros each "
+    "and one pair of leather boots at 120 euros. It ships to Calle Mayor 14, Madrid, by express delivery.",
+]
+COPY = [
+    f"Repeat the following text exactly, word for word:\n\n{TEXTS[0]}",
+    f"Rewrite this Python function with the parameter renamed from path to filename:\n\n{TEXTS[1]}",
+    f"Extract the customer name, the order number, the items and the address from this text, each on its own "
+    f"line:\n\n{TEXTS[2]}",
+    f"Summarise this text in two sentences, keeping its words where you can:\n\n{TEXTS[0]}",
+]
+OPEN = [
+    "Tell me a story about a lighthouse keeper.",
+    "Explain why the sky is blue.",
+    "Write a poem about autumn.",
+    "Give me ten ideas for a birthday party.",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="the model (default smollm2-135m)")
+    parser.add_argument("--k", type=int, default=4, help="speculative_tokens of the speculating engine (default 4)")
+    parser.add_argument("--batch", type=int, nargs="*", default=[4, 16], help="batched cases (default 4 16)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="output tokens per request at most (default 96)")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per side, alternating; the fastest counts")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def _jobs(prompts: list[str], count: int, max_tokens: int) -> list[tuple[Any, Any]]:
+    from tickloom import SamplingParams
+
+    return [([{"role": "user", "content": prompts[i % len(prompts)]}],
+             SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=i)) for i in range(count)]
+
+
+async def _run(engine: Any, jobs: list[tuple[Any, Any]], concurrent: bool) -> tuple[float, list[list[int]]]:
+    """Run the jobs (all at once, or one after another); (wall seconds, each output's token ids)."""
+    import trio
+
+    outputs: list[list[int]] = [[] for _ in jobs]
+
+    async def one(i: int) -> None:
+        prompt, params = jobs[i]
+        outputs[i] = list((await engine.complete(prompt, params)).token_ids)
+
+    start = time.perf_counter()
+    if concurrent:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(jobs)):
+                nursery.start_soon(one, i)
+    else:
+        for i in range(len(jobs)):
+            await one(i)
+    return time.perf_counter() - start, outputs
+
+
+def _acceptance(log: Path) -> tuple[int, int, int]:
+    """(proposal slots planned, proposals accepted, decode rows with slots) in a log."""
+    from tickloom.events import PROPOSE, LogReader, RunStep, StepDone
+
+    slots = accepted = rows = 0
+    with LogReader(log) as reader:
+        for record in reader.ticks():
+            for command in record.outputs.commands:
+                if isinstance(command, RunStep) and PROPOSE in command.token_ids:
+                    slots += command.token_ids.count(PROPOSE)
+                    rows += sum(1 for n, start in zip(command.num_tokens, _row_starts(command), strict=True)
+                                if command.token_ids[start + n - 1] == PROPOSE)
+            for item in record.inputs.inputs:
+                if isinstance(item, StepDone) and item.extra_token_ids:
+                    accepted += sum(len(row) for row in item.extra_token_ids)
+    return slots, accepted, rows
+
+
+def _row_starts(command: Any) -> list[int]:
+    starts, offset = [], 0
+    for n in command.num_tokens:
+        starts.append(offset)
+        offset += n
+    return starts
+
+
+async def _case(kind: str, prompts: list[str], batch: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from tickloom import Engine, EngineConfig
+
+    count = len(prompts) if batch == 1 else batch
+    jobs = _jobs(prompts, count, args.max_tokens)
+    log = tmp / f"{kind}-b{batch}.tlog"
+    base = dict(model=args.model, max_batch_size=max(batch, 1), threads=args.threads)
+    plain_config = EngineConfig(**base)  # type: ignore[arg-type]
+    spec_config = EngineConfig(**base, speculative_tokens=args.k, log_path=str(log))  # type: ignore[arg-type]
+    best = {"plain": float("inf"), "speculative": float("inf")}
+    outputs: dict[str, list[list[int]]] = {}
+    async with Engine.open(plain_config) as plain, Engine.open(spec_config) as spec:
+        await _run(plain, jobs[:1], False)  # warm-up
+        await _run(spec, jobs[:1], False)
+        for _ in range(args.repeat):
+            for side, engine in (("plain", plain), ("speculative", spec)):
+                seconds, outs = await _run(engine, jobs, batch > 1)
+                best[side] = min(best[side], seconds)
+                outputs[side] = outs
+    tokens = sum(len(o) for o in outputs["plain"])
+    slots, accepted, rows = _acceptance(log)
+    return {
+        "prompts": kind, "batch": batch, "requests": count, "tokens": tokens,
+        "plain_tok_s": tokens / best["plain"], "speculative_tok_s": tokens / best["speculative"],
+        "ratio": best["plain"] / best["speculative"], "same_tokens": outputs["plain"] == outputs["speculative"],
+        "acceptance": accepted / slots if slots else 0.0, "tokens_per_row": (rows + accepted) / rows if rows else 1.0,
+    }
+
+
+def _llama_cpp_lookup(args: argparse.Namespace) -> dict[str, Any] | None:
+    """llama.cpp's prompt lookup decoding on the copy-heavy prompts at batch 1, with and without; None without
+    llama-cpp-python or a GGUF for the model."""
+    from tickloom.tools.bench import llamacpp
+
+    if not llamacpp.available() or args.model != "smollm2-135m":
+        return None
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from tickloom.engine.model.registry import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        return None
+    seconds: dict[str, float] = {}
+    tokens = 0
+    for side, draft in (("plain", None), ("lookup", LlamaPromptLookupDecoding(num_pred_tokens=args.k))):
+        llm = Llama(str(gguf), n_ctx=2048, n_threads=args.threads or 1, draft_model=draft, verbose=False)
+        best = float("inf")
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            made = 0
+            for prompt in COPY:
+                out = llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+                                                 temperature=0.0)
+                made += int(out["usage"]["completion_tokens"])
+            best = min(best, time.perf_counter() - start)
+            tokens = made
+        seconds[side] = best
+    return {"prompts": "copy-heavy", "batch": 1, "engine": "llama.cpp", "tokens": tokens,
+            "plain_tok_s": tokens / seconds["plain"], "lookup_tok_s": tokens / seconds["lookup"],
+            "ratio": seconds["plain"] / seconds["lookup"]}
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tickloom-bench-speculative-") as tmp:
+        for batch in [1, *args.batch]:
+            for kind, prompts in (("copy-heavy", COPY), ("open-ended", OPEN)):
+                progress_note(f"{kind}, batch {batch} ...")
+                rows.append(trio.run(_case, kind, prompts, batch, args, Path(tmp)))
+    progress_note("llama.cpp prompt lookup ...")
+    llama = _llama_cpp_lookup(args)
+    if args.json:
+        for row in rows:
+            print(json.dumps({"case": f"{row['prompts']} batch {row['batch']}", **row}))
+        if llama is not None:
+            print(json.dumps({"case": "llama.cpp prompt lookup", **llama}))
+    else:
+        print(f"speculative decoding (prompt lookup, k={args.k}) against plain decoding; {args.model}, greedy")
+        print(f"{'prompts':>10} {'batch':>5} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
+              f"{'goal':>5} {'accepted':>8} {'tok/row':>7} {'same':>4}")
+        for row in rows:
+            goal = (GOAL_COPY if row["prompts"] == "copy-heavy" else GOAL_OPEN) if row["batch"] == 1 else None
+            print(f"{row['prompts']:>10} {row['batch']:>5} {row['tokens']:>6} {row['plain_tok_s']:>11.1f} "
+                  f"{row['speculative_tok_s']:>10.1f} {row['ratio']:>5.2f}x "
+                  f"{'' if goal is None else f'{goal:.2f}x':>5} {row['acceptance']:>8.0%} "
+                  f"{row['tokens_per_row']:>7.2f} {'yes' if row['same_tokens'] else 'NO':>4}")
+        if llama is None:
+            print("llama.cpp prompt lookup: not run (needs llama-cpp-python: pip install 'tickloom[bench]')")
+        else:
+            print(f"llama.cpp prompt lookup, copy-heavy, batch 1: plain {llama['plain_tok_s']:.1f} tok/s, lookup "
+                  f"{llama['lookup_tok_s']:.1f} tok/s, {llama['ratio']:.2f}x")
+    first = {row["prompts"]: row for row in rows if row["batch"] == 1}
+    ok = (all(row["same_tokens"] for row in rows) and first["copy-heavy"]["ratio"] >= GOAL_COPY
+          and first["open-ended"]["ratio"] >= GOAL_OPEN)
+    return 0 if ok else 1
