@@ -321,6 +321,39 @@ def test_longrope_long_factors_matter(checkpoints: Callable[[str], tuple[Path, A
     assert rope.long_inv_freq != rope.inv_freq
 
 
+def test_multimodal_gemma3_runs_its_text_part(tmp_path: Path) -> None:
+    """Gemma 3 4B and up are ``Gemma3ForConditionalGeneration`` (a vision tower and a language model): tickloom
+    reads the language model's config (``text_config`` over transformers' defaults) and weights, and its logits
+    on text are the multimodal model's."""
+    text = {**COMMON, "num_hidden_layers": 6, "sliding_window": 5, "query_pre_attn_scalar": 32,
+            "model_type": "gemma3_text"}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    boi_token_index=500, eoi_token_index=501, image_token_index=502)
+    torch.manual_seed(11)
+    ref = transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
+    _randomize(ref, "gemma3_text")
+    ref.save_pretrained(str(tmp_path))
+    _write_tokenizer(tmp_path)
+    lm = load_model(tmp_path, dtype="float32")
+    assert lm.config.architecture == "gemma3" and lm.config.num_layers == 6 and lm.config.rope_local_theta == 10000.0
+    one, paged = _paged_logits(lm.model)
+    expect = ref_logits(ref, _prompt(23))
+    torch.testing.assert_close(one, expect, atol=1e-4, rtol=0)
+    torch.testing.assert_close(paged, expect, atol=1e-4, rtol=0)
+
+
+def test_multimodal_gemma3_config_takes_text_defaults() -> None:
+    cfg = ModelConfig.from_hf_dict({"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+                                    "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                                                    "num_hidden_layers": 34, "sliding_window": 1024,
+                                                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}})
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262_208)
+    assert cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings and cfg.rope_theta == 1e6
+    assert cfg.layer_types.count("full_attention") == 5 and cfg.sliding_window == 1024
+
+
 # --- configs -----------------------------------------------------------------------------------------------
 
 
@@ -349,7 +382,6 @@ def _raw(arch: str, **extra: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("raw", "message"), [
     (_raw("MambaForCausalLM"), r"unsupported architecture 'MambaForCausalLM'; supported: \['Gemma2ForCausalLM'"),
-    (_raw("Gemma3ForConditionalGeneration"), r"'Gemma3ForConditionalGeneration'; supported: .*text-only"),
     ({**COMMON, "num_hidden_layers": 2, "model_type": "falcon"}, r"unsupported architecture 'falcon'; supported:"),
     (_raw("Phi3ForCausalLM", rope_scaling={"type": "yarn", "factor": 4.0}),
      r"unsupported rope scaling type 'yarn'; supported: \['linear', 'llama3', 'longrope'\]"),

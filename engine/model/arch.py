@@ -16,9 +16,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tickloom.engine.model.config import GEMMA, SLIDING, ModelConfig
 from tickloom.engine.model.rope import Rope, make_rope
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,4 +113,22 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[p + "mlp.gate_proj.weight"] = (i, h)
             out[p + "mlp.up_proj.weight"] = (i, h)
         out[p + "mlp.down_proj.weight"] = (h, i)
+    return out
+
+
+_TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+"""A multimodal checkpoint's language model under the names a text-only one has (transformers 4 and 5 layouts)."""
+
+
+def text_model_names(tensors: dict[str, T]) -> dict[str, T]:
+    """``tensors`` with a multimodal model's language-model weights renamed as a text-only model's; others as
+    they are (the vision tower's are not read)."""
+    out: dict[str, T] = {}
+    for name, t in tensors.items():
+        for prefix, plain in _TEXT_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = plain + name[len(prefix) :]
+                break
+        out[name] = t
     return out

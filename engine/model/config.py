@@ -136,6 +136,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: object = "config.json") -> ModelConfig:
+        raw = text_part(raw)
         family = _family(raw, source)
         try:
             return _parse(cls, family, raw, source)
@@ -160,8 +161,25 @@ _OPTION_DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "sliding_window": None
                                     "final_logit_softcapping": None, "rope_local_theta": None}
 
 
-_HINTS = {"Gemma3ForConditionalGeneration": " (Gemma 3 4B and up, images and text: tickloom runs the text-only "
-                                            "Gemma3ForCausalLM, or a GGUF file of the text model)"}
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+}
+"""transformers' ``Gemma3TextConfig`` defaults: a multimodal Gemma 3's ``text_config`` lists only what differs."""
+
+
+def text_part(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a multimodal Gemma 3 (``Gemma3ForConditionalGeneration``: tickloom runs its
+    text part; ``arch.text_model_names`` finds its weights), else ``raw`` itself."""
+    archs = raw.get("architectures") or []
+    if not archs or archs[0] != "Gemma3ForConditionalGeneration":
+        return raw
+    text = {**_GEMMA3_TEXT_DEFAULTS, **(raw.get("text_config") or {})}
+    for key in ("bos_token_id", "eos_token_id"):  # the model's, at the top
+        if raw.get(key) is not None:
+            text[key] = raw[key]
+    return {**text, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
 
 
 def _family(raw: dict[str, Any], source: object) -> str:
@@ -171,9 +189,8 @@ def _family(raw: dict[str, Any], source: object) -> str:
         mt = str(raw.get("model_type"))
         name = _CLASS_OF.get(_MODEL_TYPES.get(mt, ""), mt)
     if name not in SUPPORTED_ARCHITECTURES:
-        hint = _HINTS.get(str(name), "")
-        raise ModelLoadError(source, f"unsupported architecture {name!r}; supported: "
-                                     f"{sorted(SUPPORTED_ARCHITECTURES)}{hint}")
+        supported = sorted([*SUPPORTED_ARCHITECTURES, "Gemma3ForConditionalGeneration (its text part)"])
+        raise ModelLoadError(source, f"unsupported architecture {name!r}; supported: {supported}")
     return SUPPORTED_ARCHITECTURES[name]
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tickloom.engine.model.arch import text_model_names
 from tickloom.engine.model.checkpoint import (
     CHECKPOINT_FILES,
     check_tensors,
@@ -160,6 +161,7 @@ def load_hf_dir(
         fp = stored_fingerprint(model_dir)
         identities = _identities(model_dir, fingerprint_files(model_dir)) if fp is None else {}
         tensors, origin = read_safetensors(model_dir)
+        tensors, origin = text_model_names(tensors), text_model_names(origin)
         needed = dict(check_tensors(cfg, tensors, origin, model_dir))
         if fp is None:
             log.info("computing the weight fingerprint of %s (once per checkpoint)…", model_dir)
