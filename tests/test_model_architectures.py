@@ -367,6 +367,26 @@ def test_config_round_trips_through_its_config_json(case: str, checkpoints: Call
     assert ModelConfig.from_hf_dict({**again.to_dict(), "architectures": cfg.to_hf_dict()["architectures"]}) == cfg
 
 
+@pytest.mark.parametrize(("family", "extra"), [
+    ("qwen3", {"head_dim": 32}),
+    ("mistral", {"options": (("sliding_window", 6), ("layer_types", ("sliding_attention",) * 2))}),
+    ("gemma2", {"num_layers": 4, "tie_word_embeddings": True}), ("gemma3", {"num_layers": 6, "head_dim": 32}),
+    ("phi3", {}),
+])
+def test_tiny_models_of_each_family_are_transformers_models(family: str, extra: dict[str, Any],
+                                                            tmp_path: Path) -> None:
+    """``write_tiny_model`` writes any family, and its config.json (``to_hf_dict``: also what a GGUF's conversion
+    writes) means to transformers what it means to tickloom."""
+    d = write_tiny_model(tmp_path / family, architecture=family, seed=4, **extra)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    assert type(ref).__name__ == ModelConfig.from_file(d / "config.json").to_hf_dict()["architectures"][0]
+    one, paged = _paged_logits(load_model(d, dtype="float32").model)
+    expect = ref_logits(ref, _prompt(23))
+    torch.testing.assert_close(one, expect, atol=1e-4, rtol=0)
+    torch.testing.assert_close(paged, expect, atol=1e-4, rtol=0)
+
+
 def test_llama_and_qwen2_configs_keep_their_fingerprint_fields() -> None:
     """A Llama or Qwen2 config's ``to_dict`` (hashed into the weight fingerprint) has no new keys."""
     cfg = ModelConfig.from_hf_dict({**COMMON, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2})

@@ -119,9 +119,13 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
-            out["layer_types"] = list(self.layer_types)
+            # Mistral and Phi-3 window every layer; transformers takes a Mistral config with layer_types for Ministral
+            if family not in ("mistral", "phi3") or set(self.layer_types) != {SLIDING}:
+                out["layer_types"] = list(self.layer_types)
             if family in ("qwen2", "qwen3"):
                 out["use_sliding_window"] = True
+        if family == "phi3":
+            out["pad_token_id"] = None  # transformers' Phi-3 default (32000) is a token of the real vocabulary
         if family in GEMMA:
             out["hidden_activation"] = self.hidden_act
             q = self.query_pre_attn_scalar

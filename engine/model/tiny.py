@@ -1,4 +1,5 @@
-"""Seeded random-weight tiny checkpoints (Llama or Qwen2, Hugging Face format) for tests and benches."""
+"""Seeded random-weight tiny checkpoints (any family of ``config.SUPPORTED_ARCHITECTURES``, Hugging Face format)
+for tests and benches."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from tickloom.engine.model.arch import arch_options, expected_shapes
 from tickloom.engine.model.checkpoint import write_checkpoint_files
 from tickloom.engine.model.config import ModelConfig
-from tickloom.engine.model.llama import expected_shapes
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
@@ -23,7 +24,7 @@ CHATML_TEMPLATE = (
 
 @dataclass(frozen=True, slots=True)
 class TinySpec:
-    architecture: str = "llama"  # or "qwen2"
+    architecture: str = "llama"  # a family: "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -35,9 +36,20 @@ class TinySpec:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
+    options: tuple[tuple[str, Any], ...] = ()
+    """Further ``ModelConfig`` fields (``sliding_window``, ``layer_types``, soft-caps, ...) over the family's
+    defaults (``FAMILY_OPTIONS``)."""
 
     def config(self) -> ModelConfig:
-        return ModelConfig(
+        every = {"gemma2": 2, "gemma3": 6}.get(self.architecture)
+        family: dict[str, Any] = dict(FAMILY_OPTIONS.get(self.architecture, {}))
+        if every is not None:
+            family["layer_types"] = tuple("sliding_attention" if (i + 1) % every else "full_attention"
+                                          for i in range(self.num_layers))
+        return ModelConfig(**{**self._base(), **family, **dict(self.options)})
+
+    def _base(self) -> dict[str, Any]:
+        return dict(
             architecture=self.architecture,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -55,6 +67,16 @@ class TinySpec:
             bos_token_id=0,
             eos_token_ids=(2,),
         )
+
+
+FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
+    "gemma2": {"hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16.0, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "sliding_window": 8},
+    "gemma3": {"hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16.0, "sliding_window": 8,
+               "rope_local_theta": 10000.0},
+}
+"""Each family's options as its real configs have them, windows sized for tiny sequences; Gemma's layers
+alternate as in the real models (Gemma 2: every second layer global, Gemma 3: every sixth)."""
 
 
 TINY_BENCH = TinySpec(
@@ -85,9 +107,10 @@ def tiny_tokenizer() -> tuple[Tokenizer, dict[str, Any]]:
 def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
+    offset = arch_options(cfg).norm_offset  # Gemma stores w - 1
     for name, shape in expected_shapes(cfg).items():
         if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+            t = 1.0 - offset + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
         elif name.endswith(".bias"):
             t = 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
         elif name == "model.embed_tokens.weight":
