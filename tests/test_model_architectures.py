@@ -218,6 +218,23 @@ def test_greedy_generation_and_gguf(
     assert _greedy_tickloom(g, ps, 12) == expect
 
 
+@pytest.mark.parametrize("case", ["gemma2", "phi3", "qwen3", "mistral-window"])
+def test_quantized_gguf_runs_each_family(case: str, checkpoints: Callable[[str], tuple[Path, Any]], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q8_0 GGUF of each family loads as float32 (its blocks dequantized) and with int8 layers: both near
+    transformers' logits (Q8_0 moves them by ~1% of their range, int8 activations by ~5%; a misread tensor moves
+    them far)."""
+    monkeypatch.setenv("TICKLOOM_CACHE", str(tmp_path / "cache"))
+    d, ref = checkpoints(case)
+    g = write_gguf(d, CASES[case][0], tmp_path / f"{case}-q8.gguf", q8=True)
+    expect = ref_logits(ref, _prompt(23))
+    scale = expect.abs().max().item()
+    for quant, share in (("none", 0.05), ("int8", 0.1)):
+        _, paged = _paged_logits(load_model(g, dtype="float32", quant=quant).model)
+        gap = (paged - expect).abs().max().item()
+        assert gap < share * scale, (quant, gap, scale)
+
+
 def test_longrope_switches_to_long_factors_past_the_original_context(
     checkpoints: Callable[[str], tuple[Path, Any]]
 ) -> None:
@@ -469,7 +486,7 @@ def _llama3_factors(p: dict[str, Any], dim: int) -> list[float]:
     return out
 
 
-def write_gguf(d: Path, model_type: str, out: Path) -> Path:
+def write_gguf(d: Path, model_type: str, out: Path, q8: bool = False) -> Path:
     from safetensors.torch import load_file
 
     cfg = json.loads((d / "config.json").read_text())
@@ -540,7 +557,12 @@ def write_gguf(d: Path, model_type: str, out: Path) -> Path:
             arr = _permute(arr, cfg["num_key_value_heads"])
         if model_type in GEMMA_TYPES and base.endswith("norm"):
             arr = arr + 1  # llama.cpp's Gemma converters store the norm weight as 1 + w
-        w.add_tensor(f"{gname}.{suffix}", np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if q8 and arr.ndim == 2 and "token_embd" not in gname:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(f"{gname}.{suffix}", gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"{gname}.{suffix}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
