@@ -144,7 +144,7 @@ def test_validate_against_a_baseline_rerun(base_log: Path, capsys: pytest.Captur
     assert [row["ratio"] for row in report.rows()] == pytest.approx([1.0] * len(FIGURES))
     text = report.format_text()
     assert "baseline: before each changed run, the same arrivals re-run under the log's own configuration" in text
-    assert "2 rounds: each figure is the median over them" in text
+    assert "2 rounds: each figure is the median over them, and each ratio the median of the rounds' own" in text
     count = f"{predicted['preemptions']} ({predicted['requeues']}, {predicted['swaps']})"
     assert f"preemptions (requeued, swapped): predicted {count}, measured {count}" in text
     lines = text.splitlines()
@@ -180,6 +180,21 @@ def test_a_slower_host_stretches_the_prediction(base_log: Path) -> None:
     assert slow.model.per_step_ns == 2 * plain.model.per_step_ns and "x2.000 for the host's speed" in slow.model.why
     assert Round({}, {}, baseline_slowdown=1.25, slowdown=2.0).speed == pytest.approx(1.6)
     assert Round({}, {}, baseline_slowdown=None, slowdown=2.0).speed == 1.0
+
+
+def test_over_rounds_a_ratio_is_the_median_of_each_rounds_own() -> None:
+    """Each round's prediction is set against its own run (the same moment of the host): a figure's ratio over
+    rounds is the median of the rounds' ratios, not the ratio of two medians taken from different rounds."""
+    from tickloom.tools.commands._whatif_validate import Round, ValidateReport
+
+    def summary(itl: float) -> dict[str, object]:
+        return {**{key: 1.0 for _, key in FIGURES}, "itl_ms_p50": itl, "preemptions": 0, "requeues": 0, "swaps": 0}
+
+    rounds = [Round(summary(p), summary(m)) for p, m in ((100.0, 100.0), (200.0, 100.0), (300.0, 250.0))]
+    report = ValidateReport(summary(200.0), {}, summary(100.0), "real time", "log", False, rounds)
+    ratios = {row["key"]: row["ratio"] for row in report.rows()}
+    assert ratios["itl_ms_p50"] == pytest.approx(1.2) and ratios["ttft_ms_p50"] == pytest.approx(1.0)
+    assert report.baseline == "log" and "3 rounds" in report.format_text()
 
 
 def test_validate_needs_an_engine_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

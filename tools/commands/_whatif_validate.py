@@ -241,11 +241,15 @@ class ValidateReport:
         return "rerun" if any(r.baseline is not None for r in self.rounds) else "log"
 
     def rows(self) -> list[dict[str, Any]]:
+        """Per figure: predicted, its interval, measured, and the ratio; over several rounds, the median of the
+        rounds' own ratios (each round's prediction set against its own run, made at the same moment of the host),
+        beside the medians of the predicted and the measured figures."""
         out = []
         for label, key in FIGURES:
             p, m = self.predicted[key], self.measured[key]
             lo, hi = self.intervals.get(key, (p, p) if isinstance(p, int | float) else (None, None))
-            ratio = p / m if isinstance(p, int | float) and isinstance(m, int | float) and m else None
+            ratios = [_quotient(r.predicted[key], r.measured[key]) for r in self.rounds] or [_quotient(p, m)]
+            ratio = median(x for x in ratios if x is not None) if None not in ratios else None
             out.append({"figure": label, "key": key, "predicted": p, "low": lo, "high": hi, "measured": m,
                         "ratio": ratio})
         return out
@@ -263,7 +267,8 @@ class ValidateReport:
                          "scaled by the changed run's slowdown over the baseline's (each run's device thread's "
                          "(running + waiting for a CPU) / running)")
         if len(self.rounds) > 1:
-            lines.append(f"{len(self.rounds)} rounds: each figure is the median over them")
+            lines.append(f"{len(self.rounds)} rounds: each figure is the median over them, and each ratio the median "
+                         "of the rounds' own ratios")
         lines.append(f"{'':22} {'predicted':>10} {'interval':>19} {'measured':>10} {'ratio':>7}")
         for row in self.rows():
             interval = "-" if row["low"] is None else f"{_num(row['low'])}-{_num(row['high'])}"
@@ -315,10 +320,13 @@ def _factor(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _quotient(a: object, b: object) -> float | None:
+    return a / b if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+
 def _ratio(a: object, b: object) -> str:
-    if isinstance(a, int | float) and isinstance(b, int | float) and b:
-        return f"{a / b:.2f}x"
-    return "-"
+    q = _quotient(a, b)
+    return "-" if q is None else f"{q:.2f}x"
 
 
 def _num(value: object) -> str:
