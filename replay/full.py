@@ -32,6 +32,7 @@ from tickloom.replay.record import DEVICE_COMMANDS, Device
 
 if TYPE_CHECKING:
     from tickloom.engine.model.executor import ModelExecutor
+    from tickloom.engine.model.speculate import ProposerSetting
 
 
 @dataclasses.dataclass(slots=True)
@@ -197,7 +198,7 @@ def _pad_blocks(host: Any, blocks: int) -> Any:
 
 
 def load_device(model: str, num_blocks: int, block_size: int, *, dtype: str | None = None,
-                device: str | None = None, proposer: str | None = None) -> tuple[ModelDevice, str]:
+                device: str | None = None, proposer: ProposerSetting | None = None) -> tuple[ModelDevice, str]:
     """Load ``model`` (a name or path ``engine.model.loaders.load_model`` knows) as a ``ModelDevice`` with the
     speculative ``proposer`` the log ran (``header.proposer_from_header``); returns it and the model's
     fingerprint."""
@@ -210,7 +211,10 @@ def load_device(model: str, num_blocks: int, block_size: int, *, dtype: str | No
     cfg = loaded.config
     constraints = Constraints(loaded.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
     executor = ModelExecutor(loaded.model, num_blocks=num_blocks, block_size=block_size, constraints=constraints,
-                             proposer=None if proposer is None else make_proposer(proposer))
+                             proposer=None if proposer is None else make_proposer(
+                                 proposer, target=model, target_vocab=cfg.vocab_size,
+                                 dtype=(dtype or "").partition("+")[0] or None,
+                                 device=device or None, num_blocks=num_blocks, block_size=block_size))
     return ModelDevice(executor), loaded.fingerprint
 
 

@@ -132,12 +132,13 @@ def _random_jobs(rng: random.Random, n: int) -> list[tuple[Any, SamplingParams]]
 
 @needs_model
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
-async def test_the_default_model_gives_the_same_tokens_with_speculation(tmp_path: Path, seed: int,
+@pytest.mark.parametrize(("seed", "proposer"), [(1, "prompt_lookup"), (2, "draft")])
+async def test_the_default_model_gives_the_same_tokens_with_speculation(tmp_path: Path, seed: int, proposer: str,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """Two prompts whose outputs copy their input, and random prompts (copy-heavy and open-ended), seeds,
     temperatures, penalties and min_tokens, batched, with k and the pipeline depth at random; with few blocks and a
-    spill tier on seed 2, so that speculation meets preemption and swaps."""
+    spill tier on seed 2, so that speculation meets preemption and swaps. Prompt lookup on seed 1; on seed 2 the
+    draft proposer, the model's own weights in int4 drafting for it in float32."""
     rng = random.Random(seed)
     copying = [(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0)),
                (PROMPTS[4], SamplingParams(max_tokens=40, temperature=0.7, seed=seed))]
@@ -147,10 +148,10 @@ async def test_the_default_model_gives_the_same_tokens_with_speculation(tmp_path
         kw.update(num_blocks=14, host_spill_bytes=64 << 20, max_seq_len=200)
     plain_log, spec_log = tmp_path / "plain.tlog", tmp_path / "spec.tlog"
     plain = await _model_run(plain_log, 0, jobs, **kw)
-    spec = await _model_run(spec_log, rng.choice([2, 4, 6]), jobs, **kw)
+    spec = await _model_run(spec_log, rng.choice([2, 4, 6]), jobs, speculative_proposer=proposer, **kw)
     assert spec == plain
     slots, accepted, preempted = _accepted(spec_log)
-    assert slots > 0 and accepted > 0, "prompt lookup proposed, and some proposals were right"
+    assert slots > 0 and accepted > 0, f"{proposer} proposed, and some proposals were right"
     if seed == 2:
         assert preempted, "14 blocks are too few for six requests: speculation met preemption"
     for log in (plain_log, spec_log):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from model_fixtures import Driver, Spec, make_executor, prompts
 
+from tickloom.engine.model.draft import DraftProposer
 from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.speculate import PromptLookup, accepted, make_proposer
 from tickloom.engine.model.tables import step_of
@@ -124,6 +125,37 @@ def test_without_a_proposer_slots_stay_empty_and_the_row_decodes_plainly(tiny: P
     assert got == plain(tiny, prompt, spec, 10) and not any(rows)
 
 
+def test_a_draft_that_is_the_target_itself_proposes_what_greedy_decoding_samples(tiny: Path) -> None:
+    """The draft runs the request's unseen tokens as one chunk, then one token at a time; with the target's own
+    weights its greedy proposals are the target's greedy tokens, so nearly every slot is accepted."""
+    prompt = prompts(1, 9, vocab=300, seed=5)[0]
+    want = plain(tiny, prompt, Spec(), 24)
+    ex = make_executor(tiny, dtype="float64", num_blocks=64, block_size=BLOCK)
+    ex.proposer = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 32, BLOCK)
+    got, rows = speculate(ex, prompt, Spec(), 24, k=3)
+    assert got == want
+    assert sum(rows) >= 0.8 * sum(min(3, 24 - 2 - 4 * i) for i in range(len(rows)))
+
+
+def test_a_draft_keeps_the_kv_of_the_common_prefix_and_recomputes_the_rest(tiny: Path) -> None:
+    draft = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 16, BLOCK)
+    tokens = prompts(1, 10, vocab=300, seed=3)[0]
+    first = draft.propose("r", tokens, 3)
+    assert len(first) == 3 and draft._drafts["r"].tokens == tokens + first[:2]
+    changed = [*tokens[:6], 7, 8]  # the history after position 5 was rewritten
+    again = draft.propose("r", changed, 2)
+    fresh = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 16, BLOCK)
+    assert again == fresh.propose("r", changed, 2), "stale KV after the common prefix was used"
+
+
+def test_a_draft_whose_pool_is_full_proposes_nothing_and_release_frees_it(tiny: Path) -> None:
+    draft = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 4, BLOCK)
+    assert len(draft.propose("a", list(range(3, 15)), 3)) == 3  # 14 positions: all 4 blocks
+    assert draft.propose("b", [5, 6, 7], 2) == []
+    draft.release("a")
+    assert len(draft.propose("b", [5, 6, 7], 2)) == 2
+
+
 def test_accepted_counts_the_proposals_that_equal_the_token_sampled_before_them() -> None:
     assert accepted([5, 6, 7], [5, 6, 7, 8]) == 3
     assert accepted([5, 6, 7], [5, 9, 7, 8]) == 1
@@ -159,5 +191,7 @@ def test_prompt_lookup_indexes_again_when_a_requests_tokens_change_behind_it() -
 
 def test_make_proposer_names_the_unknown_one() -> None:
     assert make_proposer("prompt_lookup").name == "prompt_lookup"
+    with pytest.raises(ValueError, match="needs a draft model"):
+        make_proposer("draft")
     with pytest.raises(ValueError, match="'medusa'"):
         make_proposer("medusa")

@@ -96,10 +96,16 @@ class _EngineFields(SchedulingKnobs, frozen=True, kw_only=True, forbid_unknown_f
         ge=100, le=10_000_000, description="Symbols a constraint's compiled grammar may hold (llguidance's "
                                            "max_grammar_size): bounds each constraint's compile time and memory; "
                                            "a larger one is refused at submit.")] = 100_000
-    speculative_proposer: Annotated[Literal["prompt_lookup"], Meta(
+    speculative_proposer: Annotated[Literal["prompt_lookup", "draft"], Meta(
         description="What fills the proposal slots when speculative_tokens > 0: prompt_lookup proposes what followed "
-                    "the request's last 3 (or 2) tokens where they occurred before in its prompt or output. The "
-                    "stub model accepts a stable pseudo-random share instead. Logged in the header.")] = "prompt_lookup"
+                    "the request's last 3 (or 2) tokens where they occurred before in its prompt or output; draft "
+                    "decodes greedily with speculative_draft_model. The stub model accepts a stable pseudo-random "
+                    "share instead. Logged in the header.")] = "prompt_lookup"
+    speculative_draft_model: Annotated[Annotated[str, Meta(min_length=1, max_length=4096)] | None, Meta(
+        description="The draft proposer's model, with the target's vocabulary; None: the target's own weights, "
+                    "quantized by speculative_draft_quant.")] = None
+    speculative_draft_quant: Annotated[Literal["none", "int8", "int4"], Meta(
+        description="The draft model's weight quantization.")] = "int4"
     stub_vocab_size: Annotated[int, Meta(ge=96, le=2**20, description="The stub model's vocabulary.")] = 96
     stub_step_time: Annotated[float, Meta(
         ge=0.0, le=3600.0, description="Seconds per step of the stub model (virtual time under MockClock).")] = 0.01

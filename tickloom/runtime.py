@@ -7,6 +7,7 @@ nursery cancels the rest, the log is closed at its last whole frame, and ``Engin
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -392,13 +393,24 @@ async def build_runtime(config: EngineConfig) -> Runtime:
                                       vocab_size=mcfg.vocab_size, eos_token_ids=tuple(mcfg.eos_token_ids))
         executor: Any
         if ranks is None:
-            from tickloom.engine.model.speculate import make_proposer
+            from tickloom.engine.model.speculate import ProposerSetting, make_proposer
             from tickloom.engine.model.structured import ConstraintLimits, Constraints
 
             limits = ConstraintLimits(max_text_chars=config.max_constraint_chars,
                                       max_grammar_size=config.max_constraint_grammar_size)
             constraints = Constraints(loaded.tokenizer, mcfg.vocab_size, tuple(mcfg.eos_token_ids), limits)
-            proposer = make_proposer(config.speculative_proposer) if config.speculative_tokens else None
+            proposer = None
+            if config.speculative_tokens:
+                setting = ProposerSetting(config.speculative_proposer, config.speculative_draft_model,
+                                          config.speculative_draft_quant)
+                try:
+                    proposer = await trio.to_thread.run_sync(functools.partial(
+                        make_proposer, setting, target=config.model, target_vocab=mcfg.vocab_size,
+                        dtype=config.dtype, device=config.device, num_blocks=num_blocks,
+                        block_size=config.block_size))
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"EngineConfig.speculative_proposer={config.speculative_proposer!r}: "
+                                      f"{exc}") from exc
             executor = ModelExecutor(loaded.model, num_blocks, config.block_size, constraints, proposer)
         else:
             executor = await trio.to_thread.run_sync(ranks.connect, num_blocks, config.block_size)

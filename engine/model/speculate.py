@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class Proposer(Protocol):
@@ -91,12 +91,38 @@ class PromptLookup:
         self._index.pop(request_id, None)
 
 
-PROPOSERS = ("prompt_lookup",)
+PROPOSERS = ("prompt_lookup", "draft")
 """The proposer names ``EngineConfig.speculative_proposer`` accepts."""
 
 
-def make_proposer(name: str) -> Proposer:
-    """The proposer called ``name``."""
-    if name == "prompt_lookup":
+class ProposerSetting(NamedTuple):
+    """What builds a proposer (``EngineConfig``'s speculative fields, as a log's header records them)."""
+
+    name: str
+    draft_model: str | None = None
+    """The draft proposer's model (None: the target's own)."""
+    draft_quant: str = "int4"
+
+
+def make_proposer(setting: ProposerSetting | str, *, target: str = "", target_vocab: int | None = None,
+                  dtype: str | None = None, device: str | None = None, num_blocks: int = 0,
+                  block_size: int = 16) -> Proposer:
+    """The proposer ``setting`` names. A draft model is loaded (``target`` is the target's name or path, used when
+    the setting names no draft model); its vocabulary must be the target's, ``target_vocab``."""
+    if isinstance(setting, str):
+        setting = ProposerSetting(setting)
+    if setting.name == "prompt_lookup":
         return PromptLookup()
-    raise ValueError(f"unknown speculative proposer {name!r}; choose one of {list(PROPOSERS)}")
+    if setting.name != "draft":
+        raise ValueError(f"unknown speculative proposer {setting.name!r}; choose one of {list(PROPOSERS)}")
+    from tickloom.engine.model.draft import DraftProposer
+    from tickloom.engine.model.loaders import load_model
+
+    name = setting.draft_model or target
+    if not name:
+        raise ValueError("the draft proposer needs a draft model (or the target's name to quantize)")
+    loaded = load_model(name, dtype=dtype, device=device, quant=setting.draft_quant)
+    if target_vocab is not None and loaded.config.vocab_size != target_vocab:
+        raise ValueError(f"the draft model {name!r} has {loaded.config.vocab_size} tokens, the target "
+                         f"{target_vocab}: a draft must share the target's vocabulary")
+    return DraftProposer(loaded.model, max(num_blocks, 1), block_size)
