@@ -57,6 +57,10 @@ DIMENSIONS = ("prefill_tokens", "decode_rows", "context")
 SLACK = 0.1
 """A shape up to 10% beyond the fitted range (and 10% below its low end) still counts as inside."""
 MAX_RATIOS = 512
+LOCAL_SAMPLES = 3
+"""A class of step needs this many of a log's steps for its own scale (``rescaled``)."""
+PREFILL_CLASS = 0
+"""``step_class`` of a step that prefills (a decode class is its row count, 1 or more)."""
 PROFILE_VERSION = 1
 
 
@@ -122,6 +126,10 @@ class StepModel:
     why: str = ""
     """Why this model was chosen (the what-if fills it in)."""
     profile_path: str | None = None
+    local: tuple[tuple[int, float], ...] = ()
+    """A profile scaled to a log (``rescaled``): per class of step (``step_class``) where the log has
+    ``LOCAL_SAMPLES`` or more steps, the median of their measured / modelled times, which multiplies the terms for
+    every step of that class (a decode class the log lacks takes its nearest row count's); empty: none."""
 
     @property
     def coefficients(self) -> tuple[float, ...]:
@@ -129,7 +137,17 @@ class StepModel:
                 self.per_prefill_chunk_ns, self.per_matrix_step_ns)
 
     def device_time(self, shape: StepShape) -> float:
-        return sum(c * f for c, f in zip(self.coefficients, shape.features(), strict=True))
+        terms = sum(c * f for c, f in zip(self.coefficients, shape.features(), strict=True))
+        return terms * self.local_scale(shape) if self.local else terms
+
+    def local_scale(self, shape: StepShape) -> float:
+        """``local``'s factor for ``shape`` (1.0 for a class it has no word on)."""
+        cls = step_class(shape)
+        found = dict(self.local)
+        if cls in found or cls == PREFILL_CLASS:
+            return found.get(cls, 1.0)
+        rows = [(abs(c - cls), -c) for c in found if c != PREFILL_CLASS]
+        return found[-min(rows)[1]] if rows else 1.0
 
     def time(self, shape: StepShape) -> int:
         return max(1, round(self.device_time(shape) + self.overhead_ns))
@@ -173,7 +191,13 @@ class StepModel:
                 f"read + {self.per_prefill_chunk_ns / 1e3:.1f} µs·prefill chunks + {self.per_matrix_step_ns / 1e3:.1f} "
                 f"µs·matrix step (non-negative least squares, relative, on "
                 f"{where} {self.samples} steps, mean absolute error {self.mean_abs_error_ns / 1e3:.1f} µs; valid for "
-                f"{self.describe_range()}){overhead}")
+                f"{self.describe_range()}){overhead}{self.describe_local()}")
+
+    def describe_local(self) -> str:
+        if not self.local:
+            return ""
+        return "; each class of step the log measured scaled by its own steps: " + ", ".join(
+            f"{'prefill' if c == PREFILL_CLASS else f'{c} row' + 's' * (c > 1)} x{f:.2f}" for c, f in self.local)
 
     def to_json(self) -> dict[str, object]:
         return {"source": self.source, "why": self.why, "per_step_ns": self.per_step_ns,
@@ -184,7 +208,8 @@ class StepModel:
                 "mean_abs_error_ns": self.mean_abs_error_ns,
                 "valid_for": None if self.bounds is None else {n: list(r) for n, r in zip(DIMENSIONS, self.bounds,
                                                                                          strict=True)},
-                "profile": self.profile_path}
+                "profile": self.profile_path,
+                "local": {("prefill" if c == PREFILL_CLASS else f"{c} rows"): f for c, f in self.local}}
 
 
 def stub_model(step_time_s: float) -> StepModel:
@@ -229,16 +254,30 @@ def residual_ratios(model: StepModel, samples: Sequence[StepSample]) -> tuple[fl
     return tuple(ratios)
 
 
+def step_class(shape: StepShape) -> int:
+    """A step's class for ``StepModel.local``: ``PREFILL_CLASS`` if it prefills, else its decode rows."""
+    return PREFILL_CLASS if shape.prefill_tokens else shape.decode_rows
+
+
 def rescaled(model: StepModel, samples: Sequence[StepSample]) -> tuple[StepModel, float]:
     """``model`` (a profile's) with every cost scaled by the median of ``samples``' measured / modelled device
-    times, and its residual ratios taken from them: the profile's shape, at the speed the log ran at. Returns the
-    model and the scale (1.0, and the model as it is, without measured samples)."""
+    times, then each class of step (``step_class``) the samples have ``LOCAL_SAMPLES`` of scaled again by their
+    own median (``StepModel.local``), and its residual ratios taken from the samples: the profile's shape, at the
+    speed the log ran at, and where the log measured a kind of step itself, at the log's time for it. A busy host
+    does not slow every shape alike (with other work on both cores, a 4-row decode step's running time grew 49%
+    and a 1-row step's 29%); the log's own steps of a class say how its steps ran then. Returns the model and the
+    overall scale (1.0, and the model as it is, without measured samples)."""
     measured = [s for s in samples if s.step_time_ns > 0]
     if not measured:
         return model, 1.0
     scale = float(statistics.median(s.step_time_ns / max(1.0, model.device_time(s.shape)) for s in measured))
     out = dataclasses.replace(model.scaled(scale), overhead_ns=model.overhead_ns,
-                              mean_abs_error_ns=model.mean_abs_error_ns)
+                              mean_abs_error_ns=model.mean_abs_error_ns, local=())
+    by_class: dict[int, list[float]] = {}
+    for s in measured:
+        by_class.setdefault(step_class(s.shape), []).append(s.step_time_ns / max(1.0, out.device_time(s.shape)))
+    local = tuple(sorted((c, float(statistics.median(r))) for c, r in by_class.items() if len(r) >= LOCAL_SAMPLES))
+    out = dataclasses.replace(out, local=local)
     return dataclasses.replace(out, ratios=residual_ratios(out, measured)), scale
 
 

@@ -139,6 +139,29 @@ def test_a_shape_outside_the_range_is_named() -> None:
     assert StepModel(1.0).outside(StepShape(10**6, 10**6, 10**9)) == ()  # no range: the stub's, valid anywhere
 
 
+def test_a_profile_scaled_to_a_log_takes_each_class_of_step_at_the_logs_own_time() -> None:
+    """``rescaled``: the profile's shape at the log's overall speed, and a class of step (its decode rows, or
+    prefilling) the log measured 3 or more times at that class's own median: here the log's 1-row steps ran twice
+    the profile's time (a busy host does not slow every shape alike), its 4-row steps the profile's. A class the log
+    lacks takes its nearest row count's factor (ties to the larger); a prefill the log lacks, none."""
+    from tickloom.replay.step_model import rescaled
+
+    grid = [StepShape(0, rows, rows * (ctx + 1)) for rows in (1, 2, 4, 8) for ctx in (8, 32)]
+    grid += [StepShape(n, 0, n * (n + 1) // 2, 1) for n in (4, 16, 32)]
+    profile = fit_step_model([StepSample(shape, physics_ns(shape)) for shape in grid], source="calibration")
+    one, four = StepShape(0, 1, 20), StepShape(0, 4, 80)
+    log = [StepSample(one, 2 * physics_ns(one))] * 4 + [StepSample(four, physics_ns(four))] * 9
+    model, scale = rescaled(profile, log)
+    assert scale == pytest.approx(1.0, rel=1e-3)
+    assert dict(model.local) == pytest.approx({1: 2.0, 4: 1.0}, rel=1e-3)
+    for shape, factor in ((one, 2.0), (StepShape(0, 2, 40), 2.0), (StepShape(0, 3, 60), 1.0),
+                          (StepShape(0, 8, 160), 1.0), (StepShape(16, 0, 136, 1), 1.0)):
+        assert model.device_time(shape) == pytest.approx(factor * physics_ns(shape), rel=1e-3), shape
+    assert model.ratios == pytest.approx([1.0] * 13, rel=1e-3)  # the log's steps, each at its class's time
+    assert "1 row x2.00, 4 rows x1.00" in model.describe()
+    assert rescaled(profile, log[:2] + log[4:])[0].local == ((4, pytest.approx(1.0, rel=1e-3)),)  # 2 are too few
+
+
 def test_a_profile_round_trips_and_a_bad_one_is_named(tmp_path: Path) -> None:
     samples = (StepSample(StepShape(0, 2, 20), 1234), StepSample(StepShape(8, 0, 36, 1), 5678))
     path = save_profile(Profile("m", "fp", "cpu", "float32", 2, "box", samples))
