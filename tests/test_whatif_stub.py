@@ -161,6 +161,7 @@ def test_validate_against_a_baseline_rerun(base_log: Path, capsys: pytest.Captur
     assert main([*args, "--baseline", "rerun"]) == 0
     out = json.loads(capsys.readouterr().out)["validate"]
     assert out["baseline"] == "rerun" and len(out["rounds"]) == 1
+    assert out["counts"]["preemptions"] == {"predicted": predicted["preemptions"], "measured": predicted["preemptions"]}
     assert out["rounds"][0]["baseline_itl_ms_p50"] == out["log_itl_ms_p50"] == logged_figures["itl_ms_p50"]
     assert main([*args, "--rounds", "0"]) == EX_USAGE
     assert "--rounds takes a number >= 1" in capsys.readouterr().err

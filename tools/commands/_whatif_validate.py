@@ -257,6 +257,7 @@ class ValidateReport:
     def to_json(self) -> dict[str, object]:
         return {"clock": self.clock, "step_model": self.step_model, "extrapolated": self.extrapolated,
                 "baseline": self.baseline, "rows": self.rows(), "rounds": [r.to_json() for r in self.rounds],
+                "counts": {k: {"predicted": self.predicted.get(k), "measured": self.measured.get(k)} for k in COUNTS},
                 "log_itl_ms_p50": None if self.log is None else self.log["itl_ms_p50"]}
 
     def format_text(self) -> str:
