@@ -15,40 +15,13 @@ from typing import Any
 
 import pytest
 import trio
-from engine_helpers import assert_replays, stub_config
+from engine_helpers import assert_replays
+from test_engine_stub_extras import run_workload
 
 from tickloom import ConfigError, Engine, EngineConfig, SamplingParams
 from tickloom.engine.model.registry import smollm2_gguf_path
 from tickloom.events import PROPOSE, LogReader, Preempted, RunStep, StepDone
 from tickloom.tools.cli import main
-
-
-async def _stub_run(log: Path, seed: int, k: int, depth: int, spill: bool) -> dict[str, tuple[list[int], str]]:
-    """Seeded arrivals at random times, some with stop strings, some left early; each finished request's tokens."""
-    rng = random.Random(seed)
-    config = stub_config(log, speculative_tokens=k, pipeline_depth=depth, num_blocks=24, max_seq_len=128,
-                         max_batch_size=8, host_spill_bytes=(1 << 20) if spill else 0)
-    results: dict[str, tuple[list[int], str]] = {}
-    jobs = [(f"r{i}", rng.uniform(0.0, 0.4), rng.randint(4, 60), rng.random() < 0.2, rng.random() < 0.15)
-            for i in range(24)]
-
-    async def one(engine: Engine, rid: str, delay: float, max_tokens: int, stop: bool, leave: bool) -> None:
-        await trio.sleep(delay)
-        params = SamplingParams(max_tokens=max_tokens, seed=int(rid[1:]), temperature=0.8, stop=["q"] if stop else [])
-        tokens: list[int] = []
-        reason = ""
-        async for out in engine.generate(f"prompt {rid} " * 3, params, request_id=rid):
-            tokens += out.token_ids
-            reason = out.finish_reason or reason
-            if leave and len(tokens) >= 5:
-                break
-        if not leave:
-            results[rid] = (tokens, reason)
-
-    async with Engine.open(config) as engine, trio.open_nursery() as nursery:
-        for job in jobs:
-            nursery.start_soon(one, engine, *job)
-    return results
 
 
 def _accepted(log: Path) -> tuple[int, int, bool]:
@@ -66,9 +39,10 @@ def _accepted(log: Path) -> tuple[int, int, bool]:
 async def test_speculation_changes_no_output_under_any_timing(tmp_path: Path, autojump_clock: trio.testing.MockClock,
                                                               depth: int, spill: bool, k: int) -> None:
     for seed in (1, 2):
-        plain = await _stub_run(tmp_path / f"plain-{seed}.tlog", seed, 0, depth, spill)
+        plain = await run_workload(tmp_path / f"plain-{seed}.tlog", seed, depth, spill)
         log = tmp_path / f"spec-{seed}.tlog"
-        assert await _stub_run(log, seed, k, depth, spill) == plain, f"seed {seed}: speculation changed an output"
+        spec = await run_workload(log, seed, depth, spill, speculative_tokens=k)
+        assert spec == plain, f"seed {seed}: speculation changed an output"
         assert_replays(log)
         slots, accepted, preempted = _accepted(log)
         assert slots > 100 and accepted > 50, "the stub speculated and accepted proposals"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -16,11 +17,13 @@ from tickloom import Engine, FaultPlan, SamplingParams
 from tickloom.events import LogReader, Preempted, StepDone
 
 
-async def _run(log: Path, seed: int, extras: int, depth: int, spill: bool) -> dict[str, tuple[list[int], str]]:
-    """Seeded arrivals at random times, some with stop strings, some left early; each finished request's tokens."""
+async def run_workload(log: Path, seed: int, depth: int, spill: bool, **config_kw: Any
+                       ) -> dict[str, tuple[list[int], str]]:
+    """Seeded arrivals at random times, some with stop strings, some left early, on the stub under ``config_kw``
+    (24 blocks: preemption; ``spill``: swaps); each finished request's tokens and finish reason."""
     rng = random.Random(seed)
-    config = stub_config(log, faults=FaultPlan(stub_extras=extras), pipeline_depth=depth, num_blocks=24,
-                         max_seq_len=128, max_batch_size=8, host_spill_bytes=(1 << 20) if spill else 0)
+    config = stub_config(log, pipeline_depth=depth, num_blocks=24, max_seq_len=128, max_batch_size=8,
+                         host_spill_bytes=(1 << 20) if spill else 0, **config_kw)
     results: dict[str, tuple[list[int], str]] = {}
     jobs = [(f"r{i}", rng.uniform(0.0, 0.4), rng.randint(4, 60), rng.random() < 0.2, rng.random() < 0.15)
             for i in range(24)]
@@ -49,9 +52,9 @@ async def _run(log: Path, seed: int, extras: int, depth: int, spill: bool) -> di
 async def test_extras_change_no_output_under_any_timing(tmp_path: Path, autojump_clock: trio.testing.MockClock,
                                                         depth: int, spill: bool) -> None:
     for seed in (1, 2):
-        plain = await _run(tmp_path / f"plain-{seed}.tlog", seed, 0, depth, spill)
+        plain = await run_workload(tmp_path / f"plain-{seed}.tlog", seed, depth, spill)
         log = tmp_path / f"extras-{seed}.tlog"
-        with_extras = await _run(log, seed, 3, depth, spill)
+        with_extras = await run_workload(log, seed, depth, spill, faults=FaultPlan(stub_extras=3))
         assert with_extras == plain, f"seed {seed}: extras changed an output"
         assert_replays(log)
         with LogReader(log) as reader:

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tickloom.tools.bench.jobs import run_jobs
 from tickloom.tools.progress import progress_note
 
 HELP = "speculative decoding (prompt lookup) against plain decoding: copy-heavy and open-ended prompts, batch 1-16"
@@ -83,27 +84,6 @@ def _jobs(prompts: list[str], count: int, max_tokens: int) -> list[tuple[Any, An
              SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=i)) for i in range(count)]
 
 
-async def _run(engine: Any, jobs: list[tuple[Any, Any]], concurrent: bool) -> tuple[float, list[list[int]]]:
-    """Run the jobs (all at once, or one after another); (wall seconds, each output's token ids)."""
-    import trio
-
-    outputs: list[list[int]] = [[] for _ in jobs]
-
-    async def one(i: int) -> None:
-        prompt, params = jobs[i]
-        outputs[i] = list((await engine.complete(prompt, params)).token_ids)
-
-    start = time.perf_counter()
-    if concurrent:
-        async with trio.open_nursery() as nursery:
-            for i in range(len(jobs)):
-                nursery.start_soon(one, i)
-    else:
-        for i in range(len(jobs)):
-            await one(i)
-    return time.perf_counter() - start, outputs
-
-
 def _acceptance(log: Path) -> tuple[int, int, int]:
     """(proposal slots planned, proposals accepted, decode rows with slots) in a log."""
     from tickloom.events import PROPOSE, LogReader, RunStep, StepDone
@@ -144,11 +124,11 @@ async def _case(kind: str, prompts: list[str], batch: int, args: argparse.Namesp
     best = {"plain": float("inf"), "speculative": float("inf")}
     outputs: dict[str, list[list[int]]] = {}
     async with Engine.open(plain_config) as plain, Engine.open(spec_config) as spec:
-        await _run(plain, jobs[:1], False)  # warm-up
-        await _run(spec, jobs[:1], False)
+        await run_jobs(plain, jobs[:1], False)  # warm-up
+        await run_jobs(spec, jobs[:1], False)
         for _ in range(args.repeat):
             for side, engine in (("plain", plain), ("speculative", spec)):
-                seconds, outs = await _run(engine, jobs, batch > 1)
+                seconds, outs = await run_jobs(engine, jobs, batch > 1)
                 best[side] = min(best[side], seconds)
                 outputs[side] = outs
     tokens = sum(len(o) for o in outputs["plain"])

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tickloom.tools.bench.jobs import run_jobs
 from tickloom.tools.progress import progress_note
 
 HELP = "JSON-schema constrained outputs against unconstrained ones (batch 1 and 32), masks, extras, compile time"
@@ -70,28 +71,6 @@ def _prompts(count: int) -> list[tuple[list[dict[str, str]], dict[str, Any]]]:
     return jobs
 
 
-async def _run(engine: Any, jobs: list[tuple[Any, Any]], concurrent: bool) -> tuple[float, list[list[int]]]:
-    """Run the jobs (all at once, or one after another); (wall seconds, each output's token ids)."""
-    import trio
-
-    outputs: list[list[int]] = [[] for _ in jobs]
-
-    async def one(i: int) -> None:
-        prompt, params = jobs[i]
-        out = await engine.complete(prompt, params)
-        outputs[i] = list(out.token_ids)
-
-    start = time.perf_counter()
-    if concurrent:
-        async with trio.open_nursery() as nursery:
-            for i in range(len(jobs)):
-                nursery.start_soon(one, i)
-    else:
-        for i in range(len(jobs)):
-            await one(i)
-    return time.perf_counter() - start, outputs
-
-
 async def _case(batch: int, count: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     from tickloom import Engine, EngineConfig, SamplingParams, StructuredOutputs
     from tickloom.events import LogReader, StepDone
@@ -102,18 +81,18 @@ async def _case(batch: int, count: int, args: argparse.Namespace, log_dir: Path)
     constrained = [(p, SamplingParams(temperature=0.0, max_tokens=160, structured=StructuredOutputs(json=s)))
                    for p, s in prompts]
     async with Engine.open(config) as engine:
-        _, warm = await _run(engine, constrained[:1], False)  # warm-up: compile, first steps
+        _, warm = await run_jobs(engine, constrained[:1], False)  # warm-up: compile, first steps
         best_c = best_u = float("inf")
         lengths: list[int] = []
         runs: list[tuple[str, float]] = []
         for _ in range(args.repeat):
-            seconds, outs = await _run(engine, constrained, batch > 1)
+            seconds, outs = await run_jobs(engine, constrained, batch > 1)
             best_c = min(best_c, seconds)
             runs.append(("constrained", seconds))
             lengths = [len(o) for o in outs]
             free = [(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
                     for (p, _), n in zip(prompts, lengths, strict=True)]
-            seconds, _ = await _run(engine, free, batch > 1)
+            seconds, _ = await run_jobs(engine, free, batch > 1)
             best_u = min(best_u, seconds)
             runs.append(("unconstrained", seconds))
         texts = outs
