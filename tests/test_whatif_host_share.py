@@ -39,8 +39,8 @@ def test_the_busiest_thread_is_the_one_that_ran() -> None:
     worker = threading.Thread(target=work)
     worker.start()
     worker.join()
-    host.sample()  # the worker is gone: its figures stay at its last sample
-    assert seen[0] not in thread_stats() and seen[0] in host.last
+    host.sample()  # the worker has ended (its /proc entry may linger a moment): its figures are kept
+    assert seen[0] in host.last
     top = host.busiest()
     assert top is not None and top == (host.last[seen[0]][0] - host.first.get(seen[0], (0, 0))[0],
                                        host.last[seen[0]][1] - host.first.get(seen[0], (0, 0))[1])
