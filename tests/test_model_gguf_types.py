@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as reference
 
-from tickloom.engine.model import gguf_quants
+from tickloom.engine.model import gguf_quants, native
 from tickloom.engine.model.quant import (
     Embedding,
     GroupedInt8Linear,
@@ -49,6 +49,13 @@ def k_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
     return b.reshape(n, -1)
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers as torch runs them (exact in float32), also on a CPU where tickloom's kernels run (those keep the
+    scales in float16: ``test_grouped_int8_on_the_native_kernel``)."""
+    monkeypatch.setattr(native, "available", lambda: False)
+
+
 def blocks(kind: str, n: int = 48, k: int = 512, seed: int = 0) -> np.ndarray:
     if kind in K_QUANTS:
         return k_blocks(kind, n, k, seed)
@@ -80,7 +87,7 @@ def test_k_blocks_use_every_integer() -> None:
 
 
 @pytest.mark.parametrize("kind", ("Q4_0", "Q4_1", "Q4_K"))
-def test_4_bit_types_pack_into_int4(kind: str) -> None:
+def test_4_bit_types_pack_into_int4(kind: str, torch_kernels: None) -> None:
     data = blocks(kind)
     want = oracle(kind, data)
     lin = quantize_linear(RawBlocks(kind, data, (48, 512)), None, "int4", torch.bfloat16)
@@ -101,7 +108,7 @@ def test_4_bit_types_pack_into_int4(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
-def test_5_6_8_bit_types_are_grouped_int8_exactly(kind: str) -> None:
+def test_5_6_8_bit_types_are_grouped_int8_exactly(kind: str, torch_kernels: None) -> None:
     data = blocks(kind)
     want = oracle(kind, data)
     lin = quantize_linear(RawBlocks(kind, data, (48, 512)), None, "int4", torch.bfloat16)
@@ -131,7 +138,7 @@ def test_16_bit_floats_stay_floats(kind: str) -> None:
     assert torch.equal(dense.dequantize() if hasattr(dense, "dequantize") else dense.weight, oracle(kind, data))
 
 
-def test_a_mixed_fused_projection_keeps_each_part_exact() -> None:
+def test_a_mixed_fused_projection_keeps_each_part_exact(torch_kernels: None) -> None:
     """A Q4_K_M layer: q and k in Q4_K, v in Q6_K. q and k join as int4, v stays grouped int8; the outputs are in
     q, k, v order."""
     q, k, v = blocks("Q4_K", 32, 512, 1), blocks("Q4_K", 16, 512, 2), blocks("Q6_K", 16, 512, 3)
@@ -177,7 +184,29 @@ def test_grouped_int8_gives_one_product_at_any_batch(kind: str) -> None:
     """Few rows take the group-by-group path, many the dequantized weight's: both are the float32 product."""
     data = blocks(kind, 64, 512)
     want = oracle(kind, data)
-    lin = GroupedInt8Linear.from_gguf_blocks(data, kind, act=torch.float32)
+    lin = GroupedInt8Linear.from_gguf_blocks(data, kind, act=torch.float32, use_native=False)
     for m in (1, 8, 9, 40):
         x = torch.randn(m, 512)
         torch.testing.assert_close(lin(x), x @ want.t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ("Q5_0", "Q5_1", "Q5_K", "Q8_0"))
+def test_grouped_int8_on_the_native_kernel(kind: str) -> None:
+    """Groups of 32 in tickloom's 8-bit kernel's form: the file's integers, the scales rounded to float16 (the
+    form is numpy, checked everywhere; the matmul only where the kernel runs)."""
+    data = blocks(kind, 64, 512)
+    want = oracle(kind, data)
+    lin = GroupedInt8Linear.from_gguf_blocks(data, kind, use_native=True)
+    assert lin.tiles is not None and lin.q is None
+    q, s, z, _ = gguf_quants.int8_fields(kind, data)
+    s16 = s.astype(np.float16).astype(np.float32)
+    exact16 = (s16[..., None] * q.reshape(64, -1, 32).astype(np.float32)).reshape(64, -1)
+    if z is not None:
+        exact16 += np.repeat(z, 32, axis=1)
+    assert torch.equal(lin.dequantize(), torch.from_numpy(exact16))
+    torch.testing.assert_close(lin.dequantize(), want, atol=float(want.abs().max()) * 2.0**-10, rtol=0)
+    if not native.available():
+        return
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    ref = x.float() @ want.t()
+    torch.testing.assert_close(lin(x).float(), ref, atol=2e-2 * float(ref.abs().max()), rtol=1e-2)
