@@ -59,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
         mark = "yes" if r["available"] else "no "
         print(f"{r['name']:<{width}}  available: {mark}  {r['description']}")
         print(f"{'':<{width}}  source: {r['source']}")
-    print("Any Llama/Qwen2-style checkpoint directory (config.json + safetensors) or .gguf file also works as --model.")
+    from tickloom.engine.model.registry import hf_hub_cache
+
+    print("Any checkpoint directory (config.json + safetensors) or .gguf file also works as --model, and so does an\n"
+          f"org/name in the local Hugging Face cache ({hf_hub_cache()}; read offline, nothing is downloaded).")
     return 0
 
 
