@@ -210,3 +210,17 @@ def test_grouped_int8_on_the_native_kernel(kind: str) -> None:
     x = torch.randn(3, 512, dtype=torch.bfloat16)
     ref = x.float() @ want.t()
     torch.testing.assert_close(lin(x).float(), ref, atol=2e-2 * float(ref.abs().max()), rtol=1e-2)
+
+
+def test_the_native_heads_form_takes_blocks_a_slice_at_a_time() -> None:
+    """``Q8Linear`` (the LM head on tickloom's 8-bit kernel; its form is numpy, built on any CPU): Q5_0 blocks as
+    they are, a Q6_K head rounded per 32 a slice of rows at a time exactly as its whole float32 weight would be."""
+    from tickloom.engine.model.head import Q8Linear
+
+    q5 = blocks("Q5_0", 64, 512)
+    assert torch.equal(Q8Linear.from_weight(RawBlocks("Q5_0", q5, (64, 512))).dequantize(), oracle("Q5_0", q5))
+    q6 = RawBlocks("Q6_K", blocks("Q6_K", 64, 512), (64, 512))
+    sliced = Q8Linear.from_weight(q6, chunk=16)
+    assert torch.equal(sliced.tiles, Q8Linear.from_weight(q6.dequantize()).tiles)
+    torch.testing.assert_close(sliced.dequantize(), q6.dequantize(), atol=float(q6.dequantize().abs().max()) / 127,
+                               rtol=0)

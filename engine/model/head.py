@@ -143,16 +143,31 @@ class Q8Linear:
         self.tiles = native.pack_q8_tiles(q, d)
 
     @classmethod
-    def from_weight(cls, w: Weight) -> Q8Linear:
+    def from_weight(cls, w: Weight, chunk: int = 4096) -> Q8Linear:
+        """Q8_0 and Q5_0 blocks as they are (their scales are float16 already); any other weight rounded to 8 bits
+        per 32, GGUF blocks ``chunk`` rows at a time (a Q4_K_M file's Q6_K head is never whole in float32)."""
         if isinstance(w, RawBlocks) and w.kind == "Q8_0":
             d8, q8 = gguf_q8_0(w.data)
             return cls(q8.reshape(q8.shape[0], -1), d8)
-        f = (w.dequantize() if isinstance(w, RawBlocks) else w).float()
-        n, k = f.shape
-        groups = f.reshape(n, k // 32, 32)
-        step = groups.abs().amax(dim=-1) / 127.0
-        q = torch.round(groups / step.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.reshape(n, k).numpy(), step.numpy())
+        if isinstance(w, RawBlocks) and w.kind == "Q5_0":
+            q5, d5, _, _ = gguf_quants.int8_fields(w.kind, w.data)
+            return cls(q5, d5)
+        n, k = w.shape
+        q = np.empty((n, k), dtype=np.int8)
+        step = np.empty((n, k // 32), dtype=np.float32)
+        rows = chunk if isinstance(w, RawBlocks) else n
+        for lo in range(0, n, rows):
+            if isinstance(w, RawBlocks):
+                f = torch.from_numpy(gguf_quants.dequantize(w.kind, w.data[lo : lo + rows]))
+            else:
+                f = w.float()
+            m = f.shape[0]
+            groups = f.reshape(m, k // 32, 32)
+            s = groups.abs().amax(dim=-1) / 127.0
+            q[lo : lo + m] = torch.round(groups / s.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(
+                torch.int8).reshape(m, k).numpy()
+            step[lo : lo + m] = s.numpy()
+        return cls(q, step)
 
     def dequantize(self) -> torch.Tensor:
         t = self.tiles.numpy()
