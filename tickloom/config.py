@@ -50,14 +50,15 @@ class _EngineFields(SchedulingKnobs, frozen=True, kw_only=True, forbid_unknown_f
     """The engine's own fields; the scheduling knobs (``SchedulingKnobs``) come first, declared in the core."""
 
     model: Annotated[PathStr, Meta(
-        description="A bundled model's name (smollm2-135m), a Hugging Face directory, a .gguf file, or stub (the "
-                    "core's oracle: tests, benchmarks).")] = "smollm2-135m"
+        description="A bundled model's name (smollm2-135m), a Hugging Face directory, a .gguf file, an org/name in "
+                    "the local Hugging Face cache, or stub (the core's oracle: tests, benchmarks).")] = "smollm2-135m"
     dtype: Annotated[Literal["float32", "float64", "float16", "bfloat16"] | None, Meta(
         description="None: float32 on CPU, bfloat16 on CUDA; the bundled model on a CPU with native bfloat16 (with "
                     "quant also None) runs bfloat16 with int4 weights.")] = None
     quant: Annotated[Literal["none", "int8", "int4"] | None, Meta(
-        description="Weight-only quantization (CPU): int8 per output channel, or int4 in groups of 32 (GGUF "
-                    "Q4_0/Q4_1 blocks as they are; the LM head stays int8). None: the model's default.")] = None
+        description="Weight-only quantization (CPU): int8 per output channel, or int4 in groups of 32 (a GGUF's "
+                    "Q4_0/Q4_1/Q4_K blocks as they are, its 5- to 8-bit blocks as int8 per group; the LM head stays "
+                    "int8). None: the model's default.")] = None
     chat_template: Annotated[Annotated[str, Meta(min_length=1, max_length=1 << 20)] | None, Meta(
         description="A Jinja chat template replacing the model's: a file's path, or the template itself (text with "
                     "{, } or a newline in it), as vLLM's --chat-template; stored as the template's text. None: the "
