@@ -1,10 +1,11 @@
 """Extra tokens: a step accepts tokens after a row's sampled one without a forward pass of their own.
 
 A constraint that admits exactly one continuation forces them (jump-forward decoding); speculative decoding's
-verified tokens come the same way, with their KV already written (``test_core_speculation.py``). The core commits them in order through the stop rules, writes their KV with the
-sequence's next row (a catch-up row that also samples), and voids the row that running ahead planned for the output
-the first extra token now is. Each rule has a test that fails if that rule alone broke, driving ``SchedulerCore``
-with hand-built inputs; the blasts at the end run every actor's timing at random with the oracle's extras on.
+verified tokens come the same way, with their KV already written (``test_core_speculation.py``). The core commits
+them in order through the stop rules, writes their KV with the sequence's next row (a catch-up row that also
+samples), and voids the row that running ahead planned for the output the first extra token now is. Each rule has a
+test that fails if that rule alone broke, driving ``SchedulerCore`` with hand-built inputs; the blasts at the end run
+every actor's timing at random with the oracle's extras on.
 """
 
 from __future__ import annotations
