@@ -105,6 +105,17 @@ def test_slots_take_only_blocks_the_free_list_can_spare() -> None:
     assert d2.row(1)[1] == 1 + 32 - 1 - P  # the slots end with the table's last position, 31
 
 
+def test_no_slots_while_more_sequences_run_than_speculative_max_running() -> None:
+    d = _spec(4, speculative_max_running=1)
+    d.run(_arrive(), RequestArrived("s", PROMPT, SamplingSpec(max_tokens=50), seed=8))
+    step = d.steps[0]
+    d.run(StepDone(0, ["r", "s"], [100, 200]))
+    assert PROPOSE not in d.steps[1].token_ids  # two running
+    alone = _started(4, speculative_max_running=1)
+    assert alone.row(1)[1] == 5  # one running
+    assert step.request_ids == ["r", "s"]
+
+
 def test_at_depth_2_no_row_is_fed_from_a_row_with_slots() -> None:
     d = _started(depth=2)
     d.run()  # a tick with step 1 in flight: running ahead would plan step 2 fed from it

@@ -41,7 +41,7 @@ async def test_speculation_changes_no_output_under_any_timing(tmp_path: Path, au
     for seed in (1, 2):
         plain = await run_workload(tmp_path / f"plain-{seed}.tlog", seed, depth, spill)
         log = tmp_path / f"spec-{seed}.tlog"
-        spec = await run_workload(log, seed, depth, spill, speculative_tokens=k)
+        spec = await run_workload(log, seed, depth, spill, speculative_tokens=k, speculative_max_running=8)
         assert spec == plain, f"seed {seed}: speculation changed an output"
         assert_replays(log)
         slots, accepted, preempted = _accepted(log)

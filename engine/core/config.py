@@ -62,6 +62,10 @@ class SchedulingKnobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         ge=0, le=32, description="Speculative decoding: proposal slots a decode row may carry, verified in the same "
                                  "step (0: off). The executor's proposer fills them; a row that keeps rejecting "
                                  "proposes fewer.")] = 0
+    speculative_max_running: Annotated[int, Meta(
+        ge=1, le=65536, description="Decode rows get proposal slots only while at most this many sequences run: a "
+                                    "larger batch already keeps the device busy, and verifying proposals then costs "
+                                    "more than it saves (vLLM's disable_by_batch_size).")] = 4
     think_start_token: Annotated[TokenIdKnob | None, Meta(
         description="The token that opens a reasoning span (set with think_end_token); thinking_budget counts the "
                     "tokens inside.")] = None

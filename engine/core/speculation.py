@@ -23,6 +23,10 @@ positions only) never registers them, and a spill copies only verified KV. The b
 for ``RETRY_AFTER`` outputs, then proposes one slot again. So speculation costs little where it does not pay: a
 rejected slot costs a position of compute and of token budget, and the running ahead its row gave up.
 
+**Only at small batches.** While more than ``speculative_max_running`` sequences run, no row gets slots: a step of
+many rows keeps the device busy anyway, and the rows a proposal adds cost compute that a batch no longer has to
+spare. (``running`` is pruned before the decode rows are planned, so the count is the running sequences'.)
+
 Requests whose tokens depend on more than the logits of their own position do not propose: a structured-output
 constraint (its forced tokens are extra tokens of their own), logprobs (extra tokens carry none) and a thinking
 budget (which may replace a token after its KV is written).
@@ -54,6 +58,8 @@ def proposal_slots(state: CoreState, seq: Seq, position: int, index: int, token_
     leaves a free block for every running sequence, so that it does not drive another row into preemption. Call
     after the row's own block is ensured.
     """
+    if len(state.running) > state.config.speculative_max_running:
+        return 0
     k = seq.spec_k
     if k == 0:
         if seq.spec_retry < 0 or len(seq.outputs) < seq.spec_retry:
