@@ -6,6 +6,7 @@ the grammar layer's own rules are in ``test_model_structured.py``."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,14 @@ async def test_the_configured_constraint_limits_refuse_a_constraint_past_them() 
                 grammar="start: " + " | ".join(f'"w{i}"' for i in range(60)))))
         out = await engine.complete("x", SamplingParams(max_tokens=4, structured=StructuredOutputs(choice=["a"])))
         assert out.text_delta == "a", "a small constraint is still accepted"
+
+
+def _mask_workers() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("tickloom-masks"))
+
+
+async def test_closing_the_engine_stops_its_mask_worker() -> None:
+    before = _mask_workers()
+    [(_, _, reason)] = await _texts(EngineConfig(), [(ASK, _params(max_tokens=4))])
+    assert reason == "length"
+    assert _mask_workers() == before

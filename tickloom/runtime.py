@@ -226,8 +226,9 @@ class Runtime:
                 self._fail(EngineError("device", exc))
 
     def close(self) -> None:
-        """Release what outlives the nursery: the log (closed at its last whole frame), spill files and the
-        tensor-parallel workers (the device thread has ended, so no call is in flight)."""
+        """Release what outlives the nursery: the log (closed at its last whole frame), spill files, the
+        structured-output mask worker and the tensor-parallel workers (the device thread has ended, so no call is
+        in flight)."""
         try:
             if self.log is not None:
                 if self.fatal is not None and self.fatal.actor == "log":
@@ -237,8 +238,12 @@ class Runtime:
             if self.store is not None:
                 self.store.close()
         finally:
-            if self.ranks is not None:
-                self.ranks.close()
+            try:
+                if self.constraints is not None:
+                    self.constraints.close()
+            finally:
+                if self.ranks is not None:
+                    self.ranks.close()
 
     # -- requests --------------------------------------------------------------------------------------------
     def now_ns(self) -> int:
