@@ -149,7 +149,7 @@ class ModelExecutor(BoundRequests[_RequestState]):
         logits = self.model.forward(batch, self.kv)
         if any(row.all_logits for row in rows):
             logits = self._prompt_logprobs(rows, row_states, logits)
-        allowed = masks[1].wait() if masks is not None else None
+        mask_rows, allowed = ({}, None) if masks is None else (masks[0], masks[1].wait())
         sample_rows: list[SampleRow] = []
         for i, st in enumerate(states):
             k = sample_indices[i]
@@ -166,7 +166,7 @@ class ModelExecutor(BoundRequests[_RequestState]):
                         prompt_tokens=st.tokens[: st.prompt_len] if penalties else [],
                         output_tokens=st.tokens[st.prompt_len : end + j] if penalties else [],
                         masked_token_ids=st.masked_token_ids,
-                        allowed=None if allowed is None or i not in masks[0] else allowed[masks[0][i]],  # type: ignore[index]
+                        allowed=None if allowed is None or i not in mask_rows else allowed[mask_rows[i]],
                     )
                 )
         out = self.sampler.sample(logits, sample_rows)
