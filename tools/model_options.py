@@ -85,7 +85,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     from tickloom.config import EngineConfig
 
     schema = msgspec.json.schema(EngineConfig)["$defs"]["EngineConfig"]["properties"]
-    fields = {f.name: f for f in msgspec.inspect.type_info(EngineConfig).fields}
+    info = msgspec.inspect.type_info(EngineConfig)
+    assert isinstance(info, msgspec.inspect.StructType)
+    fields = {f.name: f for f in info.fields}
     group = parser.add_argument_group("engine", "how the engine is built (vLLM's and llama.cpp's names are aliases)")
     for flag in ENGINE_FLAGS:
         kind = _plain_type(fields[flag.field].type)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 NAME = "replay"
@@ -239,7 +240,8 @@ class _Counted:
         self.device = device
         self.bar = bar
 
-    def handle(self, commands: list[Any]) -> list[Any]:
+    def handle(self, commands: Iterable[Any]) -> list[Any]:
+        commands = list(commands)
         results: list[Any] = self.device.handle(commands)
         self.bar.advance(len(commands))
         return results
