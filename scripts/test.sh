@@ -10,4 +10,6 @@ ruff check .
 echo "== mypy"
 mypy --strict -p tickloom.events -p tickloom.engine.core
 echo "== pytest"
-HF_HUB_OFFLINE=1 python -m pytest -q "$@"
+# One worker per core (TICKLOOM_TEST_WORKERS overrides; 0 runs in this process). The tests are independent, and
+# the fleet tests, which start a local Ray each, share one worker (conftest.py's "ray" group).
+HF_HUB_OFFLINE=1 python -m pytest -q -n "${TICKLOOM_TEST_WORKERS:-auto}" --dist loadgroup --durations=15 "$@"

@@ -1,5 +1,6 @@
 """Test-wide settings: one torch thread (when torch is installed), no network for Hugging Face and derandomized
-hypothesis (fixed seeds); a local Ray cluster per module for the fleet tests that ask for ``ray_cluster``."""
+hypothesis (fixed seeds); a local Ray cluster per module for the fleet tests that ask for ``ray_cluster``, all of
+which run in one worker of a parallel run (``pytest -n``), so that no two Ray clusters start at once."""
 
 from __future__ import annotations
 
@@ -36,3 +37,10 @@ def ray_cluster() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` every test that starts a Ray cluster runs in the same worker."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))

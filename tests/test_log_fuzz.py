@@ -329,14 +329,22 @@ def _max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
 
 
+CHUNKS = 4
+"""The mutations are checked in this many tests (mutation n in chunk n % CHUNKS), so that a parallel run spreads
+them; every chunk draws the whole sequence, so the 2,000 mutations are the same however they are split."""
+
+
 @pytest.mark.slow
-def test_mutated_logs_never_crash_the_readers(base: Base, tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_mutated_logs_never_crash_the_readers(base: Base, tmp_path: Path, chunk: int) -> None:
     rng = random.Random(SEED)
     rss_before = _max_rss_mb()
     tally: Counter[tuple[str, int]] = Counter()
     path = tmp_path / "mutant.tlog"
     for n in range(N_MUTATIONS):
         mutant = rng.choice(MUTATORS)(base, rng)
+        if n % CHUNKS != chunk:
+            continue
         try:
             codes = _check(base, mutant, path, deep=n % 3 == 0)
         except BaseException:
@@ -346,7 +354,7 @@ def test_mutated_logs_never_crash_the_readers(base: Base, tmp_path: Path) -> Non
             raise
         tally[(mutant.kind, codes["replay"])] += 1
     growth = _max_rss_mb() - rss_before
-    print(f"\nfuzz: {N_MUTATIONS} mutated logs (seed {SEED}); peak RSS {_max_rss_mb():.0f} MB, "
+    print(f"\nfuzz: chunk {chunk} of {N_MUTATIONS} mutated logs (seed {SEED}); peak RSS {_max_rss_mb():.0f} MB, "
           f"grew {growth:.0f} MB; replay exit status by mutation: {dict(sorted(tally.items()))}")
     assert growth < RSS_BUDGET_MB
     # Every kind of damage was tried, and the damage was mostly caught.
