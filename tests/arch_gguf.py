@@ -38,6 +38,27 @@ def _llama3_factors(p: dict[str, Any], dim: int) -> list[float]:
     return out
 
 
+def add_llama_shape(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
+    """The shape keys every llama.cpp architecture has, from a config.json."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+
+
+def add_gpt2_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path) -> None:
+    """A tiny model's byte-level BPE vocabulary (``tokenizer.json``) as a GGUF "gpt2" tokenizer, BOS 0."""
+    vocab = sorted(json.loads(tokenizer_json.read_text())["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t.startswith("<|") else 1 for t, _ in vocab])
+    w.add_token_merges([])
+    w.add_bos_token_id(0)
+
+
 def write_gguf(d: Path, model_type: str, out: Path, q8: bool = False) -> Path:
     from safetensors.torch import load_file
 
@@ -46,15 +67,9 @@ def write_gguf(d: Path, model_type: str, out: Path, q8: bool = False) -> Path:
     layers = cfg["num_hidden_layers"]
     names = gguf.get_tensor_name_map(arch, layers)
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(layers)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    add_llama_shape(w, cfg)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
     w.add_rope_freq_base(float(rope.get("full_attention", rope).get("rope_theta", 10000.0)))
     w.add_vocab_size(cfg["vocab_size"])
@@ -90,13 +105,7 @@ def write_gguf(d: Path, model_type: str, out: Path, q8: bool = False) -> Path:
         w.add_add_space_prefix(model_type not in GEMMA_TYPES)
         w.add_bos_token_id(1)
     else:
-        tok = json.loads((d / "tokenizer.json").read_text())
-        vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-        w.add_tokenizer_model("gpt2")
-        w.add_token_list([t for t, _ in vocab])
-        w.add_token_types([3 if t.startswith("<|") else 1 for t, _ in vocab])
-        w.add_token_merges([])
-        w.add_bos_token_id(0)
+        add_gpt2_tokenizer(w, d / "tokenizer.json")
     w.add_eos_token_id(2)
     for name, t in load_file(str(d / "model.safetensors")).items():
         base, _, suffix = name.rpartition(".")

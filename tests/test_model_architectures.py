@@ -22,10 +22,11 @@ import pytest
 import torch
 from arch_gguf import GEMMA_TYPES, spm_reference, write_gguf
 from model_fixtures import Driver, Spec, make_executor, prompts
+from test_model_reference import ref_logits, run_rows
 
 from tickloom.engine.model import llama
 from tickloom.engine.model.arch import ArchOptions
-from tickloom.engine.model.batch import RowSpec, build_step_batch
+from tickloom.engine.model.batch import RowSpec
 from tickloom.engine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tickloom.engine.model.errors import ModelLoadError
 from tickloom.engine.model.loaders import load_model
@@ -108,18 +109,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tup
         return made[case]
 
     return get
-
-
-def ref_logits(ref: Any, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return ref(torch.tensor([ids])).logits[0].float()
-
-
-def run_rows(model: Any, kv: Any, rows: list[RowSpec], toks: list[int]) -> torch.Tensor:
-    g = model.cfg.num_heads // model.cfg.num_kv_heads
-    batch = build_step_batch(rows, toks, kv.block_size, g, torch.device("cpu"))
-    batch.logit_index = None
-    return model.forward(batch, kv)
 
 
 def _prompt(n: int, seed: int = 1) -> list[int]:

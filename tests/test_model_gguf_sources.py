@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from arch_gguf import add_gpt2_tokenizer, add_llama_shape
 from safetensors.torch import load_file
 from test_model_gguf_types import k_blocks
 
@@ -49,23 +50,11 @@ def write_k_gguf(tiny_dir: Path, out: Path, types: Mapping[str, str] = Q4_K_M, *
     (``gguf`` cannot write K-quants; the model's numbers need not mean anything), norms in F32."""
     cfg = json.loads((tiny_dir / "config.json").read_text())
     tensors = load_file(str(tiny_dir / "model.safetensors"))
-    vocab = sorted(json.loads((tiny_dir / "tokenizer.json").read_text())["model"]["vocab"].items(),
-                   key=lambda kv: kv[1])
     w = gguf.GGUFWriter(str(out), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_llama_shape(w, cfg)
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t.startswith("<|") else 1 for t, _ in vocab])
-    w.add_token_merges([])
-    w.add_bos_token_id(0)
+    add_gpt2_tokenizer(w, tiny_dir / "tokenizer.json")
     w.add_eos_token_id(2)
     if template:
         w.add_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
