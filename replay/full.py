@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from tickloom.events import (
@@ -32,7 +32,6 @@ from tickloom.replay.record import DEVICE_COMMANDS, Device
 
 if TYPE_CHECKING:
     from tickloom.engine.model.executor import ModelExecutor
-    from tickloom.engine.model.speculate import ProposerSetting
 
 
 @dataclasses.dataclass(slots=True)
@@ -80,11 +79,19 @@ class FullReport:
 
 
 def verify_full(path: str | os.PathLike[str], executor: Device, *, note: str | None = None) -> FullReport:
-    """Feed every logged device command to ``executor`` in order; compare each step's tokens with the log's."""
+    """Feed every logged device command to ``executor`` in order; compare each step's tokens with the log's.
+
+    A speculating row (``RunStep``'s proposal slots) is re-run with the proposals its logged result shows were
+    right (``LoggedProposals``), handed to an executor that takes them (``replay_proposals``): a full replay checks
+    the model's tokens, not the proposer's guesses, so it needs neither the draft model nor the same arithmetic in
+    it, and each speculating row must accept exactly as many as the log says."""
     report = FullReport("identical", os.fspath(path), note=note)
     produced: dict[int, Input] = {}
     start = time.perf_counter()
     try:
+        take = getattr(executor, "replay_proposals", None)
+        if callable(take):
+            take(logged_proposals(path))
         with LogReader(path) as reader:
             for record in reader.ticks():
                 tick = record.inputs.tick
@@ -114,6 +121,38 @@ def verify_full(path: str | os.PathLike[str], executor: Device, *, note: str | N
     finally:
         report.seconds = time.perf_counter() - start
     return report
+
+
+def logged_proposals(path: str | os.PathLike[str]) -> dict[tuple[int, str], list[int]]:
+    """(step id, request id) -> the proposals that a row's logged result shows were right: its sampled token and
+    its extra tokens but the last (proposal j stood because it equalled the token sampled before it)."""
+    right: dict[tuple[int, str], list[int]] = {}
+    with LogReader(path) as reader:
+        for record in reader.ticks():
+            for item in record.inputs.inputs:
+                if isinstance(item, StepDone) and item.extra_token_ids:
+                    for rid, token, extras in zip(item.request_ids, item.token_ids, item.extra_token_ids,
+                                                  strict=True):
+                        if extras:
+                            right[(item.step_id, rid)] = [token, *extras[:-1]]
+    return right
+
+
+class LoggedProposals:
+    """The proposer of a full replay: a speculating row of step ``step_id`` proposes what the log shows was right
+    (``logged_proposals``); a row whose logged proposals were all wrong, none."""
+
+    name = "logged"
+
+    def __init__(self, right: dict[tuple[int, str], list[int]]) -> None:
+        self.right = right
+        self.step_id = -1
+
+    def propose(self, request_id: str, tokens: Sequence[int], most: int) -> list[int]:
+        return self.right.get((self.step_id, request_id), [])[:most]
+
+    def release(self, request_id: str) -> None:
+        pass
 
 
 def _compare(report: FullReport, tick: int, logged: StepDone, ours: Input | None) -> bool:
@@ -151,6 +190,12 @@ class ModelDevice:
     def __init__(self, executor: ModelExecutor) -> None:
         self.executor = executor
         self.spilled: dict[str, Any] = {}
+        self._proposals: LoggedProposals | None = None
+
+    def replay_proposals(self, right: dict[tuple[int, str], list[int]]) -> None:
+        """Speculating rows propose what the log shows was right (``verify_full``)."""
+        self._proposals = LoggedProposals(right)
+        self.executor.proposer = self._proposals
 
     def handle(self, commands: Iterable[Command]) -> list[Input]:
         results: list[Input] = []
@@ -175,6 +220,8 @@ class ModelDevice:
         return results
 
     def run_step(self, step: RunStep) -> StepDone | StepFailed:
+        if self._proposals is not None:
+            self._proposals.step_id = step.step_id
         try:
             result = self.executor.run_step(step)
         except Exception as exc:
@@ -198,23 +245,18 @@ def _pad_blocks(host: Any, blocks: int) -> Any:
 
 
 def load_device(model: str, num_blocks: int, block_size: int, *, dtype: str | None = None,
-                device: str | None = None, proposer: ProposerSetting | None = None) -> tuple[ModelDevice, str]:
-    """Load ``model`` (a name or path ``engine.model.loaders.load_model`` knows) as a ``ModelDevice`` with the
-    speculative ``proposer`` the log ran (``header.proposer_from_header``); returns it and the model's
-    fingerprint."""
+                device: str | None = None) -> tuple[ModelDevice, str]:
+    """Load ``model`` (a name or path ``engine.model.loaders.load_model`` knows) as a ``ModelDevice``; returns it
+    and the model's fingerprint. (A speculative log's proposer is not needed: ``verify_full`` replays its rows with
+    the proposals the log shows were right.)"""
     from tickloom.engine.model.executor import ModelExecutor
     from tickloom.engine.model.loaders import load_model
-    from tickloom.engine.model.speculate import make_proposer
     from tickloom.engine.model.structured import Constraints
 
     loaded = load_model(model, dtype=dtype or None, device=device or None)
     cfg = loaded.config
     constraints = Constraints(loaded.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
-    executor = ModelExecutor(loaded.model, num_blocks=num_blocks, block_size=block_size, constraints=constraints,
-                             proposer=None if proposer is None else make_proposer(
-                                 proposer, target=model, target_vocab=cfg.vocab_size,
-                                 dtype=(dtype or "").partition("+")[0] or None,
-                                 device=device or None, num_blocks=num_blocks, block_size=block_size))
+    executor = ModelExecutor(loaded.model, num_blocks=num_blocks, block_size=block_size, constraints=constraints)
     return ModelDevice(executor), loaded.fingerprint
 
 

@@ -8,7 +8,6 @@ import msgspec
 
 from tickloom.engine.core import CoreConfig
 from tickloom.engine.core.errors import ConfigError
-from tickloom.engine.model.speculate import ProposerSetting
 from tickloom.events import DIGEST_VERSION, LogHeader
 
 
@@ -76,22 +75,3 @@ def digest_problem(header: LogHeader) -> str | None:
         )
     return None
 
-
-def proposer_from_header(header: LogHeader, config: CoreConfig) -> ProposerSetting | None:
-    """The speculative proposer a log's engine ran (``EngineConfig``'s speculative fields), or None when it did not
-    speculate. A full replay runs the same one: proposals are a function of the tokens (and a draft model's
-    arithmetic) alone."""
-    if not config.speculative_tokens:
-        return None
-    try:
-        engine = json.loads(header.config_json).get("engine", {})
-    except (json.JSONDecodeError, RecursionError, AttributeError) as exc:
-        raise ReplayConfigError(f"config_json is not a JSON object: {exc}") from exc
-    if not isinstance(engine, dict):
-        raise ReplayConfigError('config_json["engine"] is not a JSON object')
-    setting = ProposerSetting(engine.get("speculative_proposer", "prompt_lookup"),
-                              engine.get("speculative_draft_model") or engine.get("model"),
-                              engine.get("speculative_draft_quant", "int4"))
-    if not all(isinstance(v, str) for v in setting):
-        raise ReplayConfigError(f"config_json's speculative settings are not names: {tuple(setting)!r}")
-    return setting

@@ -21,6 +21,7 @@ from test_engine_stub_extras import run_workload
 from tickloom import ConfigError, Engine, EngineConfig, SamplingParams
 from tickloom.engine.model.registry import smollm2_gguf_path
 from tickloom.events import PROPOSE, LogReader, Preempted, RunStep, StepDone
+from tickloom.replay.full import LoggedProposals, logged_proposals
 from tickloom.tools.cli import main
 
 
@@ -132,3 +133,25 @@ async def test_the_default_model_gives_the_same_tokens_with_speculation(tmp_path
         assert main(["replay", str(log)]) == 0
         assert main(["replay", str(log), "--full"]) == 0
         assert "identical (full)" in capsys.readouterr().out
+
+
+async def test_full_replay_proposes_what_the_log_shows_was_right(tmp_path: Path,
+                                                                 autojump_clock: trio.testing.MockClock) -> None:
+    """A speculating row's logged result names the proposals that stood: its sampled token and its extra tokens but
+    the last. A full replay proposes exactly those, so it checks the model, not the proposer."""
+    log = tmp_path / "spec.tlog"
+    await run_workload(log, 1, 1, False, speculative_tokens=4, speculative_max_running=8)
+    right = logged_proposals(log)
+    with LogReader(log) as reader:
+        done = [i for r in reader.ticks() for i in r.inputs.inputs if isinstance(i, StepDone) and i.extra_token_ids]
+    rows = [(d.step_id, rid, tok, ex) for d in done
+            for rid, tok, ex in zip(d.request_ids, d.token_ids, d.extra_token_ids or [], strict=True) if ex]
+    assert rows and len(right) == len(rows)
+    for step_id, rid, token, extras in rows:
+        assert right[(step_id, rid)] == [token, *extras[:-1]]
+    proposer = LoggedProposals(right)
+    step_id, rid, token, extras = rows[0]
+    proposer.step_id = step_id
+    assert proposer.propose(rid, [], 8) == [token, *extras[:-1]]
+    assert proposer.propose(rid, [], 1) == [token]
+    assert proposer.propose("nobody", [], 8) == []

@@ -156,7 +156,6 @@ def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int
     from tickloom.events import LogError, LogReader
     from tickloom.replay import ReplayConfigError, core_config_from_header
     from tickloom.replay.full import ModelDevice, load_device, verify_full
-    from tickloom.replay.header import proposer_from_header
     from tickloom.tools.cli import EX_DATAERR, CliError
 
     try:
@@ -177,8 +176,7 @@ def _full(args: argparse.Namespace, model: str, exact: dict[str, object]) -> int
     else:
         try:
             device, fingerprint = load_device(model, config.num_blocks, config.block_size,
-                                              dtype=args.dtype or header.dtype or None, device=args.device,
-                                              proposer=proposer_from_header(header, config))
+                                              dtype=args.dtype or header.dtype or None, device=args.device)
         except ModelLoadError as exc:
             raise CliError(f"cannot load model {model!r}: {exc}", EX_DATAERR) from None
     note = None
@@ -239,6 +237,11 @@ class _Counted:
     def __init__(self, device: Any, bar: Any) -> None:
         self.device = device
         self.bar = bar
+
+    def replay_proposals(self, right: dict[tuple[int, str], list[int]]) -> None:
+        take = getattr(self.device, "replay_proposals", None)
+        if callable(take):
+            take(right)
 
     def handle(self, commands: Iterable[Any]) -> list[Any]:
         commands = list(commands)
