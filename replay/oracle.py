@@ -14,10 +14,10 @@ from collections.abc import Iterable
 
 import attrs
 
+from tickloom.engine.model.tables import proposal_slots
 from tickloom.events import (
     NO_SAMPLE,
     NOT_FED,
-    PROPOSE,
     BindRequest,
     Command,
     Input,
@@ -106,6 +106,10 @@ class OracleExecutor:
         tokens: list[int] = []
         extras: list[list[int]] = []
         sampled: dict[str, int] = {}
+        try:
+            row_slots = proposal_slots(step)
+        except ValueError as exc:
+            raise AssertionError(f"step {step.step_id}: {exc}") from exc
         for i, request_id in enumerate(step.request_ids):
             table = self.tables[request_id]
             del table[step.block_starts[i] :]
@@ -116,7 +120,7 @@ class OracleExecutor:
                 raise AssertionError(f"step {step.step_id} row {i} is fed from step {fed}, which sampled nothing")
             start, count = step.positions[i], step.num_tokens[i]
             self.written.setdefault(request_id, []).extend(range(start, start + count))
-            slots = _proposal_slots(step, i, offset, count)
+            slots = row_slots[i]
             offset += count
             if self.block_size:
                 self.garbage.difference_update(self._slots(table, start, start + count))
@@ -158,14 +162,3 @@ class OracleExecutor:
         if dirty:
             raise AssertionError(f"{what} reads KV slots {sorted(dirty)} written with rejected proposals")
 
-
-def _proposal_slots(step: RunStep, row: int, offset: int, count: int) -> int:
-    """The ``PROPOSE`` slots ending row ``row`` (tokens ``offset..offset+count-1``); anywhere else they are an error."""
-    tokens = step.token_ids[offset : offset + count]
-    slots = 0
-    while slots < len(tokens) and tokens[len(tokens) - 1 - slots] == PROPOSE:
-        slots += 1
-    misplaced = slots == count or step.sample_indices[row] == NO_SAMPLE
-    if PROPOSE in tokens[: len(tokens) - slots] or (slots and misplaced):
-        raise AssertionError(f"step {step.step_id} row {row}: proposal slots that do not end a sampling decode row")
-    return slots
