@@ -133,7 +133,7 @@ def test_a_q4_k_m_file_loads_as_it_is_stored(cache: Path, k_gguf: Path) -> None:
     assert isinstance(layer.w2, GroupedInt8Linear)
     assert q.model.embed.blocks is not None and q.model.embed.blocks.kind == "Q6_K"  # rows dequantized per lookup
     # the same file unquantized (float32, dequantized as ggml does) predicts the same way
-    f = load_model(k_gguf)
+    f = load_model(k_gguf, dtype="float32", quant="none")
     assert f.fingerprint + "+int4" == q.fingerprint
     ids = torch.tensor([[3, 17, 99, 250, 4, 61]])
     with torch.inference_mode():
@@ -187,14 +187,14 @@ def test_a_gguf_gets_its_defaults_from_the_file(k_gguf: Path, tiny_256: Path, tm
     cpu = torch.device("cpu")
     floats = tmp_path / "f16.gguf"
     write_k_gguf(tiny_256, floats, {}, default="F16", template=False)
-    monkeypatch.setattr(loaders, "bf16_supported", lambda: True)  # a CPU with native bfloat16
+    monkeypatch.setattr(loaders, "bf16_runs_fast", lambda: True)  # tickloom's kernels or native bfloat16
     bundled = smollm2_gguf_path()
     assert bundled is not None
     assert default_setting(DEFAULT_MODEL, cpu) == default_setting(str(bundled), cpu) == DEFAULT_SETTING
     assert default_setting(k_gguf, cpu) == DEFAULT_SETTING
     assert default_setting(floats, cpu) == (None, "none")  # nothing quantized in the file
     assert default_setting(tiny_256, cpu) == (None, "none")
-    monkeypatch.setattr(loaders, "bf16_supported", lambda: False)  # this CPU: float32 for every model
+    monkeypatch.setattr(loaders, "bf16_runs_fast", lambda: False)  # neither: float32 for every model
     assert default_setting(DEFAULT_MODEL, cpu) == default_setting(str(bundled), cpu) == (None, "none")
     # chat: on where the model has a template, by name or by path
     assert model_chat_template(k_gguf) == "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"

@@ -274,3 +274,78 @@ def test_the_forward_on_the_kernels_tracks_torchs_ops(tmp_path: Path, monkeypatc
     err = float((logits[0] - logits[1]).norm() / logits[1].norm())
     assert err < (0.02 if quant == "none" else 0.06)  # seen: 0.012 and 0.029
     assert float((logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean()) >= 0.75
+
+
+def test_bfloat16_rounding_is_to_nearest_even_and_keeps_specials() -> None:
+    """The kernels round float32 to bfloat16 as torch does: ties to even, overflow to inf, inf and NaN kept (the
+    AVX2 build rounds with integer arithmetic, so each case is a rule of its own)."""
+    step = 2.0**-8  # half of bfloat16's spacing at 1.0
+    x = torch.tensor([1.0, 1.0078125, -1.0, 3.0e38, float("inf"), float("nan"), 1.0, 0.0] * 2).bfloat16()
+    add = torch.tensor([step, step, -step, 3.0e38, 1.0, 1.0, -float("inf"), -0.0] * 2).bfloat16()
+    want = (x.float() + add.float()).bfloat16()
+    assert want[0] == 1.0 and want[1] == 1.015625 and want[3] == float("inf")  # the cases are what they claim
+    x, add = x.view(1, 16), add.view(1, 16)
+    native.add_rms_norm(x, add, torch.ones(16), 1e-5)
+    assert torch.equal(x.view(-1)[~want.isnan()], want[~want.isnan()])
+    assert x.view(-1)[want.isnan()].isnan().all()
+
+
+def test_matmul_sums_a_groups_largest_products_without_overflow() -> None:
+    """Every nibble 15 against activations at the int8 limit: the largest sums a group can make (the AVX2 build
+    adds a group's products in 16 bits, 30480 at most), exact in bfloat16 here."""
+    n, k = 16, 64
+    nibbles = np.full((n, k // 32, 16), 0xFF, dtype=np.uint8)
+    s, z = np.ones((n, k // 32), np.float32), np.zeros((n, k // 32), np.float32)
+    x = torch.tensor([[1.0] * k, [-1.0] * k]).bfloat16()
+    y = native.matmul(x, native.pack_tiles(nibbles, s, z), n)
+    assert torch.equal(y.float(), torch.tensor([[15.0 * k] * n, [-15.0 * k] * n]))
+
+
+def test_q8_head_takes_the_whole_int8_range() -> None:
+    """A file's Q8_0 block may hold -128 (llama.cpp writes -127..127, a file need not): the AVX2 build reads
+    |-128| as 128 unsigned, the AVX512 build offsets the activations instead; both must multiply it exactly."""
+    from tickloom.engine.model.head import Q8Linear
+    from tickloom.engine.model.quant import RawBlocks
+
+    rows, w = _q8_0_rows(32, 64, seed=8)
+    q = rows.reshape(32, 2, 34)[..., 2:].view(np.int8)
+    q[:, :, :5] = -128
+    q[:, :, 5:9] = 127
+    d = rows.reshape(32, 2, 34)[..., :2].copy().view(np.float16).astype(np.float32)
+    w = torch.from_numpy((q.astype(np.float32) * d).reshape(32, 64))
+    lin = Q8Linear.from_weight(RawBlocks("Q8_0", rows, (32, 64)))
+    assert torch.equal(lin.dequantize(), w)
+    x = _bf16(3, 64, seed=9)
+    ref = x.float() @ w.t()
+    assert float((lin(x) - ref).abs().max()) < 2e-3 * float(ref.abs().max())
+
+
+def test_a_prompts_logits_and_cache_do_not_depend_on_its_chunks_or_its_batch(tmp_path: Path) -> None:
+    """On the kernels every query attends alone (``LlamaModel._attend_each_query``): a prompt prefilled whole, in
+    chunks of any size, or beside another row gives the same bits, logits and cache alike (in bfloat16, torch's
+    attention moved with the chunk's length, enough to change a token)."""
+    from test_model_reference import run_rows
+
+    from tickloom.engine.model.batch import RowSpec
+    from tickloom.engine.model.loaders import load_model
+    from tickloom.engine.model.tiny import write_tiny_model
+
+    lm = load_model(write_tiny_model(tmp_path / "m", seed=4, hidden_size=128, intermediate_size=256),
+                    dtype="bfloat16", quant="int4")
+    assert lm.model._native
+    ids = [(7 * i) % 250 + 3 for i in range(75)]
+
+    def prefill(cuts: list[int], beside: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = lm.model.new_kv_cache(12, 16)
+        for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True):
+            rows, toks = [RowSpec(a, b - a, list(range(5)), True)], ids[a:b]
+            if beside:  # another request's chunk in the same step, its own blocks
+                rows, toks = [RowSpec(0, 9, [6, 7], True), *rows], list(range(20, 29)) + toks
+            out = run_rows(lm.model, kv, rows, toks)
+        return out[-1], kv.kv[0][:, :5].clone()
+
+    whole = prefill([])
+    for cuts, beside in (([1], False), ([16, 17, 40], False), ([33], True), ([], True)):
+        logits, cache = prefill(cuts, beside)
+        assert torch.equal(logits, whole[0]), (cuts, beside)
+        assert torch.equal(cache, whole[1]), (cuts, beside)

@@ -12,8 +12,9 @@ class AttnGroup:
     """Rows attended together: ``rows`` rows of ``q_len`` queries over ``block_index`` blocks.
 
     Queries are the flat tokens ``start:end`` when ``token_index`` is None, else ``token_index``.
-    ``mask`` is a bool ``rows x 1 x (G * q_len or 1) x ctx`` mask (True = attend). A decode group (``q_len`` 1)
-    also has ``lengths``, each row's context length (its own position included).
+    ``mask`` is a bool ``rows x 1 x (G * q_len or 1) x ctx`` mask (True = attend). ``lengths``: each query's
+    context length (its own position included), one per row in a decode group (``q_len`` 1), one per query of
+    the row in a longer one.
     """
 
     rows: int
@@ -143,6 +144,7 @@ def build_step_batch(
                 token_index=None,
                 block_index=torch.tensor(row.block_table[:need], dtype=torch.long, device=device),
                 mask=mask.view(1, 1, gqa_groups * n, -1),
+                lengths=qpos + 1,
             )
         )
     return StepBatch(

@@ -32,7 +32,7 @@ from tickloom.engine.model.convert import model_source, resolve_model
 from tickloom.engine.model.errors import ModelLoadError
 from tickloom.engine.model.gguf_weights import gguf_fingerprint, gguf_model_weights
 from tickloom.engine.model.llama import LlamaModel
-from tickloom.engine.model.quant import Weight, bf16_supported
+from tickloom.engine.model.quant import Weight, bf16_runs_fast
 from tickloom.engine.model.registry import (
     META_FILE,
     cache_dir,
@@ -202,12 +202,13 @@ def split_setting(dtype: str | torch.dtype | None, quant: str | None) -> tuple[s
 
 
 def default_setting(path_or_name: str | os.PathLike[str], device: torch.device) -> tuple[str | None, str]:
-    """(dtype, quant) when neither is given. A GGUF, by name or by path alike, on a CPU with native bfloat16:
+    """(dtype, quant) when neither is given. A GGUF, by name or by path alike, on a CPU where that runs fast
+    (``quant.bf16_runs_fast``: tickloom's kernels, AVX2 at least, or native bfloat16):
     the file's own quantization when its matrices are quantized (``DEFAULT_SETTING``: bfloat16 activations, Q4
     blocks as int4 and 5- to 8-bit ones as grouped int8, each as the file stores it; the bundled model's setting,
     the fastest that passes tests/test_model_agreement.py). Every other model, and any model elsewhere: float32
     on CPU (bfloat16 on CUDA), unquantized."""
-    if device.type != "cpu" or not bf16_supported():
+    if device.type != "cpu" or not bf16_runs_fast():
         return None, "none"
     gguf = _source_gguf(path_or_name)
     if gguf is not None and gguf_is_quantized(gguf):
@@ -216,7 +217,7 @@ def default_setting(path_or_name: str | os.PathLike[str], device: torch.device) 
 
 
 DEFAULT_SETTING = ("bfloat16", "int4")
-"""A quantized GGUF's setting on a CPU with native bfloat16 (``default_setting``)."""
+"""A quantized GGUF's setting on a CPU where it runs fast (``default_setting``)."""
 
 
 def gguf_is_quantized(path: Path) -> bool:

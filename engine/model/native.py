@@ -1,5 +1,5 @@
-"""tickloom's own CPU kernels (``cpu_kernels.c``): built with the system C compiler at first use, cached, and
-called through ctypes (which lets go of the GIL for the call).
+"""tickloom's own CPU kernels (``cpu_kernels.c``, or ``cpu_kernels_avx2.c`` on CPUs without AVX512): built with
+the system C compiler at first use, cached, and called through ctypes (which lets go of the GIL for the call).
 
 - ``matmul``: 4-bit weights times bfloat16 activations (``Int4Linear``'s fast path).
 - ``q8_matmul``: 8-bit weights (GGUF Q8_0's form) times bfloat16 activations, float32 out (the LM head).
@@ -20,8 +20,11 @@ queries (about 55 us a layer); the kernel reads the blocks where they are (about
 Trade-offs, said plainly:
 - Activations are rounded to 8 bits per group of 32 (a relative error near 0.5%, between bfloat16's and
   float16's); ``tests/test_model_agreement.py`` holds the default setting to float32, teacher-forced.
-- It needs x86-64 with AVX512 F/BW/DQ/VL, VNNI and BF16 and a C compiler (``cc``); elsewhere, or with
-  ``TICKLOOM_NATIVE=0``, the model runs torch's kernels and ``status()`` says why.
+- It needs x86-64 with AVX512 F/BW/DQ/VL, VNNI and BF16 (``cpu_kernels.c``) or at least AVX2, FMA and F16C
+  (``cpu_kernels_avx2.c``: the same functions, layouts and arithmetic, with no 4-input byte dot product, so a
+  row of products costs about twice the instructions; at batch 1 both wait on memory), and a C compiler (``cc``);
+  elsewhere, or with ``TICKLOOM_NATIVE=0``, the model runs torch's kernels and ``status()`` says why;
+  ``variant()`` says which build runs.
 - The library links the OpenMP runtime torch has already loaded (same soname), so its threads are torch's:
   the thread count is ``torch.get_num_threads()`` and the two pools never compete.
 
@@ -32,6 +35,7 @@ hash of the source, the flags and the compiler's version, so a changed source bu
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -52,14 +56,34 @@ TILE_ROWS = 16
 TILE_BYTES = 320
 Q8_TILE_BYTES = 576
 GROUP = 32
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mf16c",
-          "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c")
+_HERE = Path(__file__).parent
+_HEADER = _HERE / "cpu_kernels_common.h"
+_COMMON = ["-O3", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Build:
+    """One build of the kernels: its source, the compiler flags it needs and the CPU features those flags use."""
+
+    name: str
+    source: Path
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+
+
+# The first whose features the CPU has is built. Same functions and layouts in both; cpu_kernels_avx2.c says where
+# AVX2 must go another way (no VPDPBUSD, 8-lane registers in pairs).
+_BUILDS = (
+    _Build("avx512", _HERE / "cpu_kernels.c",
+           ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", *_COMMON),
+           ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c", "fma")),
+    _Build("avx2", _HERE / "cpu_kernels_avx2.c", ("-mavx2", *_COMMON), ("avx2", "f16c", "fma")),
+)
 
 
 class _Kernel:
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
+        self.variant = variant
         self.matmul = lib.q4_matmul
         self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -97,6 +121,12 @@ def status() -> str:
     return _load()[1]
 
 
+def variant() -> str | None:
+    """Which build runs (``"avx512"`` or ``"avx2"``), or None when none does."""
+    kernel = _load()[0]
+    return None if kernel is None else kernel.variant
+
+
 def available() -> bool:
     return _load()[0] is not None
 
@@ -110,21 +140,26 @@ def _load() -> tuple[_Kernel | None, str]:
     flags = _cpu_flags()
     if flags is None:
         return None, "cannot read /proc/cpuinfo for the CPU's features"
-    missing = [f for f in _CPU_FLAGS if f not in flags]
-    if missing:
-        return None, f"this CPU lacks {', '.join(missing)}"
+    build = choose_build(flags)
+    if build is None:
+        return None, f"this CPU lacks {', '.join(f for f in _BUILDS[-1].cpu_flags if f not in flags)} (AVX2 at least)"
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None, "no C compiler (cc) on PATH"
     try:
-        path = _build(cc)
-        return _Kernel(ctypes.CDLL(str(path))), "ready"
+        path = _build(cc, build)
+        return _Kernel(ctypes.CDLL(str(path)), build.name), "ready"
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        reason = f"building {_SOURCE.name} failed: {str(detail).strip()[:400]}"
+        reason = f"building {build.source.name} failed: {str(detail).strip()[:400]}"
         # The CPU could run the kernels, so this is worth saying: the model runs several times slower without them.
         logging.getLogger(__name__).warning("tickloom's CPU kernels are off: %s", reason)
         return None, reason
+
+
+def choose_build(cpu_flags: set[str]) -> _Build | None:
+    """The first build (AVX512, then AVX2) whose features are all among ``cpu_flags`` (/proc/cpuinfo's names)."""
+    return next((b for b in _BUILDS if all(f in cpu_flags for f in b.cpu_flags)), None)
 
 
 def _cpu_flags() -> set[str] | None:
@@ -136,18 +171,19 @@ def _cpu_flags() -> set[str] | None:
     return set(lines[0].split(":", 1)[1].split()) if lines else set()
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, build: _Build) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    source = build.source.read_bytes() + _HEADER.read_bytes()
+    key = hashlib.sha256(source + " ".join(build.flags).encode() + version.encode()).hexdigest()[:16]
     root = cache_dir() / "kernels"  # the model cache's root: kernels/ beside models/
-    out = root / f"cpu_kernels-{key}.so"
+    out = root / f"cpu_kernels-{build.name}-{key}.so"
     if out.exists():
         return out
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, check=True)
+        subprocess.run([cc, *build.flags, "-o", tmp, str(build.source)], capture_output=True, text=True, check=True)
         os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):

@@ -429,6 +429,13 @@ def activation_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def bf16_runs_fast() -> bool:
+    """Whether a bfloat16 model with quantized matmuls runs fast on this CPU: tickloom's kernels run here (AVX2 at
+    least: ``native.py``), which do a layer's work outside torch, or the CPU has native bfloat16 arithmetic
+    (AVX512-BF16 or AMX), so torch's bf16 matmuls are fast."""
+    return native.available() or bf16_supported()
+
+
 def bf16_supported() -> bool:
     """Whether this CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX), so bf16 matmuls are fast."""
     cap = torch.backends.cpu.get_cpu_capability()

@@ -1,0 +1,353 @@
+/* tickloom's CPU kernels for x86 with AVX2, FMA and F16C (no AVX512): the same functions, weight layouts and
+   arithmetic as cpu_kernels.c, for the CPUs that lack AVX512 (AMD before Zen 4, Intel's desktop parts since Alder
+   Lake, most laptops). cpu_kernels.c explains the layouts and why the kernels exist; this file says only where
+   AVX2 must go another way.
+
+   Sixteen float lanes are a pair of 256-bit registers (v16: lanes 0..7, 8..15), so every lane-wise operation is
+   the AVX512 build's, lane for lane, and the horizontal sums add in the order GCC's _mm512_reduce_add_ps does
+   (halves, then quarters, then pairs). Integer dot products are exact in both builds. So the two builds are meant
+   to give the same bits; that has not been checked on one machine with both, and nothing relies on it (a log
+   names the kernels that ran in its header's engine config only through the model's dtype and quant).
+
+   No VPDPBUSD: a 4-input dot product is VPMADDUBSW (unsigned 8-bit times signed 8-bit, pairs summed to 16 bits,
+   saturating) then VPMADDWD by ones (pairs of those summed to 32 bits), as llama.cpp does on AVX2. Neither
+   saturates here: for 4-bit weights a pair is at most 2 * 15 * 127 and eight such (a group's four chunks, low and
+   high nibbles) at most 30480 < 32767, so a group sums in 16 bits and widens once; the 8-bit head's weights are
+   signed, so the pair is |w| times sign(w) * qx (at most 2 * 128 * 127) and widens at once. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_kernels_common.h"
+
+typedef struct {
+    __m256 lo, hi;
+} v16;
+
+static inline v16 v16_set1(float a) { return (v16){_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+static inline v16 v16_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline v16 v16_add(v16 a, v16 b) { return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline v16 v16_sub(v16 a, v16 b) { return (v16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline v16 v16_mul(v16 a, v16 b) { return (v16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline v16 v16_fmadd(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline v16 v16_loadu(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void v16_storeu(float *p, v16 v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+
+/* _mm512_reduce_add_ps's order: lane i + lane i + 8, then i + 4, then i + 2, then the two left. */
+static inline float v16_reduce_add(v16 v) {
+    __m256 h = _mm256_add_ps(v.hi, v.lo);
+    __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+    __m128 p = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline v16 load_bf16(const uint16_t *p) { return (v16){bf16x8(p), bf16x8(p + 8)}; }
+static inline v16 load_f16(const uint8_t *p) {
+    return (v16){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+
+/* float32 -> bfloat16, round to nearest even, NaN kept quiet: VCVTNEPS2BF16's result, eight lanes in 32 bits */
+static inline __m256i bf16_bits(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+static inline void store_bf16x8(uint16_t *p, __m256 v) {
+    __m256i bits = bf16_bits(v);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+
+static inline void store_bf16(uint16_t *p, v16 v) {
+    /* packus works within 128-bit halves: (lo 0-3, hi 0-3, lo 4-7, hi 4-7); the permute puts them in order */
+    __m256i packed = _mm256_packus_epi32(bf16_bits(v.lo), bf16_bits(v.hi));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/* 4-input dot products of unsigned bytes u and signed bytes s, as 16-bit pair sums (not yet widened) */
+static inline __m256i pairs(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
+static inline __m256i widen(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+static inline v16 to_float(__m256i lo, __m256i hi) { return (v16){_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)}; }
+
+/* x: M x K bfloat16 -> per row and group of 32: qx = x / dx rounded to nearest even (|qx| <= 127), dx =
+   max|x| / 127, dxs = dx * sum(qx). Plain C: it touches M x K values once, against the M x N x K of the matmul,
+   and a scalar float multiply and nearbyintf round as the vector ones do. */
+static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, float *dx, float *dxs) {
+    const int64_t groups = k / 32;
+    for (int64_t m = 0; m < m_rows; m++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *in = x + m * k + 32 * g;
+            float v[32], amax = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                union { uint32_t u; float f; } c = {(uint32_t)in[j] << 16};
+                v[j] = c.f;
+                amax = fmaxf(amax, fabsf(c.f));
+            }
+            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (int j = 0; j < 32; j++) {
+                int32_t q = (int32_t)nearbyintf(v[j] * inv);
+                qx[m * k + 32 * g + j] = (int8_t)q;
+                sum += q;
+            }
+            dx[m * groups + g] = d;
+            dxs[m * groups + g] = d * (float)sum;
+        }
+    }
+}
+
+/* Rows [m0, m0 + mt) of the output for half `half` (its rows 0-7 or 8-15) of row block `block`. By halves, so
+   that a row's sums fit one register each: sixteen registers in all would not hold eight rows' of a whole block. */
+static inline __attribute__((always_inline)) void block_rows(
+    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, int64_t n, int64_t k,
+    int64_t block, int half, int64_t m0, int mt) {
+    const int64_t groups = k / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    const uint8_t *tile = w + block * groups * TILE_BYTES;
+    for (int64_t g = 0; g < groups; g++, tile += TILE_BYTES) {
+        __m256i part[MT]; /* 16-bit pair sums */
+        for (int i = 0; i < mt; i++) part[i] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * half));
+            __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+            for (int i = 0; i < mt; i++) {
+                const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
+                __m256i xl = _mm256_set1_epi32(*(const int32_t *)xq), xh = _mm256_set1_epi32(*(const int32_t *)(xq + 16));
+                part[i] = _mm256_add_epi16(part[i], _mm256_add_epi16(pairs(lo, xl), pairs(hi, xh)));
+            }
+        }
+        __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * half)));
+        __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * half)));
+        for (int i = 0; i < mt; i++) {
+            int64_t at = (m0 + i) * groups + g;
+            __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[at]));
+            acc[i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(widen(part[i])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) store_bf16x8(y + (m0 + i) * n + 16 * block + 8 * half, acc[i]);
+}
+
+int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
+              void *scratch, int threads) {
+    if (n % 16 || k % 32) return 1;
+    int8_t *qx = (int8_t *)scratch;
+    float *dx = (float *)(((uintptr_t)(qx + m_rows * k) + 63) & ~(uintptr_t)63);
+    float *dxs = dx + m_rows * (k / 32);
+    prepare(x, m_rows, k, qx, dx, dxs);
+    const int64_t blocks = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t bh = 0; bh < 2 * blocks; bh++) {
+#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, n, k, bh / 2, (int)(bh % 2), m0, mt)
+        FOR_ROW_TILES(m_rows, Q4_ROWS);
+#undef Q4_ROWS
+    }
+    return 0;
+}
+
+static inline __attribute__((always_inline)) void q8_block_rows(
+    const uint8_t *w, const int8_t *qx, const float *dx, float *y, int64_t m_rows, int64_t n, int64_t k,
+    int64_t block, int64_t m0, int mt) {
+    const int64_t groups = k / 32;
+    v16 acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = v16_zero();
+    const uint8_t *tile = w + block * groups * Q8_TILE_BYTES;
+    for (int64_t g = 0; g < groups; g++, tile += Q8_TILE_BYTES) {
+        v16 d = load_f16(tile + 512);
+        for (int pass = 0; pass < 2; pass++) {
+            const int8_t *xp = qx + pass * m_rows * k;
+            const float *dp = dx + pass * m_rows * groups;
+            __m256i part[MT][2];
+            for (int i = 0; i < mt; i++) part[i][0] = part[i][1] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                for (int half = 0; half < 2; half++) {
+                    __m256i wq = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * half));
+                    __m256i wabs = _mm256_sign_epi8(wq, wq); /* -128 stays 0x80: 128 read unsigned */
+                    for (int i = 0; i < mt; i++) {
+                        __m256i xq = _mm256_set1_epi32(*(const int32_t *)(xp + (m0 + i) * k + 32 * g + 4 * t));
+                        __m256i p = widen(pairs(wabs, _mm256_sign_epi8(xq, wq)));
+                        part[i][half] = _mm256_add_epi32(part[i][half], p);
+                    }
+                }
+            }
+            for (int i = 0; i < mt; i++) {
+                v16 scale = v16_mul(d, v16_set1(dp[(m0 + i) * groups + g]));
+                acc[i] = v16_fmadd(scale, to_float(part[i][0], part[i][1]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) v16_storeu(y + (m0 + i) * n + 16 * block, acc[i]);
+}
+
+int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k, void *scratch,
+              int threads) {
+    if (n % 16 || k % 32) return 1;
+    int8_t *qx = (int8_t *)scratch;
+    float *dx = (float *)(((uintptr_t)(qx + 2 * m_rows * k) + 63) & ~(uintptr_t)63);
+    prepare_two_pass(x, m_rows, k, qx, dx);
+    const int64_t blocks = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+#define Q8_ROWS(mt) q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, mt)
+        FOR_ROW_TILES(m_rows, Q8_ROWS);
+#undef Q8_ROWS
+    }
+    return 0;
+}
+
+/* e^x for x <= 0, cpu_kernels.c's polynomial; p * 2^n built from n's exponent bits (n >= -126 after the clamp, so
+   2^n is a normal float and the product rounds once, as VSCALEFPS's does). */
+static inline __m256 exp8_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline v16 exp_nonpositive(v16 x) { return (v16){exp8_nonpositive(x.lo), exp8_nonpositive(x.hi)}; }
+
+int paged_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t num_blocks,
+                           int64_t block_size, const int64_t *block_index, int64_t per_row, const int64_t *lengths,
+                           int64_t rows, int64_t kv_heads, int64_t groups, int64_t head_dim, float scale,
+                           uint16_t *out, float *scratch, int threads) {
+    if (head_dim % 16 || head_dim > 256) return 1;
+    const int64_t max_len = per_row * block_size, chunks = head_dim / 16, heads = kv_heads * groups;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    for (int64_t b = 0; b < rows; b++)
+        if (lengths[b] < 1 || lengths[b] > max_len) return 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t item = 0; item < rows * kv_heads; item++) {
+        const int64_t b = item / kv_heads, h = item % kv_heads, len = lengths[b];
+        const int64_t *table = block_index + b * per_row;
+        const uint16_t *kbase = kv + h * head_stride, *vbase = kv + (kv_heads + h) * head_stride;
+        float *mine = scratch + item * groups * (max_len + 16 + head_dim);
+        for (int64_t j = 0; j < groups; j++) {
+            float *scores = mine + j * (max_len + 16 + head_dim), *acc = scores + max_len + 16;
+            const uint16_t *qh = q + b * q_stride + (h * groups + j) * head_dim;
+            v16 qv[16];
+            for (int64_t c = 0; c < chunks; c++) qv[c] = v16_mul(load_bf16(qh + 16 * c), v16_set1(scale));
+            float best = -INFINITY;
+            for (int64_t t = 0; t < len; t++) {
+                const uint16_t *key = kbase + (table[t / block_size] * block_size + t % block_size) * head_dim;
+                v16 dot = v16_mul(qv[0], load_bf16(key));
+                for (int64_t c = 1; c < chunks; c++) dot = v16_fmadd(qv[c], load_bf16(key + 16 * c), dot);
+                float s = v16_reduce_add(dot);
+                scores[t] = s;
+                best = s > best ? s : best;
+            }
+            v16 total = v16_zero(), top = v16_set1(best);
+            int64_t t = 0;
+            for (; t + 16 <= len; t += 16) {
+                v16 e = exp_nonpositive(v16_sub(v16_loadu(scores + t), top));
+                v16_storeu(scores + t, e);
+                total = v16_add(total, e);
+            }
+            if (t < len) { /* the AVX512 build's masked tail: lanes past len read 0 and add 0 */
+                float tail[16] = {0};
+                memcpy(tail, scores + t, sizeof(float) * (size_t)(len - t));
+                v16_storeu(tail, exp_nonpositive(v16_sub(v16_loadu(tail), top)));
+                for (int64_t i = len - t; i < 16; i++) tail[i] = 0.0f;
+                memcpy(scores + t, tail, sizeof(float) * (size_t)(len - t));
+                total = v16_add(total, v16_loadu(tail));
+            }
+            const float inv = 1.0f / v16_reduce_add(total);
+            for (int64_t c = 0; c < chunks; c++) v16_storeu(acc + 16 * c, v16_zero());
+            for (int64_t t2 = 0; t2 < len; t2++) {
+                const uint16_t *val = vbase + (table[t2 / block_size] * block_size + t2 % block_size) * head_dim;
+                v16 p = v16_set1(scores[t2]);
+                for (int64_t c = 0; c < chunks; c++)
+                    v16_storeu(acc + 16 * c, v16_fmadd(p, load_bf16(val + 16 * c), v16_loadu(acc + 16 * c)));
+            }
+            uint16_t *o = out + (b * heads + h * groups + j) * head_dim;
+            for (int64_t c = 0; c < chunks; c++) store_bf16(o + 16 * c, v16_mul(v16_loadu(acc + 16 * c), v16_set1(inv)));
+        }
+    }
+    return 0;
+}
+
+void add_rms_norm(uint16_t *x, const uint16_t *add, const float *w, uint16_t *out, int64_t rows, int64_t h,
+                  float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *xr = x + r * h;
+        v16 ss = v16_zero();
+        for (int64_t i = 0; i < h; i += 16) {
+            v16 v = load_bf16(xr + i);
+            if (add) {
+                store_bf16(xr + i, v16_add(v, load_bf16(add + r * h + i)));
+                v = load_bf16(xr + i);
+            }
+            ss = v16_fmadd(v, v, ss);
+        }
+        const v16 inv = v16_set1(1.0f / sqrtf(v16_reduce_add(ss) / (float)h + eps));
+        for (int64_t i = 0; i < h; i += 16)
+            store_bf16(out + r * h + i, v16_mul(v16_mul(load_bf16(xr + i), inv), v16_loadu(w + i)));
+    }
+}
+
+void rope_and_store(uint16_t *qkv, int64_t rows, int64_t stride, const int64_t *positions, const uint16_t *cos,
+                    const uint16_t *sin_signed, int64_t rope_heads, int64_t kv_heads, int64_t head_dim,
+                    const int64_t *slots, uint16_t *kv, int64_t num_slots) {
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *c = cos + positions[r] * head_dim, *s = sin_signed + positions[r] * head_dim;
+        uint16_t *row = qkv + r * stride;
+        for (int64_t hd = 0; hd < rope_heads; hd++) {
+            uint16_t *x = row + hd * head_dim;
+            for (int64_t i = 0; i < half; i += 16) {
+                v16 lo = load_bf16(x + i), hi = load_bf16(x + half + i);
+                v16 new_lo = v16_fmadd(hi, load_bf16(s + i), v16_mul(lo, load_bf16(c + i)));
+                v16 new_hi = v16_fmadd(lo, load_bf16(s + half + i), v16_mul(hi, load_bf16(c + half + i)));
+                store_bf16(x + i, new_lo);
+                store_bf16(x + half + i, new_hi);
+            }
+        }
+        const uint16_t *k_and_v = row + (rope_heads - kv_heads) * head_dim;
+        for (int64_t hd = 0; hd < 2 * kv_heads; hd++)
+            memcpy(kv + (hd * num_slots + slots[r]) * head_dim, k_and_v + hd * head_dim, 2 * (size_t)head_dim);
+    }
+}
+
+void silu_mul(const uint16_t *gate_up, int64_t rows, int64_t inter, uint16_t *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), lowest = _mm256_set1_ps(-87.0f), zero = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i += 16) {
+            v16 a = load_bf16(g + i), up = load_bf16(u + i), res;
+            __m256 *lanes[2] = {&a.lo, &a.hi}, *outs[2] = {&res.lo, &res.hi}, ups[2] = {up.lo, up.hi};
+            for (int half = 0; half < 2; half++) { /* cpu_kernels.c's silu_mul, eight lanes at a time */
+                __m256 x = *lanes[half];
+                __m256 neg = _mm256_sub_ps(zero, _mm256_andnot_ps(sign, x));
+                __m256 e = exp8_nonpositive(_mm256_max_ps(neg, lowest));
+                __m256 positive = _mm256_cmp_ps(x, zero, _CMP_GE_OQ);
+                __m256 num = _mm256_blendv_ps(_mm256_mul_ps(x, e), x, positive);
+                *outs[half] = _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), ups[half]);
+            }
+            store_bf16(out + r * inter + i, res);
+        }
+    }
+}

@@ -1,0 +1,71 @@
+/* What tickloom's two builds of its CPU kernels share (cpu_kernels.c for AVX512, cpu_kernels_avx2.c for AVX2):
+   the weight tiles' sizes, the row tiling, the LM head's two-pass activation rounding (plain C) and the scratch
+   sizes the Python side asks for. Included once by each; everything here is static or a plain definition. */
+
+#ifndef TICKLOOM_CPU_KERNELS_COMMON_H
+#define TICKLOOM_CPU_KERNELS_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+
+#define TILE_BYTES 320
+#define MT 8 /* activation rows per pass over a row block's weights */
+
+/* ROWS(mt) for each tile of MT activation rows, then once for the 1..7 left, mt a constant in every call so that
+   the compiler unrolls the row loops and keeps the accumulators in registers. ROWS reads m0. */
+#define FOR_ROW_TILES(m_rows, ROWS)                                                                                \
+    do {                                                                                                           \
+        int64_t m0 = 0;                                                                                            \
+        for (; m0 + MT <= (m_rows); m0 += MT) ROWS(MT);                                                            \
+        switch ((m_rows) - m0) {                                                                                   \
+        case 7: ROWS(7); break;                                                                                    \
+        case 6: ROWS(6); break;                                                                                    \
+        case 5: ROWS(5); break;                                                                                    \
+        case 4: ROWS(4); break;                                                                                    \
+        case 3: ROWS(3); break;                                                                                    \
+        case 2: ROWS(2); break;                                                                                    \
+        case 1: ROWS(1); break;                                                                                    \
+        default: break;                                                                                            \
+        }                                                                                                          \
+    } while (0)
+
+#define Q8_TILE_BYTES 576
+
+/* Two 8-bit passes per activation: x ~ dx * qx + dx2 * qx2, where qx2 quantizes the residual x - dx * qx on its
+   own scale (about 15 bits in all). Why: the LM head's input has a few channels 15-20 times the row's rms, so one
+   8-bit step per group leaves the other channels few bits, and the argmax moves (greedy agreement with float32
+   fell by half a point); the second pass costs little, as the weights are read once for both. */
+static void prepare_two_pass(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, float *dx) {
+    const int64_t groups = k / 32;
+    for (int64_t m = 0; m < m_rows; m++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *in = x + m * k + 32 * g;
+            float v[32], amax = 0.0f, ramax = 0.0f, r[32];
+            for (int j = 0; j < 32; j++) {
+                union { uint32_t u; float f; } c = {(uint32_t)in[j] << 16};
+                v[j] = c.f;
+                amax = fmaxf(amax, fabsf(c.f));
+            }
+            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *hi = qx + m * k + 32 * g, *lo = qx + (m_rows + m) * k + 32 * g;
+            for (int j = 0; j < 32; j++) {
+                float q = nearbyintf(v[j] * inv);
+                hi[j] = (int8_t)q;
+                r[j] = v[j] - d * q;
+                ramax = fmaxf(ramax, fabsf(r[j]));
+            }
+            float d2 = ramax / 127.0f, inv2 = ramax > 0.0f ? 127.0f / ramax : 0.0f;
+            for (int j = 0; j < 32; j++) lo[j] = (int8_t)nearbyintf(r[j] * inv2);
+            dx[m * groups + g] = d;
+            dx[(m_rows + m) * groups + g] = d2;
+        }
+    }
+}
+
+int64_t q4_scratch_bytes(int64_t m_rows, int64_t k) { return m_rows * k + 2 * m_rows * (k / 32) * 4 + 64; }
+int64_t q8_scratch_bytes(int64_t m_rows, int64_t k) { return 2 * m_rows * k + 2 * m_rows * (k / 32) * 4 + 64; }
+int64_t attn_scratch_floats(int64_t rows, int64_t kv_heads, int64_t groups, int64_t max_len, int64_t head_dim) {
+    return rows * kv_heads * groups * (max_len + 16 + head_dim);
+}
+
+#endif
