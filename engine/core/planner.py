@@ -31,7 +31,7 @@ from tickloom.engine.core.decode_lane import advance_lane, plan_lane_decode, sta
 from tickloom.engine.core.finish import stop_rule
 from tickloom.engine.core.preemption import choose_victim, preempt
 from tickloom.engine.core.prefix_cache import cache_full_blocks, full_block_hashes, may_hit_cache
-from tickloom.engine.core.speculation import proposal_slots
+from tickloom.engine.core.speculation import plan_slots
 from tickloom.engine.core.state import CoreState, InflightStep, Seq
 from tickloom.engine.core.status import Status
 from tickloom.events import NO_SAMPLE, NOT_FED, PROPOSE, RunStep
@@ -167,7 +167,7 @@ def _plan_decode(state: CoreState, ctx: TickContext) -> tuple[StepColumns | None
         else:
             token_ids_append(outputs[-1])
         index = num_outputs + live
-        slots = proposal_slots(state, seq, position, index, token_budget) if speculating else 0
+        slots = plan_slots(state, seq, position, index, token_budget) if speculating else 0
         if slots:
             spec.append((len(seqs), slots))
             token_ids.extend([PROPOSE] * slots)

@@ -50,7 +50,7 @@ def may_speculate(config: CoreConfig, params: SamplingSpec) -> bool:
             and params.thinking_budget is None)
 
 
-def proposal_slots(state: CoreState, seq: Seq, position: int, index: int, token_budget: int) -> int:
+def plan_slots(state: CoreState, seq: Seq, position: int, index: int, token_budget: int) -> int:
     """Slots for ``seq``'s decode row at ``position`` sampling output ``index``; grows its table to hold them.
 
     ``token_budget`` counts the row's own token. The slots never run past the length limit (an accepted token there
