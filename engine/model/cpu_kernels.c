@@ -182,16 +182,19 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     return 0;
 }
 
-/* ---- Paged attention for decode rows (one query token per row) ----
+/* ---- The 16-lane vector the shared kernels (cpu_kernels_rowwise.h) are written against: one __m512 ---- */
 
-   kv: one layer of the paged cache, 2 * kv_heads x num_blocks x block_size x head_dim bfloat16 (K's heads, then
-   V's). Row b attends to its first lengths[b] positions; position t lives in block block_index[b * per_row + t /
-   block_size], slot t % block_size. q: row b's query heads at q + b * q_stride, heads x head_dim bfloat16, query
-   head h reading kv head h / groups. out: rows x heads x head_dim bfloat16.
+typedef __m512 v16;
 
-   Why: at batch 1 the torch path gathered every block of the context into a new tensor and ran a flash attention
-   made for long queries, 40 us a layer for a few thousand multiply-adds. Here each (row, kv head) reads its blocks
-   in place, in float32, with the query heads that share the kv head together (one read of each key and value). */
+static inline v16 v16_set1(float a) { return _mm512_set1_ps(a); }
+static inline v16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v16_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
+static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline v16 v16_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v16_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v16_storeu(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+static inline float v16_reduce_add(v16 v) { return _mm512_reduce_add_ps(v); }
 
 static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -213,143 +216,26 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n); /* p * 2^n */
 }
 
-int paged_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t num_blocks,
-                           int64_t block_size, const int64_t *block_index, int64_t per_row, const int64_t *lengths,
-                           int64_t rows, int64_t kv_heads, int64_t groups, int64_t head_dim, float scale,
-                           uint16_t *out, float *scratch, int threads) {
-    if (head_dim % 16 || head_dim > 256) return 1;
-    const int64_t max_len = per_row * block_size, chunks = head_dim / 16, heads = kv_heads * groups;
-    const int64_t head_stride = num_blocks * block_size * head_dim; /* one kv head of one layer */
-    for (int64_t b = 0; b < rows; b++)
-        if (lengths[b] < 1 || lengths[b] > max_len) return 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t item = 0; item < rows * kv_heads; item++) {
-        const int64_t b = item / kv_heads, h = item % kv_heads, len = lengths[b];
-        const int64_t *table = block_index + b * per_row;
-        const uint16_t *kbase = kv + h * head_stride, *vbase = kv + (kv_heads + h) * head_stride;
-        float *mine = scratch + item * groups * (max_len + 16 + head_dim);
-        for (int64_t j = 0; j < groups; j++) {
-            float *scores = mine + j * (max_len + 16 + head_dim), *acc = scores + max_len + 16;
-            const uint16_t *qh = q + b * q_stride + (h * groups + j) * head_dim;
-            __m512 qv[16];
-            for (int64_t c = 0; c < chunks; c++) qv[c] = _mm512_mul_ps(load_bf16(qh + 16 * c), _mm512_set1_ps(scale));
-            float best = -INFINITY;
-            for (int64_t t = 0; t < len; t++) {
-                const uint16_t *key = kbase + (table[t / block_size] * block_size + t % block_size) * head_dim;
-                __m512 dot = _mm512_mul_ps(qv[0], load_bf16(key));
-                for (int64_t c = 1; c < chunks; c++) dot = _mm512_fmadd_ps(qv[c], load_bf16(key + 16 * c), dot);
-                float s = _mm512_reduce_add_ps(dot);
-                scores[t] = s;
-                best = s > best ? s : best;
-            }
-            __m512 total = _mm512_setzero_ps(), top = _mm512_set1_ps(best);
-            int64_t t = 0;
-            for (; t + 16 <= len; t += 16) {
-                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t), top));
-                _mm512_storeu_ps(scores + t, e);
-                total = _mm512_add_ps(total, e);
-            }
-            if (t < len) {
-                __mmask16 m = (__mmask16)((1u << (len - t)) - 1);
-                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top));
-                e = _mm512_maskz_mov_ps(m, e);
-                _mm512_mask_storeu_ps(scores + t, m, e);
-                total = _mm512_add_ps(total, e);
-            }
-            const float inv = 1.0f / _mm512_reduce_add_ps(total);
-            for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(acc + 16 * c, _mm512_setzero_ps());
-            for (int64_t t2 = 0; t2 < len; t2++) {
-                const uint16_t *val = vbase + (table[t2 / block_size] * block_size + t2 % block_size) * head_dim;
-                __m512 p = _mm512_set1_ps(scores[t2]);
-                for (int64_t c = 0; c < chunks; c++)
-                    _mm512_storeu_ps(acc + 16 * c,
-                                     _mm512_fmadd_ps(p, load_bf16(val + 16 * c), _mm512_loadu_ps(acc + 16 * c)));
-            }
-            uint16_t *o = out + (b * heads + h * groups + j) * head_dim;
-            for (int64_t c = 0; c < chunks; c++)
-                _mm256_storeu_si256((__m256i *)(o + 16 * c),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c),
-                                                                              _mm512_set1_ps(inv))));
-        }
-    }
-    return 0;
-}
-
-/* ---- Row-wise ops of a decoder layer, fused so that a layer is a few calls rather than twenty torch ops ----
-
-   At batch 1 a small model's step was mostly per-op overhead: each torch op costs a few microseconds before it
-   touches data, and a layer had about twenty of them. All three below work on bfloat16 rows, compute in float32
-   and round once. */
-
 static inline void store_bf16(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); /* round to nearest even */
 }
 
-/* For each of `rows` rows of width h (a multiple of 16): if `add` is given, x += add (rounded to bfloat16, as the
-   residual stream is); then out = x / sqrt(mean(x^2) + eps) * w. */
-void add_rms_norm(uint16_t *x, const uint16_t *add, const float *w, uint16_t *out, int64_t rows, int64_t h,
-                  float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *xr = x + r * h;
-        __m512 ss = _mm512_setzero_ps();
-        for (int64_t i = 0; i < h; i += 16) {
-            __m512 v = load_bf16(xr + i);
-            if (add) {
-                store_bf16(xr + i, _mm512_add_ps(v, load_bf16(add + r * h + i)));
-                v = load_bf16(xr + i);
-            }
-            ss = _mm512_fmadd_ps(v, v, ss);
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps));
-        for (int64_t i = 0; i < h; i += 16)
-            store_bf16(out + r * h + i, _mm512_mul_ps(_mm512_mul_ps(load_bf16(xr + i), inv), _mm512_loadu_ps(w + i)));
-    }
+/* The softmax's last n < 16 scores, masked: lanes past n read 0 and give 0. */
+static inline v16 exp_tail(float *p, int64_t n, v16 top) {
+    __mmask16 m = (__mmask16)((1u << n) - 1);
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p), top));
+    e = _mm512_maskz_mov_ps(m, e);
+    _mm512_mask_storeu_ps(p, m, e);
+    return e;
 }
 
-/* Rotary embedding on the first `rope_heads` heads of each qkv row (q's, then k's), in place, then K and V (the
-   next 2 * kv_heads heads) stored at flat cache slot slots[r] of `kv` (2 * kv_heads x num_slots x head_dim).
-   cos and sin_signed are tables of head_dim columns per position (the angles twice; sin with its first half
-   negated): x' = x * cos + roll(x, head_dim / 2) * sin_signed. head_dim is a multiple of 32. */
-void rope_and_store(uint16_t *qkv, int64_t rows, int64_t stride, const int64_t *positions, const uint16_t *cos,
-                    const uint16_t *sin_signed, int64_t rope_heads, int64_t kv_heads, int64_t head_dim,
-                    const int64_t *slots, uint16_t *kv, int64_t num_slots) {
-    const int64_t half = head_dim / 2;
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *c = cos + positions[r] * head_dim, *s = sin_signed + positions[r] * head_dim;
-        uint16_t *row = qkv + r * stride;
-        for (int64_t hd = 0; hd < rope_heads; hd++) {
-            uint16_t *x = row + hd * head_dim;
-            for (int64_t i = 0; i < half; i += 16) {
-                __m512 lo = load_bf16(x + i), hi = load_bf16(x + half + i);
-                __m512 new_lo = _mm512_fmadd_ps(hi, load_bf16(s + i), _mm512_mul_ps(lo, load_bf16(c + i)));
-                __m512 new_hi = _mm512_fmadd_ps(lo, load_bf16(s + half + i),
-                                                _mm512_mul_ps(hi, load_bf16(c + half + i)));
-                store_bf16(x + i, new_lo);
-                store_bf16(x + half + i, new_hi);
-            }
-        }
-        const uint16_t *k_and_v = row + (rope_heads - kv_heads) * head_dim;
-        for (int64_t hd = 0; hd < 2 * kv_heads; hd++)
-            memcpy(kv + (hd * num_slots + slots[r]) * head_dim, k_and_v + hd * head_dim, 2 * (size_t)head_dim);
-    }
+/* a >= 0: a / (1 + e^-a); a < 0: a e^a / (1 + e^a), with e^a = e^-|a| (the exp takes inputs <= 0 only) */
+static inline v16 silu(v16 a) {
+    __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a));
+    __m512 e = exp_nonpositive(_mm512_max_ps(neg, _mm512_set1_ps(-87.0f))); /* e^-|a| */
+    __mmask16 positive = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GE_OQ);
+    __m512 num = _mm512_mask_mov_ps(_mm512_mul_ps(a, e), positive, a);
+    return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-/* out (rows x inter) = silu(gate) * up, where each row of gate_up is [gate (inter), up (inter)]; inter is a
-   multiple of 16. silu(a) = a / (1 + e^-a). */
-void silu_mul(const uint16_t *gate_up, int64_t rows, int64_t inter, uint16_t *out) {
-    const __m512 one = _mm512_set1_ps(1.0f), lowest = _mm512_set1_ps(-87.0f);
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
-        for (int64_t i = 0; i < inter; i += 16) {
-            __m512 a = load_bf16(g + i);
-            /* e^-a for a < 87 from the softmax's exp (its input must be <= 0: split by sign) */
-            __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a));
-            __m512 e = exp_nonpositive(_mm512_max_ps(neg, lowest)); /* e^-|a| */
-            __mmask16 positive = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GE_OQ);
-            /* a >= 0: silu = a / (1 + e^-a); a < 0: silu = a e^a / (1 + e^a), with e^a = e^-|a| */
-            __m512 den = _mm512_add_ps(one, e);
-            __m512 num = _mm512_mask_mov_ps(_mm512_mul_ps(a, e), positive, a);
-            store_bf16(out + r * inter + i, _mm512_mul_ps(_mm512_div_ps(num, den), load_bf16(u + i)));
-        }
-    }
-}
+#include "cpu_kernels_rowwise.h"

@@ -239,124 +239,24 @@ static inline __m256 exp8_nonpositive(__m256 x) {
 }
 static inline v16 exp_nonpositive(v16 x) { return (v16){exp8_nonpositive(x.lo), exp8_nonpositive(x.hi)}; }
 
-int paged_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t num_blocks,
-                           int64_t block_size, const int64_t *block_index, int64_t per_row, const int64_t *lengths,
-                           int64_t rows, int64_t kv_heads, int64_t groups, int64_t head_dim, float scale,
-                           uint16_t *out, float *scratch, int threads) {
-    if (head_dim % 16 || head_dim > 256) return 1;
-    const int64_t max_len = per_row * block_size, chunks = head_dim / 16, heads = kv_heads * groups;
-    const int64_t head_stride = num_blocks * block_size * head_dim;
-    for (int64_t b = 0; b < rows; b++)
-        if (lengths[b] < 1 || lengths[b] > max_len) return 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t item = 0; item < rows * kv_heads; item++) {
-        const int64_t b = item / kv_heads, h = item % kv_heads, len = lengths[b];
-        const int64_t *table = block_index + b * per_row;
-        const uint16_t *kbase = kv + h * head_stride, *vbase = kv + (kv_heads + h) * head_stride;
-        float *mine = scratch + item * groups * (max_len + 16 + head_dim);
-        for (int64_t j = 0; j < groups; j++) {
-            float *scores = mine + j * (max_len + 16 + head_dim), *acc = scores + max_len + 16;
-            const uint16_t *qh = q + b * q_stride + (h * groups + j) * head_dim;
-            v16 qv[16];
-            for (int64_t c = 0; c < chunks; c++) qv[c] = v16_mul(load_bf16(qh + 16 * c), v16_set1(scale));
-            float best = -INFINITY;
-            for (int64_t t = 0; t < len; t++) {
-                const uint16_t *key = kbase + (table[t / block_size] * block_size + t % block_size) * head_dim;
-                v16 dot = v16_mul(qv[0], load_bf16(key));
-                for (int64_t c = 1; c < chunks; c++) dot = v16_fmadd(qv[c], load_bf16(key + 16 * c), dot);
-                float s = v16_reduce_add(dot);
-                scores[t] = s;
-                best = s > best ? s : best;
-            }
-            v16 total = v16_zero(), top = v16_set1(best);
-            int64_t t = 0;
-            for (; t + 16 <= len; t += 16) {
-                v16 e = exp_nonpositive(v16_sub(v16_loadu(scores + t), top));
-                v16_storeu(scores + t, e);
-                total = v16_add(total, e);
-            }
-            if (t < len) { /* the AVX512 build's masked tail: lanes past len read 0 and add 0 */
-                float tail[16] = {0};
-                memcpy(tail, scores + t, sizeof(float) * (size_t)(len - t));
-                v16_storeu(tail, exp_nonpositive(v16_sub(v16_loadu(tail), top)));
-                for (int64_t i = len - t; i < 16; i++) tail[i] = 0.0f;
-                memcpy(scores + t, tail, sizeof(float) * (size_t)(len - t));
-                total = v16_add(total, v16_loadu(tail));
-            }
-            const float inv = 1.0f / v16_reduce_add(total);
-            for (int64_t c = 0; c < chunks; c++) v16_storeu(acc + 16 * c, v16_zero());
-            for (int64_t t2 = 0; t2 < len; t2++) {
-                const uint16_t *val = vbase + (table[t2 / block_size] * block_size + t2 % block_size) * head_dim;
-                v16 p = v16_set1(scores[t2]);
-                for (int64_t c = 0; c < chunks; c++)
-                    v16_storeu(acc + 16 * c, v16_fmadd(p, load_bf16(val + 16 * c), v16_loadu(acc + 16 * c)));
-            }
-            uint16_t *o = out + (b * heads + h * groups + j) * head_dim;
-            for (int64_t c = 0; c < chunks; c++) store_bf16(o + 16 * c, v16_mul(v16_loadu(acc + 16 * c), v16_set1(inv)));
-        }
-    }
-    return 0;
+/* The softmax's last n < 16 scores, as the AVX512 build's masked tail: lanes past n read 0 and give 0. */
+static inline v16 exp_tail(float *p, int64_t n, v16 top) {
+    float tail[16] = {0};
+    memcpy(tail, p, sizeof(float) * (size_t)n);
+    v16_storeu(tail, exp_nonpositive(v16_sub(v16_loadu(tail), top)));
+    for (int64_t i = n; i < 16; i++) tail[i] = 0.0f;
+    memcpy(p, tail, sizeof(float) * (size_t)n);
+    return v16_loadu(tail);
 }
 
-void add_rms_norm(uint16_t *x, const uint16_t *add, const float *w, uint16_t *out, int64_t rows, int64_t h,
-                  float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *xr = x + r * h;
-        v16 ss = v16_zero();
-        for (int64_t i = 0; i < h; i += 16) {
-            v16 v = load_bf16(xr + i);
-            if (add) {
-                store_bf16(xr + i, v16_add(v, load_bf16(add + r * h + i)));
-                v = load_bf16(xr + i);
-            }
-            ss = v16_fmadd(v, v, ss);
-        }
-        const v16 inv = v16_set1(1.0f / sqrtf(v16_reduce_add(ss) / (float)h + eps));
-        for (int64_t i = 0; i < h; i += 16)
-            store_bf16(out + r * h + i, v16_mul(v16_mul(load_bf16(xr + i), inv), v16_loadu(w + i)));
-    }
+/* cpu_kernels.c's silu, eight lanes at a time */
+static inline __m256 silu8(__m256 a) {
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 neg = _mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a));
+    __m256 e = exp8_nonpositive(_mm256_max_ps(neg, _mm256_set1_ps(-87.0f)));
+    __m256 num = _mm256_blendv_ps(_mm256_mul_ps(a, e), a, _mm256_cmp_ps(a, zero, _CMP_GE_OQ));
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
+static inline v16 silu(v16 a) { return (v16){silu8(a.lo), silu8(a.hi)}; }
 
-void rope_and_store(uint16_t *qkv, int64_t rows, int64_t stride, const int64_t *positions, const uint16_t *cos,
-                    const uint16_t *sin_signed, int64_t rope_heads, int64_t kv_heads, int64_t head_dim,
-                    const int64_t *slots, uint16_t *kv, int64_t num_slots) {
-    const int64_t half = head_dim / 2;
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *c = cos + positions[r] * head_dim, *s = sin_signed + positions[r] * head_dim;
-        uint16_t *row = qkv + r * stride;
-        for (int64_t hd = 0; hd < rope_heads; hd++) {
-            uint16_t *x = row + hd * head_dim;
-            for (int64_t i = 0; i < half; i += 16) {
-                v16 lo = load_bf16(x + i), hi = load_bf16(x + half + i);
-                v16 new_lo = v16_fmadd(hi, load_bf16(s + i), v16_mul(lo, load_bf16(c + i)));
-                v16 new_hi = v16_fmadd(lo, load_bf16(s + half + i), v16_mul(hi, load_bf16(c + half + i)));
-                store_bf16(x + i, new_lo);
-                store_bf16(x + half + i, new_hi);
-            }
-        }
-        const uint16_t *k_and_v = row + (rope_heads - kv_heads) * head_dim;
-        for (int64_t hd = 0; hd < 2 * kv_heads; hd++)
-            memcpy(kv + (hd * num_slots + slots[r]) * head_dim, k_and_v + hd * head_dim, 2 * (size_t)head_dim);
-    }
-}
-
-void silu_mul(const uint16_t *gate_up, int64_t rows, int64_t inter, uint16_t *out) {
-    const __m256 one = _mm256_set1_ps(1.0f), lowest = _mm256_set1_ps(-87.0f), zero = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
-        for (int64_t i = 0; i < inter; i += 16) {
-            v16 a = load_bf16(g + i), up = load_bf16(u + i), res;
-            __m256 *lanes[2] = {&a.lo, &a.hi}, *outs[2] = {&res.lo, &res.hi}, ups[2] = {up.lo, up.hi};
-            for (int half = 0; half < 2; half++) { /* cpu_kernels.c's silu_mul, eight lanes at a time */
-                __m256 x = *lanes[half];
-                __m256 neg = _mm256_sub_ps(zero, _mm256_andnot_ps(sign, x));
-                __m256 e = exp8_nonpositive(_mm256_max_ps(neg, lowest));
-                __m256 positive = _mm256_cmp_ps(x, zero, _CMP_GE_OQ);
-                __m256 num = _mm256_blendv_ps(_mm256_mul_ps(x, e), x, positive);
-                *outs[half] = _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), ups[half]);
-            }
-            store_bf16(out + r * inter + i, res);
-        }
-    }
-}
+#include "cpu_kernels_rowwise.h"

@@ -57,7 +57,7 @@ TILE_BYTES = 320
 Q8_TILE_BYTES = 576
 GROUP = 32
 _HERE = Path(__file__).parent
-_HEADER = _HERE / "cpu_kernels_common.h"
+_HEADERS = (_HERE / "cpu_kernels_common.h", _HERE / "cpu_kernels_rowwise.h")  # included by both sources
 _COMMON = ["-O3", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -173,7 +173,7 @@ def _cpu_flags() -> set[str] | None:
 
 def _build(cc: str, build: _Build) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    source = build.source.read_bytes() + _HEADER.read_bytes()
+    source = build.source.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS)
     key = hashlib.sha256(source + " ".join(build.flags).encode() + version.encode()).hexdigest()[:16]
     root = cache_dir() / "kernels"  # the model cache's root: kernels/ beside models/
     out = root / f"cpu_kernels-{build.name}-{key}.so"

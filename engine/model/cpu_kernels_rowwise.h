@@ -1,0 +1,143 @@
+/* The kernels that are the same in both builds, written once against a 16-lane float vector `v16` that each
+   build defines before including this file (cpu_kernels.c: one __m512; cpu_kernels_avx2.c: two __m256), with
+   v16_set1, v16_zero, v16_add, v16_sub, v16_mul, v16_fmadd, v16_loadu, v16_storeu, v16_reduce_add, load_bf16,
+   store_bf16, exp_nonpositive, and two that must differ by instruction set:
+     exp_tail(p, n, top): e^(p[i] - top) for the n < 16 scores left, stored back, lanes past n zero;
+     silu(a): a / (1 + e^-a), computed without overflow for either sign.
+
+   ---- Paged attention (one query per row) ----
+
+   kv: one layer of the paged cache, 2 * kv_heads x num_blocks x block_size x head_dim bfloat16 (K's heads, then
+   V's). Row b attends to its first lengths[b] positions; position t lives in block block_index[b * per_row + t /
+   block_size], slot t % block_size. q: row b's query heads at q + b * q_stride, heads x head_dim bfloat16, query
+   head h reading kv head h / groups. out: rows x heads x head_dim bfloat16.
+
+   Why: at batch 1 the torch path gathered every block of the context into a new tensor and ran a flash attention
+   made for long queries, 40 us a layer for a few thousand multiply-adds. Here each (row, kv head) reads its blocks
+   in place, in float32, with the query heads that share the kv head together (one read of each key and value). A
+   prompt's queries come here too, each as a row of its own (engine/model/llama.py says why). */
+
+#ifndef TICKLOOM_CPU_KERNELS_ROWWISE_H
+#define TICKLOOM_CPU_KERNELS_ROWWISE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+int paged_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t num_blocks,
+                           int64_t block_size, const int64_t *block_index, int64_t per_row, const int64_t *lengths,
+                           int64_t rows, int64_t kv_heads, int64_t groups, int64_t head_dim, float scale,
+                           uint16_t *out, float *scratch, int threads) {
+    if (head_dim % 16 || head_dim > 256) return 1;
+    const int64_t max_len = per_row * block_size, chunks = head_dim / 16, heads = kv_heads * groups;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    for (int64_t b = 0; b < rows; b++)
+        if (lengths[b] < 1 || lengths[b] > max_len) return 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t item = 0; item < rows * kv_heads; item++) {
+        const int64_t b = item / kv_heads, h = item % kv_heads, len = lengths[b];
+        const int64_t *table = block_index + b * per_row;
+        const uint16_t *kbase = kv + h * head_stride, *vbase = kv + (kv_heads + h) * head_stride;
+        float *mine = scratch + item * groups * (max_len + 16 + head_dim);
+        for (int64_t j = 0; j < groups; j++) {
+            float *scores = mine + j * (max_len + 16 + head_dim), *acc = scores + max_len + 16;
+            const uint16_t *qh = q + b * q_stride + (h * groups + j) * head_dim;
+            v16 qv[16];
+            for (int64_t c = 0; c < chunks; c++) qv[c] = v16_mul(load_bf16(qh + 16 * c), v16_set1(scale));
+            float best = -INFINITY;
+            for (int64_t t = 0; t < len; t++) {
+                const uint16_t *key = kbase + (table[t / block_size] * block_size + t % block_size) * head_dim;
+                v16 dot = v16_mul(qv[0], load_bf16(key));
+                for (int64_t c = 1; c < chunks; c++) dot = v16_fmadd(qv[c], load_bf16(key + 16 * c), dot);
+                float s = v16_reduce_add(dot);
+                scores[t] = s;
+                best = s > best ? s : best;
+            }
+            v16 total = v16_zero(), top = v16_set1(best);
+            int64_t t = 0;
+            for (; t + 16 <= len; t += 16) {
+                v16 e = exp_nonpositive(v16_sub(v16_loadu(scores + t), top));
+                v16_storeu(scores + t, e);
+                total = v16_add(total, e);
+            }
+            if (t < len) total = v16_add(total, exp_tail(scores + t, len - t, top));
+            const float inv = 1.0f / v16_reduce_add(total);
+            for (int64_t c = 0; c < chunks; c++) v16_storeu(acc + 16 * c, v16_zero());
+            for (int64_t t2 = 0; t2 < len; t2++) {
+                const uint16_t *val = vbase + (table[t2 / block_size] * block_size + t2 % block_size) * head_dim;
+                v16 p = v16_set1(scores[t2]);
+                for (int64_t c = 0; c < chunks; c++)
+                    v16_storeu(acc + 16 * c, v16_fmadd(p, load_bf16(val + 16 * c), v16_loadu(acc + 16 * c)));
+            }
+            uint16_t *o = out + (b * heads + h * groups + j) * head_dim;
+            for (int64_t c = 0; c < chunks; c++) store_bf16(o + 16 * c, v16_mul(v16_loadu(acc + 16 * c), v16_set1(inv)));
+        }
+    }
+    return 0;
+}
+
+/* ---- Row-wise ops of a decoder layer, fused so that a layer is a few calls rather than twenty torch ops ----
+
+   At batch 1 a small model's step was mostly per-op overhead: each torch op costs a few microseconds before it
+   touches data, and a layer had about twenty of them. All three below work on bfloat16 rows, compute in float32
+   and round once. */
+
+/* For each of `rows` rows of width h (a multiple of 16): if `add` is given, x += add (rounded to bfloat16, as the
+   residual stream is); then out = x / sqrt(mean(x^2) + eps) * w. */
+void add_rms_norm(uint16_t *x, const uint16_t *add, const float *w, uint16_t *out, int64_t rows, int64_t h,
+                  float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *xr = x + r * h;
+        v16 ss = v16_zero();
+        for (int64_t i = 0; i < h; i += 16) {
+            v16 v = load_bf16(xr + i);
+            if (add) {
+                store_bf16(xr + i, v16_add(v, load_bf16(add + r * h + i)));
+                v = load_bf16(xr + i);
+            }
+            ss = v16_fmadd(v, v, ss);
+        }
+        const v16 inv = v16_set1(1.0f / sqrtf(v16_reduce_add(ss) / (float)h + eps));
+        for (int64_t i = 0; i < h; i += 16)
+            store_bf16(out + r * h + i, v16_mul(v16_mul(load_bf16(xr + i), inv), v16_loadu(w + i)));
+    }
+}
+
+/* Rotary embedding on the first `rope_heads` heads of each qkv row (q's, then k's), in place, then K and V (the
+   next 2 * kv_heads heads) stored at flat cache slot slots[r] of `kv` (2 * kv_heads x num_slots x head_dim).
+   cos and sin_signed are tables of head_dim columns per position (the angles twice; sin with its first half
+   negated): x' = x * cos + roll(x, head_dim / 2) * sin_signed. head_dim is a multiple of 32. */
+void rope_and_store(uint16_t *qkv, int64_t rows, int64_t stride, const int64_t *positions, const uint16_t *cos,
+                    const uint16_t *sin_signed, int64_t rope_heads, int64_t kv_heads, int64_t head_dim,
+                    const int64_t *slots, uint16_t *kv, int64_t num_slots) {
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *c = cos + positions[r] * head_dim, *s = sin_signed + positions[r] * head_dim;
+        uint16_t *row = qkv + r * stride;
+        for (int64_t hd = 0; hd < rope_heads; hd++) {
+            uint16_t *x = row + hd * head_dim;
+            for (int64_t i = 0; i < half; i += 16) {
+                v16 lo = load_bf16(x + i), hi = load_bf16(x + half + i);
+                v16 new_lo = v16_fmadd(hi, load_bf16(s + i), v16_mul(lo, load_bf16(c + i)));
+                v16 new_hi = v16_fmadd(lo, load_bf16(s + half + i), v16_mul(hi, load_bf16(c + half + i)));
+                store_bf16(x + i, new_lo);
+                store_bf16(x + half + i, new_hi);
+            }
+        }
+        const uint16_t *k_and_v = row + (rope_heads - kv_heads) * head_dim;
+        for (int64_t hd = 0; hd < 2 * kv_heads; hd++)
+            memcpy(kv + (hd * num_slots + slots[r]) * head_dim, k_and_v + hd * head_dim, 2 * (size_t)head_dim);
+    }
+}
+
+/* out (rows x inter) = silu(gate) * up, where each row of gate_up is [gate (inter), up (inter)]; inter is a
+   multiple of 16. silu(a) = a / (1 + e^-a). */
+void silu_mul(const uint16_t *gate_up, int64_t rows, int64_t inter, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i += 16)
+            store_bf16(out + r * inter + i, v16_mul(silu(load_bf16(g + i)), load_bf16(u + i)));
+    }
+}
+
+#endif
