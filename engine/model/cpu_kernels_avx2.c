@@ -117,39 +117,48 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, fl
     }
 }
 
-/* Rows [m0, m0 + mt) of the output for half `half` (its rows 0-7 or 8-15) of row block `block`. By halves, so
-   that a row's sums fit one register each: sixteen registers in all would not hold eight rows' of a whole block. */
+/* Rows [m0, m0 + mt) of the output for halves half0 .. half0 + nhalf - 1 (rows 0-7, 8-15) of row block `block`.
+   A few activation rows take both halves in one pass (each activation broadcast serves both); more take one half a
+   pass, so that a row's sums fit one register each: sixteen registers would not hold eight rows' of a whole block.
+   Either way a lane's arithmetic is the same, so a row's result does not depend on which pass it took. */
 static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, int64_t n, int64_t k,
-    int64_t block, int half, int64_t m0, int mt) {
+    int64_t block, int half0, int nhalf, int64_t m0, int mt) {
     const int64_t groups = k / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc[MT];
-    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    __m256 acc[2][MT];
+    for (int h = 0; h < nhalf; h++)
+        for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
     const uint8_t *tile = w + block * groups * TILE_BYTES;
     for (int64_t g = 0; g < groups; g++, tile += TILE_BYTES) {
         prefetch(tile + 8 * TILE_BYTES, TILE_BYTES);
-        __m256i part[MT]; /* 16-bit pair sums */
-        for (int i = 0; i < mt; i++) part[i] = _mm256_setzero_si256();
+        __m256i part[2][MT]; /* 16-bit pair sums */
+        for (int h = 0; h < nhalf; h++)
+            for (int i = 0; i < mt; i++) part[h][i] = _mm256_setzero_si256();
         for (int t = 0; t < 4; t++) {
-            __m256i bytes = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * half));
-            __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
             for (int i = 0; i < mt; i++) {
                 const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
                 __m256i xl = _mm256_set1_epi32(*(const int32_t *)xq), xh = _mm256_set1_epi32(*(const int32_t *)(xq + 16));
-                part[i] = _mm256_add_epi16(part[i], _mm256_add_epi16(pairs(lo, xl), pairs(hi, xh)));
+                for (int h = 0; h < nhalf; h++) {
+                    __m256i bytes = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * (half0 + h)));
+                    __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+                    part[h][i] = _mm256_add_epi16(part[h][i], _mm256_add_epi16(pairs(lo, xl), pairs(hi, xh)));
+                }
             }
         }
-        __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * half)));
-        __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * half)));
-        for (int i = 0; i < mt; i++) {
-            int64_t at = (m0 + i) * groups + g;
-            __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[at]));
-            acc[i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(widen(part[i])), acc[i]);
-            acc[i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc[i]);
+        for (int h = 0; h < nhalf; h++) {
+            __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * (half0 + h))));
+            __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * (half0 + h))));
+            for (int i = 0; i < mt; i++) {
+                int64_t at = (m0 + i) * groups + g;
+                __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[at]));
+                acc[h][i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(widen(part[h][i])), acc[h][i]);
+                acc[h][i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc[h][i]);
+            }
         }
     }
-    for (int i = 0; i < mt; i++) store_bf16x8(y + (m0 + i) * n + 16 * block + 8 * half, acc[i]);
+    for (int h = 0; h < nhalf; h++)
+        for (int i = 0; i < mt; i++) store_bf16x8(y + (m0 + i) * n + 16 * block + 8 * (half0 + h), acc[h][i]);
 }
 
 int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
@@ -160,9 +169,17 @@ int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, 
     float *dxs = dx + m_rows * (k / 32);
     prepare(x, m_rows, k, qx, dx, dxs);
     const int64_t blocks = n / 16;
+    if (m_rows <= 2) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (m_rows == 1) block_rows(w, qx, dx, dxs, y, n, k, b, 0, 2, 0, 1);
+            else block_rows(w, qx, dx, dxs, y, n, k, b, 0, 2, 0, 2);
+        }
+        return 0;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t bh = 0; bh < 2 * blocks; bh++) {
-#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, n, k, bh / 2, (int)(bh % 2), m0, mt)
+#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, n, k, bh / 2, (int)(bh % 2), 1, m0, mt)
         FOR_ROW_TILES(m_rows, Q4_ROWS);
 #undef Q4_ROWS
     }
