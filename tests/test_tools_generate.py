@@ -76,8 +76,11 @@ def test_generate_ctrl_c_exits_130_and_the_log_replays(tmp_path: Path) -> None:
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while (not log.exists() or log.stat().st_size < 2000) and time.monotonic() < deadline:
-            time.sleep(0.05)  # until the run is well under way
+        # until the run is well under way: a header and the first ticks alone come to about 2.4 kB, and each tick
+        # with tokens adds about 200 bytes (at 2 kB the signal could come before the first token, and a request
+        # with no tokens has no "(interrupted, ...)" line)
+        while (not log.exists() or log.stat().st_size < 6000) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.kill(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
