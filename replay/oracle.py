@@ -63,6 +63,9 @@ class OracleExecutor:
     before any row attends to them, and never be spilled."""
     garbage: set[int] = attrs.Factory(set)
     """KV slots (``block * block_size + offset``) written with a rejected proposal and not written since."""
+    spilled: dict[str, int] = attrs.Factory(dict)
+    """request id -> how many blocks its ``SpillOut`` copied: its ``SwapIn`` must bring at least as many, as a real
+    KV cache's ``copy_blocks_in`` requires."""
 
     def token(self, request_id: str, index: int) -> int:
         script = self.scripted.get(request_id)
@@ -87,16 +90,23 @@ class OracleExecutor:
             elif isinstance(command, RunStep):
                 results.append(self.run_step(command))
             elif isinstance(command, SwapIn):
+                spilled = self.spilled.pop(command.request_id, 0)
+                if len(command.block_ids) < spilled:
+                    raise AssertionError(f"swap-in of {command.request_id!r}: {spilled} blocks were spilled, only "
+                                         f"{len(command.block_ids)} block ids given")
                 self.tables[command.request_id] = list(command.block_ids)
                 self.garbage.difference_update(self._slots(command.block_ids, 0, len(command.block_ids) * (
                     self.block_size or 0)))
-            elif isinstance(command, SpillOut) and self.block_size:
-                self._check_clean(f"spill of {command.request_id!r}", command.block_ids, command.num_tokens)
+            elif isinstance(command, SpillOut):
+                self.spilled[command.request_id] = len(command.block_ids)
+                if self.block_size:
+                    self._check_clean(f"spill of {command.request_id!r}", command.block_ids, command.num_tokens)
             elif isinstance(command, ReleaseRequest):
                 self.seeds.pop(command.request_id, None)
                 self.max_tokens.pop(command.request_id, None)
                 self.shaped.pop(command.request_id, None)
                 self.tables.pop(command.request_id, None)
+                self.spilled.pop(command.request_id, None)
         return results
 
     def run_step(self, step: RunStep) -> StepDone | StepFailed:

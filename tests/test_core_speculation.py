@@ -11,12 +11,28 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from core_state import add_seq, hold_blocks, make_core
 from test_core_blast import blast_config, random_config, run_blast
 from test_core_extras import PROMPT, Driver, _arrive, _core
 
+from tickloom.engine.core.blocks import blocks_for
+from tickloom.engine.core.context import TickContext
 from tickloom.engine.core.errors import InvariantViolation
+from tickloom.engine.core.preemption import take_off_device
 from tickloom.engine.core.speculation import RETRY_AFTER
-from tickloom.events import NOT_FED, PROPOSE, RequestArrived, RunStep, SamplingSpec, StepDone, StepFailed, Structured
+from tickloom.events import (
+    NOT_FED,
+    PROPOSE,
+    RequestArrived,
+    RunStep,
+    SamplingSpec,
+    SpillOut,
+    StepDone,
+    StepFailed,
+    Structured,
+    SwapIn,
+)
+from tickloom.replay.oracle import OracleExecutor
 
 P = len(PROMPT)  # 20: the pending token of output 0 sits at position 20
 
@@ -210,6 +226,32 @@ def test_rejected_kv_never_enters_the_prefix_cache() -> None:
     pool = d.core.state.pool
     cached = sum(1 for h in pool.hash_of if h is not None)
     assert cached == (P + 2) // 4  # positions 0..21 have verified KV: 5 full blocks of 4
+
+
+def test_a_swapped_victim_spills_only_the_blocks_that_hold_its_verified_kv() -> None:
+    """Blocks taken for rejected proposal slots stay in the table (the next rows overwrite them), but a spill
+    copies only the blocks its settled KV fills: the swap-in brings ``blocks_for(kv_settled)`` blocks back, and a
+    host copy of more blocks than that could not be written into them (the default model's run found this)."""
+    core = make_core(num_blocks=16, block_size=16, max_seq_len=128, spill_enabled=True, speculative_tokens=16)
+    state = core.state
+    seq = add_seq(state, "r", 20, outputs=2)
+    hold_blocks(state, seq, 3)  # a row at position 21 took blocks through position 37 for its 16 slots
+    seq.num_computed = seq.kv_settled = 22  # none accepted: KV through output 0, output 1 pending
+    table = list(seq.block_ids)
+    ctx = TickContext()
+    take_off_device(state, ctx, seq)
+    spill = next(c for c in ctx.commands if isinstance(c, SpillOut))
+    assert (spill.block_ids, spill.num_tokens) == (table[:2], 22)
+    assert len(spill.block_ids) <= blocks_for(seq.spill_tokens, 16), "the swap-in's blocks can take the copy"
+
+
+def test_the_oracle_device_refuses_a_swap_in_with_fewer_blocks_than_were_spilled() -> None:
+    """As ``PagedKVCache.copy_blocks_in`` does, so that the blasts catch a core that spills too many blocks."""
+    oracle = OracleExecutor(vocab_size=100)
+    oracle.handle([SpillOut("r", [1, 2, 3], 20)])
+    with pytest.raises(AssertionError, match="3 blocks were spilled, only 2"):
+        oracle.handle([SwapIn("r", [4, 5], 20)])
+    oracle.handle([SpillOut("r", [1, 2], 20), SwapIn("r", [4, 5, 6], 20)])  # more room than the copy: fine
 
 
 def _spec_config(config: object, k: int) -> object:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from model_fixtures import Spec
 
 from tickloom.engine.model.stub import StubExecutor, token_for
@@ -27,6 +28,18 @@ def test_stub_tokens_follow_oracle() -> None:
     assert ex.block_table("a") == [3]
     ex.release("a")
     assert not ex.is_bound("a")
+
+
+def test_stub_refuses_a_copy_in_into_fewer_blocks_than_were_copied_out() -> None:
+    """The rule of the real cache (``PagedKVCache.copy_blocks_in``), kept by the stub for the actor tests."""
+    ex = StubExecutor(vocab_size=100)
+    ex.bind(BindRequest("a", Spec(), 5, 3, []))
+    host = ex.copy_out("a", [7, 8, 9], 40)
+    with pytest.raises(ValueError, match="host KV holds 3 blocks, only 2 block ids given"):
+        ex.copy_in("a", [1, 2], host)
+    host = ex.copy_out("a", [7, 8], 20)
+    ex.copy_in("a", [1, 2, 3], host)
+    assert ex.block_table("a") == [1, 2, 3]
 
 
 def test_oracle_is_pure() -> None:

@@ -58,7 +58,10 @@ def take_off_device(state: CoreState, ctx: TickContext, victim: Seq) -> None:
     decoding = victim.num_computed + victim.catch_up >= victim.prefill_target and victim.outputs
     if state.config.spill_enabled and decoding:
         ctx.commands.append(Preempted(victim.request_id, "swap"))
-        ctx.commands.append(SpillOut(victim.request_id, list(victim.block_ids), victim.kv_settled))
+        # Only the blocks that hold verified KV: a table may run past them (blocks taken for proposal slots whose
+        # proposals were rejected), and the swap-in gives back ``blocks_for(kv_settled)``, no more.
+        held = -(-victim.kv_settled // state.config.block_size)
+        ctx.commands.append(SpillOut(victim.request_id, victim.block_ids[:held], victim.kv_settled))
         victim.spill_tokens = victim.kv_settled
         victim.swap_ready = False
         victim.has_spill = True  # until its first step after swap-in settles, or it ends: then ``DropSpill``

@@ -49,6 +49,8 @@ class StubExecutor(BoundRequests[_StubRequest]):
         self.num_blocks = num_blocks
         self.avoid = avoid
         self.steps_run = 0
+        self._spilled_blocks: dict[str, int] = {}
+        """request id -> how many blocks its last ``copy_out`` copied."""
 
     def bind(self, command: BindRequest) -> None:
         self._requests[command.request_id] = _StubRequest(command.seed, command.prompt_len, command.params,
@@ -73,12 +75,22 @@ class StubExecutor(BoundRequests[_StubRequest]):
             result.extra_token_ids = extras if any(extras) else None
         return result
 
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self._spilled_blocks.pop(request_id, None)
+
     def copy_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> HostKV:
         if request_id not in self._requests:
             raise KeyError(request_id)
+        self._spilled_blocks[request_id] = len(block_ids)
         return HostKV(None, None, num_tokens)
 
     def copy_in(self, request_id: str, block_ids: list[int], host_kv: HostKV) -> None:
+        # The stub holds no KV, but keeps the real cache's rule (``PagedKVCache.copy_blocks_in``), so that the
+        # actor tests catch a swap-in that brings fewer blocks than its spill copied.
+        spilled = self._spilled_blocks.pop(request_id, 0)
+        if spilled > len(block_ids):
+            raise ValueError(f"host KV holds {spilled} blocks, only {len(block_ids)} block ids given")
         self._requests[request_id].block_table[:] = list(block_ids)
 
 
