@@ -36,7 +36,7 @@ def _accepted(log: Path) -> tuple[int, int, bool]:
     return slots, accepted, preempted
 
 
-@pytest.mark.parametrize(("depth", "spill", "k"), [(1, False, 2), (2, False, 4), (2, True, 4)])
+@pytest.mark.parametrize(("depth", "spill", "k"), [(1, False, 2), (2, False, 4), (2, True, 4), (1, True, 8)])
 async def test_speculation_changes_no_output_under_any_timing(tmp_path: Path, autojump_clock: trio.testing.MockClock,
                                                               depth: int, spill: bool, k: int) -> None:
     for seed in (1, 2):
@@ -77,12 +77,15 @@ PROMPTS = [
 ]
 
 
-async def _model_run(log: Path, k: int, jobs: list[tuple[Any, SamplingParams]], **kw: Any) -> list[list[int]]:
+async def _model_run(log: Path, k: int, jobs: list[tuple[Any, SamplingParams]],
+                     **kw: Any) -> list[tuple[list[int], str | None]]:
+    """Each job's tokens and finish reason (a request that ends with an error has a prefix of the tokens)."""
     config = EngineConfig(log_path=str(log), speculative_tokens=k, **kw)
-    results: list[list[int]] = [[] for _ in jobs]
+    results: list[tuple[list[int], str | None]] = [([], None) for _ in jobs]
     async with Engine.open(config) as engine:
         async def one(i: int, prompt: Any, params: SamplingParams) -> None:
-            results[i] = list((await engine.complete(prompt, params)).token_ids)
+            out = await engine.complete(prompt, params)
+            results[i] = (list(out.token_ids), out.finish_reason)
 
         async with trio.open_nursery() as nursery:
             for i, (prompt, params) in enumerate(jobs):
@@ -125,6 +128,7 @@ async def test_the_default_model_gives_the_same_tokens_with_speculation(tmp_path
     plain = await _model_run(plain_log, 0, jobs, **kw)
     spec = await _model_run(spec_log, rng.choice([2, 4, 6]), jobs, speculative_proposer=proposer, **kw)
     assert spec == plain
+    assert "error" not in {reason for _, reason in plain}
     slots, accepted, preempted = _accepted(spec_log)
     assert slots > 0 and accepted > 0, f"{proposer} proposed, and some proposals were right"
     if seed == 2:
