@@ -75,6 +75,20 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads() -> None:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 9])
+def test_the_float32_output_is_the_same_sums_unrounded(m: int) -> None:
+    """``q4_matmul_f32`` (the o and down projections, added to the float32 residual stream): the very sums the
+    bfloat16 output rounds to nearest even, on both row paths (one or two rows a pass, and more), batch-invariant."""
+    nibbles, s, z, _ = _weights(64, 160, seed=10 + m)
+    tiles = native.pack_tiles(nibbles, s, z)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).bfloat16()
+    y32 = native.matmul(x, tiles, 64, torch.float32)
+    assert y32.dtype == torch.float32 and y32.shape == (m, 64)
+    assert torch.equal(y32.bfloat16(), native.matmul(x, tiles, 64))
+    assert not torch.equal(y32, y32.bfloat16().float()), "the float32 output is not rounded to bfloat16"
+    assert torch.equal(native.matmul(x[-1:].contiguous(), tiles, 64, torch.float32), y32[-1:])
+
+
 def test_matmul_rejects_shapes_it_cannot_tile() -> None:
     nibbles, s, z, _ = _weights(16, 64, seed=5)
     with pytest.raises(ValueError, match="N=8"):
@@ -169,6 +183,21 @@ def test_add_rms_norm_adds_in_place_then_normalizes() -> None:
     assert float((got.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
     alone = native.add_rms_norm(x, None, w, 1e-5)  # no add: x is left as it is
     assert torch.equal(x, want_x) and torch.equal(alone, got)
+
+
+def test_add_rms_norm_on_a_float32_stream_adds_without_rounding() -> None:
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    add = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    w = torch.rand(64) + 0.5
+    want_x = x + add
+    want = want_x * torch.rsqrt(want_x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    got = native.add_rms_norm(x, add, w, 1e-5)
+    assert torch.equal(x, want_x), "x += add in float32, exactly"
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
+    assert torch.equal(native.add_rms_norm(x, None, w, 1e-5), got) and torch.equal(x, want_x)
+    with pytest.raises(ValueError, match=r"x is torch\.float32, add torch\.bfloat16"):
+        native.add_rms_norm(x, add.bfloat16(), w, 1e-5)
 
 
 def test_rope_and_store_rotates_q_and_k_and_stores_k_and_v() -> None:

@@ -60,8 +60,8 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, fl
 
 /* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT, constant after inlining. */
 static inline __attribute__((always_inline)) void block_rows(
-    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, int64_t n, int64_t k,
-    int64_t block, int64_t m0, int mt) {
+    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, float *yf, int64_t n,
+    int64_t k, int64_t block, int64_t m0, int mt) {
     const int64_t groups = k / 32;
     const __m512i low = _mm512_set1_epi8(0x0F);
     /* VPDPBUSD takes several cycles to finish, so a lone row would wait on its own accumulator: few rows get
@@ -94,15 +94,19 @@ static inline __attribute__((always_inline)) void block_rows(
             acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs[at]), acc[i]);
         }
     }
-    for (int i = 0; i < mt; i++)
-        _mm256_storeu_si256((__m256i *)(y + (m0 + i) * n + 16 * block), (__m256i)_mm512_cvtneps_pbh(acc[i]));
+    for (int i = 0; i < mt; i++) {
+        int64_t at = (m0 + i) * n + 16 * block;
+        if (yf) _mm512_storeu_ps(yf + at, acc[i]);
+        else _mm256_storeu_si256((__m256i *)(y + at), (__m256i)_mm512_cvtneps_pbh(acc[i]));
+    }
 }
 
-/* y (M x N bfloat16) = x (M x K bfloat16) @ w^T. N % 16 == 0, K % 32 == 0. `scratch` holds at least
-   q4_scratch_bytes(M, K) bytes. Returns 0, or 1 for shapes it does not take. */
+/* y (M x N bfloat16, or float32 into yf when that is given) = x (M x K bfloat16) @ w^T. N % 16 == 0, K % 32 ==
+   0. `scratch` holds at least q4_scratch_bytes(M, K) bytes. Returns 0, or 1 for shapes it does not take.
+   q4_matmul_f32 serves the projections whose output is added to the float32 residual stream (o and down). */
 
-int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
-              void *scratch, int threads) {
+static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
+                        int64_t k, void *scratch, int threads) {
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + m_rows * k) + 63) & ~(uintptr_t)63);
@@ -111,11 +115,21 @@ int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, 
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, n, k, b, m0, mt)
+#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, yf, n, k, b, m0, mt)
         FOR_ROW_TILES(m_rows, Q4_ROWS);
 #undef Q4_ROWS
     }
     return 0;
+}
+
+int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
+              void *scratch, int threads) {
+    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads);
+}
+
+int q4_matmul_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,
+                  void *scratch, int threads) {
+    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads);
 }
 
 /* ---- The 8-bit matmul (the LM head, from GGUF Q8_0) ----

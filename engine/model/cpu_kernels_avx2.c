@@ -122,8 +122,8 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, fl
    pass, so that a row's sums fit one register each: sixteen registers would not hold eight rows' of a whole block.
    Either way a lane's arithmetic is the same, so a row's result does not depend on which pass it took. */
 static inline __attribute__((always_inline)) void block_rows(
-    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, int64_t n, int64_t k,
-    int64_t block, int half0, int nhalf, int64_t m0, int mt) {
+    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, float *yf, int64_t n,
+    int64_t k, int64_t block, int half0, int nhalf, int64_t m0, int mt) {
     const int64_t groups = k / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[2][MT];
@@ -158,11 +158,15 @@ static inline __attribute__((always_inline)) void block_rows(
         }
     }
     for (int h = 0; h < nhalf; h++)
-        for (int i = 0; i < mt; i++) store_bf16x8(y + (m0 + i) * n + 16 * block + 8 * (half0 + h), acc[h][i]);
+        for (int i = 0; i < mt; i++) {
+            int64_t at = (m0 + i) * n + 16 * block + 8 * (half0 + h);
+            if (yf) _mm256_storeu_ps(yf + at, acc[h][i]);
+            else store_bf16x8(y + at, acc[h][i]);
+        }
 }
 
-int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
-              void *scratch, int threads) {
+static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
+                        int64_t k, void *scratch, int threads) {
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + m_rows * k) + 63) & ~(uintptr_t)63);
@@ -172,18 +176,28 @@ int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, 
     if (m_rows <= 2) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t b = 0; b < blocks; b++) {
-            if (m_rows == 1) block_rows(w, qx, dx, dxs, y, n, k, b, 0, 2, 0, 1);
-            else block_rows(w, qx, dx, dxs, y, n, k, b, 0, 2, 0, 2);
+            if (m_rows == 1) block_rows(w, qx, dx, dxs, y, yf, n, k, b, 0, 2, 0, 1);
+            else block_rows(w, qx, dx, dxs, y, yf, n, k, b, 0, 2, 0, 2);
         }
         return 0;
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t bh = 0; bh < 2 * blocks; bh++) {
-#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, n, k, bh / 2, (int)(bh % 2), 1, m0, mt)
+#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, yf, n, k, bh / 2, (int)(bh % 2), 1, m0, mt)
         FOR_ROW_TILES(m_rows, Q4_ROWS);
 #undef Q4_ROWS
     }
     return 0;
+}
+
+int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
+              void *scratch, int threads) {
+    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads);
+}
+
+int q4_matmul_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,
+                  void *scratch, int threads) {
+    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads);
 }
 
 static inline __attribute__((always_inline)) void q8_block_rows(

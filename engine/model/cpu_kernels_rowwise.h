@@ -103,6 +103,28 @@ void add_rms_norm(uint16_t *x, const uint16_t *add, const float *w, uint16_t *ou
     }
 }
 
+/* As add_rms_norm, for a float32 residual stream: x += add in float32 (no rounding), then out (bfloat16) = x /
+   sqrt(mean(x^2) + eps) * w. Keeping the stream in float32 is what brings the 8-bit activation path's answers
+   close to float32 activations': a bfloat16 stream rounds every sublayer's contribution to 8 bits of mantissa. */
+void add_rms_norm_f32(float *x, const float *add, const float *w, uint16_t *out, int64_t rows, int64_t h,
+                      float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * h;
+        v16 ss = v16_zero();
+        for (int64_t i = 0; i < h; i += 16) {
+            v16 v = v16_loadu(xr + i);
+            if (add) {
+                v = v16_add(v, v16_loadu(add + r * h + i));
+                v16_storeu(xr + i, v);
+            }
+            ss = v16_fmadd(v, v, ss);
+        }
+        const v16 inv = v16_set1(1.0f / sqrtf(v16_reduce_add(ss) / (float)h + eps));
+        for (int64_t i = 0; i < h; i += 16)
+            store_bf16(out + r * h + i, v16_mul(v16_mul(v16_loadu(xr + i), inv), v16_loadu(w + i)));
+    }
+}
+
 /* Rotary embedding on the first `rope_heads` heads of each qkv row (q's, then k's), in place, then K and V (the
    next 2 * kv_heads heads) stored at flat cache slot slots[r] of `kv` (2 * kv_heads x num_slots x head_dim).
    cos and sin_signed are tables of head_dim columns per position (the angles twice; sin with its first half

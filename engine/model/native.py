@@ -88,6 +88,9 @@ class _Kernel:
         self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         self.matmul.restype = ctypes.c_int
+        self.matmul_f32 = lib.q4_matmul_f32
+        self.matmul_f32.argtypes = self.matmul.argtypes
+        self.matmul_f32.restype = ctypes.c_int
         self.q8_matmul = lib.q8_matmul
         self.q8_matmul.argtypes = self.matmul.argtypes
         self.q8_matmul.restype = ctypes.c_int
@@ -108,6 +111,9 @@ class _Kernel:
         self.add_rms_norm = lib.add_rms_norm
         self.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         self.add_rms_norm.restype = None
+        self.add_rms_norm_f32 = lib.add_rms_norm_f32
+        self.add_rms_norm_f32.argtypes = self.add_rms_norm.argtypes
+        self.add_rms_norm_f32.restype = None
         self.rope_and_store = lib.rope_and_store
         self.rope_and_store.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64]
         self.rope_and_store.restype = None
@@ -266,11 +272,15 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_index: torch.Tenso
 
 
 def add_rms_norm(x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x += add`` in place (when given), then RMSNorm of ``x`` times ``weight`` (float32), as a new tensor.
-    ``x``, ``add``: contiguous ``rows x hidden`` bfloat16, ``hidden`` a multiple of 16."""
-    out = torch.empty_like(x)
-    _kernel().add_rms_norm(x.data_ptr(), 0 if add is None else add.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                           x.shape[0], x.shape[1], eps)
+    """``x += add`` in place (when given), then RMSNorm of ``x`` times ``weight`` (float32), as a new bfloat16
+    tensor. ``x``, ``add``: contiguous ``rows x hidden``, ``hidden`` a multiple of 16, both bfloat16 (the sum is
+    rounded to bfloat16) or both float32 (a float32 residual stream: no rounding)."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    if add is not None and add.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: x is {x.dtype}, add {add.dtype}")
+    fn = _kernel().add_rms_norm_f32 if x.dtype == torch.float32 else _kernel().add_rms_norm
+    fn(x.data_ptr(), 0 if add is None else add.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+       eps)
     return out
 
 
@@ -299,10 +309,13 @@ def q8_matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.
     return _matmul(kernel.q8_matmul, kernel.q8_scratch_bytes, x, tiles, out_features, torch.float32, "q8")
 
 
-def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_tiles`` weight, ``M x N`` bfloat16."""
+def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_tiles`` weight, ``M x N`` bfloat16 or float32 (the same
+    sums, unrounded)."""
     kernel = _kernel()
-    return _matmul(kernel.matmul, kernel.scratch_bytes, x, tiles, out_features, torch.bfloat16, "q4")
+    fn = kernel.matmul_f32 if out_dtype == torch.float32 else kernel.matmul
+    return _matmul(fn, kernel.scratch_bytes, x, tiles, out_features, out_dtype, "q4")
 
 
 def _matmul(fn: Any, scratch_bytes: Any, x: torch.Tensor, tiles: torch.Tensor, out_features: int,

@@ -212,6 +212,13 @@ class Int4Linear:
             y = y + self.bias
         return y.view(*lead, self.out_features).to(x.dtype)
 
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` for a 2-D ``x``, float32: on tickloom's kernel the sums unrounded (for a float32 residual
+        stream), else the layer's output widened."""
+        if self.tiles is not None and x.dtype == self.act and self.bias is None and x.is_contiguous():
+            return native.matmul(x, self.tiles, self.out_features, torch.float32)
+        return self(x).float()
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
             return native.matmul(x, self.tiles, self.out_features)

@@ -88,7 +88,15 @@ class GroupedInt8Linear:
             y = y + self.bias
         return y.view(*lead, self.out_features).to(x.dtype)
 
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` for a 2-D ``x``, float32 and unrounded (for a float32 residual stream)."""
+        y = self._mm_float(x)
+        return y if self.bias is None else y + self.bias.float()
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mm_float(x).to(self.act)
+
+    def _mm_float(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         m, g = x.shape[0], self.in_features // self.group
         if self.tiles is not None:
@@ -103,10 +111,10 @@ class GroupedInt8Linear:
             for lo in range(0, self.out_features, step):
                 hi = min(lo + step, self.out_features)
                 y[:, lo:hi] = xf @ self._columns(lo, hi)  # the offsets are in the weight here
-            return y.to(self.act)
+            return y
         if self.z is not None:
             y += xf.view(m, g, self.group).sum(-1) @ self.z
-        return y.to(self.act)
+        return y
 
     def nbytes(self) -> int:
         return _nbytes(self.q, self.tiles, self.s, self.z, self.bias)

@@ -107,6 +107,13 @@ class AllReduced:
         dist.all_reduce(y, group=self.group)
         return y
 
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """As ``__call__``, float32 (``LlamaModel._project``)."""
+        as_f32 = getattr(self.inner, "forward_f32", None)
+        y = as_f32(x) if as_f32 is not None else self.inner(x).float()
+        dist.all_reduce(y, group=self.group)
+        return y
+
     def nbytes(self) -> int:
         return self.inner.nbytes()
 
