@@ -122,16 +122,6 @@ static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float 
     return 0;
 }
 
-int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
-              void *scratch, int threads) {
-    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads);
-}
-
-int q4_matmul_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,
-                  void *scratch, int threads) {
-    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads);
-}
-
 /* ---- The 8-bit matmul (the LM head, from GGUF Q8_0) ----
 
    Weights: w[n, k] = d[n, g] * q[n, k], q int8, g = k / 32 (GGUF Q8_0 exactly). Tiles of 576 bytes, one per (16

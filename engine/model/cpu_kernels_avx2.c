@@ -190,16 +190,6 @@ static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float 
     return 0;
 }
 
-int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
-              void *scratch, int threads) {
-    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads);
-}
-
-int q4_matmul_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,
-                  void *scratch, int threads) {
-    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads);
-}
-
 static inline __attribute__((always_inline)) void q8_block_rows(
     const uint8_t *w, const int8_t *qx, const float *dx, float *y, int64_t m_rows, int64_t n, int64_t k,
     int64_t block, int64_t m0, int mt) {

@@ -6,6 +6,7 @@
 #define TICKLOOM_CPU_KERNELS_COMMON_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define TILE_BYTES 320
@@ -60,6 +61,21 @@ static void prepare_two_pass(const uint16_t *x, int64_t m_rows, int64_t k, int8_
             dx[(m_rows + m) * groups + g] = d2;
         }
     }
+}
+
+/* Each build defines q4_matmul_to, its int4 matmul: bfloat16 out into y, or float32 into yf when that is given.
+   The exports wrap it: the float32 form serves the projections added to the float32 residual stream. */
+static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
+                        int64_t k, void *scratch, int threads);
+
+int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
+              void *scratch, int threads) {
+    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads);
+}
+
+int q4_matmul_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,
+                  void *scratch, int threads) {
+    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads);
 }
 
 int64_t q4_scratch_bytes(int64_t m_rows, int64_t k) { return m_rows * k + 2 * m_rows * (k / 32) * 4 + 64; }

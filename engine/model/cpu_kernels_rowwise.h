@@ -79,50 +79,49 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
 /* ---- Row-wise ops of a decoder layer, fused so that a layer is a few calls rather than twenty torch ops ----
 
    At batch 1 a small model's step was mostly per-op overhead: each torch op costs a few microseconds before it
-   touches data, and a layer had about twenty of them. All three below work on bfloat16 rows, compute in float32
-   and round once. */
+   touches data, and a layer had about twenty of them. All three below compute in float32 and round once to
+   bfloat16 (add_rms_norm_f32 keeps its float32 stream unrounded). */
 
-/* For each of `rows` rows of width h (a multiple of 16): if `add` is given, x += add (rounded to bfloat16, as the
-   residual stream is); then out = x / sqrt(mean(x^2) + eps) * w. */
-void add_rms_norm(uint16_t *x, const uint16_t *add, const float *w, uint16_t *out, int64_t rows, int64_t h,
-                  float eps) {
+/* An element run of a row of bfloat16 (f32 = 0) or float32 (f32 = 1) values; f32 is a constant after inlining. */
+static inline __attribute__((always_inline)) v16 load_row(const void *p, int64_t i, int f32) {
+    return f32 ? v16_loadu((const float *)p + i) : load_bf16((const uint16_t *)p + i);
+}
+static inline __attribute__((always_inline)) void store_row(void *p, int64_t i, v16 v, int f32) {
+    if (f32) v16_storeu((float *)p + i, v);
+    else store_bf16((uint16_t *)p + i, v);
+}
+
+/* For each of `rows` rows of width h (a multiple of 16): if `add` is given, x += add (in x's type: rounded to
+   bfloat16 on a bfloat16 stream, exact on a float32 one); then out (bfloat16) = x / sqrt(mean(x^2) + eps) * w. */
+static inline __attribute__((always_inline)) void add_rms_norm_rows(void *x, const void *add, const float *w,
+                                                                    uint16_t *out, int64_t rows, int64_t h,
+                                                                    float eps, int f32) {
     for (int64_t r = 0; r < rows; r++) {
-        uint16_t *xr = x + r * h;
         v16 ss = v16_zero();
-        for (int64_t i = 0; i < h; i += 16) {
-            v16 v = load_bf16(xr + i);
+        for (int64_t i = r * h; i < (r + 1) * h; i += 16) {
+            v16 v = load_row(x, i, f32);
             if (add) {
-                store_bf16(xr + i, v16_add(v, load_bf16(add + r * h + i)));
-                v = load_bf16(xr + i);
+                store_row(x, i, v16_add(v, load_row(add, i, f32)), f32);
+                v = load_row(x, i, f32);
             }
             ss = v16_fmadd(v, v, ss);
         }
         const v16 inv = v16_set1(1.0f / sqrtf(v16_reduce_add(ss) / (float)h + eps));
         for (int64_t i = 0; i < h; i += 16)
-            store_bf16(out + r * h + i, v16_mul(v16_mul(load_bf16(xr + i), inv), v16_loadu(w + i)));
+            store_bf16(out + r * h + i, v16_mul(v16_mul(load_row(x, r * h + i, f32), inv), v16_loadu(w + i)));
     }
 }
 
-/* As add_rms_norm, for a float32 residual stream: x += add in float32 (no rounding), then out (bfloat16) = x /
-   sqrt(mean(x^2) + eps) * w. Keeping the stream in float32 is what brings the 8-bit activation path's answers
-   close to float32 activations': a bfloat16 stream rounds every sublayer's contribution to 8 bits of mantissa. */
+/* The bfloat16 residual stream (models on torch's layout) and the float32 one (tickloom's kernels: a bfloat16
+   stream rounds every sublayer's contribution to 8 bits of mantissa, which costs about a point of agreement with
+   float32 activations). */
+void add_rms_norm(uint16_t *x, const uint16_t *add, const float *w, uint16_t *out, int64_t rows, int64_t h,
+                  float eps) {
+    add_rms_norm_rows(x, add, w, out, rows, h, eps, 0);
+}
 void add_rms_norm_f32(float *x, const float *add, const float *w, uint16_t *out, int64_t rows, int64_t h,
                       float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *xr = x + r * h;
-        v16 ss = v16_zero();
-        for (int64_t i = 0; i < h; i += 16) {
-            v16 v = v16_loadu(xr + i);
-            if (add) {
-                v = v16_add(v, v16_loadu(add + r * h + i));
-                v16_storeu(xr + i, v);
-            }
-            ss = v16_fmadd(v, v, ss);
-        }
-        const v16 inv = v16_set1(1.0f / sqrtf(v16_reduce_add(ss) / (float)h + eps));
-        for (int64_t i = 0; i < h; i += 16)
-            store_bf16(out + r * h + i, v16_mul(v16_mul(v16_loadu(xr + i), inv), v16_loadu(w + i)));
-    }
+    add_rms_norm_rows(x, add, w, out, rows, h, eps, 1);
 }
 
 /* Rotary embedding on the first `rope_heads` heads of each qkv row (q's, then k's), in place, then K and V (the
