@@ -210,7 +210,7 @@ class ModelDevice:
                 host.wait()
                 self.spilled[command.request_id] = host
             elif isinstance(command, SwapIn):
-                host = _pad_blocks(self.spilled.pop(command.request_id), len(command.block_ids))
+                host = self.spilled.pop(command.request_id)
                 ex.copy_in(command.request_id, list(command.block_ids), host)
             elif isinstance(command, DropSpill):
                 self.spilled.pop(command.request_id, None)
@@ -228,20 +228,6 @@ class ModelDevice:
             return StepFailed(step.step_id, f"{type(exc).__name__}: {exc}")
         ids = [rid for rid, k in zip(step.request_ids, step.sample_indices, strict=True) if k >= 0]
         return StepDone(step.step_id, ids, list(result.token_ids), extra_token_ids=result.extra_token_ids)
-
-
-def _pad_blocks(host: Any, blocks: int) -> Any:
-    """``SwapIn`` may bring more blocks (room to grow) than were spilled; ``ModelExecutor.copy_in`` wants exactly as
-    many host blocks as block ids, so pad the host copy with zero blocks (never read: beyond ``num_tokens``)."""
-    import torch
-
-    k, v = host.k, host.v
-    if k is None or v is None or k.shape[1] >= blocks:
-        return host
-    pad = list(k.shape)
-    pad[1] = blocks - k.shape[1]
-    return type(host)(torch.cat([k, k.new_zeros(pad)], dim=1), torch.cat([v, v.new_zeros(pad)], dim=1),
-                      host.num_tokens)
 
 
 def load_device(model: str, num_blocks: int, block_size: int, *, dtype: str | None = None,

@@ -69,6 +69,11 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return tokens // block_size + 1
 
 
+def blocks_holding(tokens: int, block_size: int) -> int:
+    """Blocks that ``tokens`` tokens occupy, no room to grow: the ceiling of ``tokens / block_size``."""
+    return -(-tokens // block_size)
+
+
 @attrs.define(slots=True)
 class BlockPool:
     """Refcounted blocks with a hash-addressed prefix cache. Pure bookkeeping: no KV data lives here."""

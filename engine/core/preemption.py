@@ -7,7 +7,7 @@ or resume.
 
 from __future__ import annotations
 
-from tickloom.engine.core.blocks import blocks_for
+from tickloom.engine.core.blocks import blocks_for, blocks_holding
 from tickloom.engine.core.context import TickContext
 from tickloom.engine.core.fences import is_settled, release_blocks
 from tickloom.engine.core.prefix_cache import cache_full_blocks
@@ -60,7 +60,7 @@ def take_off_device(state: CoreState, ctx: TickContext, victim: Seq) -> None:
         ctx.commands.append(Preempted(victim.request_id, "swap"))
         # Only the blocks that hold verified KV: a table may run past them (blocks taken for proposal slots whose
         # proposals were rejected), and the swap-in gives back ``blocks_for(kv_settled)``, no more.
-        held = -(-victim.kv_settled // state.config.block_size)
+        held = blocks_holding(victim.kv_settled, state.config.block_size)
         ctx.commands.append(SpillOut(victim.request_id, victim.block_ids[:held], victim.kv_settled))
         victim.spill_tokens = victim.kv_settled
         victim.swap_ready = False

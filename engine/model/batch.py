@@ -14,7 +14,8 @@ class AttnGroup:
     Queries are the flat tokens ``start:end`` when ``token_index`` is None, else ``token_index``.
     ``mask`` is a bool ``rows x 1 x (G * q_len or 1) x ctx`` mask (True = attend). ``lengths``: each query's
     context length (its own position included), one per row in a decode group (``q_len`` 1), one per query of
-    the row in a longer one.
+    the row in a longer one. ``query_tables``: ``block_index`` once per query, for kernels that take a table per
+    query; the same for every layer, so the first layer that needs it builds it.
     """
 
     rows: int
@@ -25,6 +26,7 @@ class AttnGroup:
     block_index: torch.Tensor
     mask: torch.Tensor
     lengths: torch.Tensor | None = None
+    query_tables: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -341,10 +341,12 @@ class LlamaModel:
         (prefill took about 12% longer for it, on prompts of 64 and 512 tokens); queries go in slices so that the
         scratch stays small."""
         assert g.lengths is not None
+        if g.query_tables is None:
+            g.query_tables = g.block_index.repeat(min(g.q_len, _QUERY_SLICE))
         out = []
         for at in range(0, g.q_len, _QUERY_SLICE):
             lengths = g.lengths[at : at + _QUERY_SLICE]
-            tables = g.block_index.repeat(lengths.numel())
+            tables = g.query_tables[: lengths.numel() * g.block_index.numel()]
             out.append(native.decode_attention(q[at : at + _QUERY_SLICE], kv.kv[n], tables, lengths, self._gqa,
                                                self.scale))
         return out[0] if len(out) == 1 else torch.cat(out)

@@ -203,9 +203,13 @@ class Int4Linear:
         eye = torch.eye(self.in_features, dtype=self.act)  # unpacked by multiplying the identity
         return _INT4_MM(eye, self.packed, self.group, self.scales_zeros).float().t().contiguous()
 
+    def _takes_as_is(self, x: torch.Tensor) -> bool:
+        """The forward's case: a contiguous 2-D ``x`` in the activation dtype and no bias (no reshapes, no casts)."""
+        return x.dim() == 2 and x.dtype == self.act and self.bias is None and x.is_contiguous()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == self.act and self.bias is None and x.is_contiguous():
-            return self._mm(x)  # the forward's case
+        if self._takes_as_is(x):
+            return self._mm(x)
         x2, lead = _matmul_2d(x, self.act, self.in_features)
         y = self._mm(x2.contiguous())
         if self.bias is not None:
@@ -213,9 +217,9 @@ class Int4Linear:
         return y.view(*lead, self.out_features).to(x.dtype)
 
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(x)`` for a 2-D ``x``, float32: on tickloom's kernel the sums unrounded (for a float32 residual
-        stream), else the layer's output widened."""
-        if self.tiles is not None and x.dtype == self.act and self.bias is None and x.is_contiguous():
+        """``self(x)``, float32: on tickloom's kernel the sums unrounded (for a float32 residual stream), else the
+        layer's output widened."""
+        if self.tiles is not None and self._takes_as_is(x):
             return native.matmul(x, self.tiles, self.out_features, torch.float32)
         return self(x).float()
 

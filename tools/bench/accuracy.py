@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tickloom.engine.core.blocks import blocks_holding
 from tickloom.engine.model.batch import RowSpec, build_step_batch
 from tickloom.engine.model.loaders import LoadedModel, load_model
 from tickloom.prompts import tokenize
@@ -84,7 +85,7 @@ def tickloom_logits(lm: LoadedModel, block_size: int = 16) -> Logits:
     model = lm.model
 
     def run(ids: list[int]) -> torch.Tensor:
-        blocks = -(-len(ids) // block_size)
+        blocks = blocks_holding(len(ids), block_size)
         kv = model.new_kv_cache(blocks + 1, block_size)
         row = RowSpec(0, len(ids), list(range(blocks)), True, all_logits=True)
         batch = build_step_batch([row], ids, block_size, model.cfg.num_heads // model.cfg.num_kv_heads, model.device)
@@ -97,7 +98,7 @@ def tickloom_greedy(lm: LoadedModel, prompt: list[int], n: int, block_size: int 
     """``n`` greedy tokens after ``prompt``: a prefill, then one decode step per token over the same cache."""
     model = lm.model
     gqa = model.cfg.num_heads // model.cfg.num_kv_heads
-    blocks = -(-(len(prompt) + n) // block_size)
+    blocks = blocks_holding(len(prompt) + n, block_size)
     kv = model.new_kv_cache(blocks + 1, block_size)
     table = list(range(blocks))
     batch = build_step_batch([RowSpec(0, len(prompt), table, True)], prompt, block_size, gqa, model.device)

@@ -59,6 +59,7 @@ def _cpu_name() -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tickloom.engine.core.blocks import blocks_holding
     from tickloom.engine.model.executor import ModelExecutor
     from tickloom.engine.model.loaders import load_model
     from tickloom.engine.model.tables import step_of
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--batch-sizes, --contexts, --prefill, --repeat and --block-size take numbers >= 1")
     loaded = load_model(args.model, args.dtype, args.device, args.threads, args.quant)
     max_len = max(args.contexts) + max(args.prefill) + 1
-    per_row = -(-max_len // args.block_size)
+    per_row = blocks_holding(max_len, args.block_size)
     rows = max(args.batch_sizes) + 1
     ex = ModelExecutor(loaded.model, rows * per_row + 1, args.block_size)
     spec = SamplingSpec(temperature=0.0)

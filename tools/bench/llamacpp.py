@@ -31,7 +31,7 @@ class LlamaCppRunner:
 
         self.lc: Any = llama_cpp
         llama_cpp.llama_backend_init()
-        llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p())
+        llama_cpp.llama_log_set(QUIET_LOG, ctypes.c_void_p())
         self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp cannot load {gguf}")
@@ -87,7 +87,8 @@ def _put(batch: Any, i: int, tok: int, pos: int, seq: int, logits: bool) -> None
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-def _QUIET(level: int, text: bytes, data: int) -> None:
+def QUIET_LOG(level: int, text: bytes, data: int) -> None:
+    """llama.cpp's log callback, silenced (it prints a line per tensor at load and at quantization)."""
     return None
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tickloom.engine.core.blocks import blocks_holding
 from tickloom.engine.model.convert import float32_checkpoint
 from tickloom.engine.model.executor import ModelExecutor
 from tickloom.engine.model.loaders import LoadedModel, load_model
@@ -32,6 +33,7 @@ from tickloom.engine.model.tables import step_of
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import SamplingSpec
 from tickloom.events.commands import BindRequest
+from tickloom.tools.cli import CliError
 from tickloom.tools.progress import progress_note
 
 
@@ -46,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=2, help="runs per measurement; the fastest counts")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--gguf", nargs="+", default=None, metavar="FILE",
+                   help="instead of --models: GGUF files, or test files SOURCE:TYPE (bundled:Q4_K_M, random-1b:Q4_0; "
+                        "made once by llama.cpp's quantizer: bench/gguf_files)")
     p.add_argument("--accuracy", action="store_true",
                    help="instead: top-1 agreement and KL against the float32 model of the same file (bench/accuracy)")
 
@@ -61,7 +66,7 @@ def _model_dir(name: str, tmp: Path) -> Path:
 def _ours(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, block_size: int) -> tuple[float, float]:
     """(prefill seconds, decode seconds for new_tokens - 1 steps) for one batch."""
     b, plen = len(prompts), len(prompts[0])
-    per_req = -(-(plen + new_tokens) // block_size)
+    per_req = blocks_holding(plen + new_tokens, block_size)
     ex = ModelExecutor(lm.model, num_blocks=b * per_req + 1, block_size=block_size)
     spec = SamplingSpec(temperature=0.0)
     rids = [f"r{i}" for i in range(b)]
@@ -102,6 +107,13 @@ def _hf(ref: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, flo
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.gguf:
+        from tickloom.tools.bench.gguf_files import resolve
+
+        try:
+            args.models = [str(resolve(spec)) for spec in args.gguf]
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     if args.accuracy:
         from tickloom.tools.bench import accuracy
 

@@ -136,10 +136,11 @@ def run(args: argparse.Namespace) -> int:
 def steady_scenario(batch: int, decode_tokens: int, prompt_len: int = 32) -> Scenario:
     """``batch`` requests arriving at once and decoding ``decode_tokens`` tokens each: a steady decode batch."""
     from tickloom.engine.core import CoreConfig
+    from tickloom.engine.core.blocks import blocks_holding
     from tickloom.events import Input
     from tickloom.replay.record import Scenario, arrival
 
-    per_seq = -(-(prompt_len + decode_tokens + 2) // 16)
+    per_seq = blocks_holding(prompt_len + decode_tokens + 2, 16)
     config = CoreConfig(
         num_blocks=batch * per_seq + 64, block_size=16, max_batch_size=batch, max_seq_len=16 * per_seq,
         max_prefill_tokens=max(512, prompt_len * batch), max_batch_tokens=max(4096, prompt_len * batch + batch),
