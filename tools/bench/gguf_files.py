@@ -94,32 +94,34 @@ def quantize(src: Path, out: Path, qtype: str) -> None:
     progress_note(f"{out.name}: {out.stat().st_size / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f} s")
 
 
-def random_1b_f16(root: Path, bundled: Path) -> Path:
-    """The 1B model's float16 file: the bundled file's metadata (tokenizer, chat template) with ``RANDOM_1B``'s
-    shape, weights drawn from N(0, 0.02) (norms 1), the embedding tied as in SmolLM2."""
+def random_1b_f16(root: Path, bundled: Path, shape: dict[str, int] = RANDOM_1B, name: str = "random-1b") -> Path:
+    """The 1B model's float16 file: the bundled file's metadata (tokenizer, chat template) with ``shape``'s keys
+    (``RANDOM_1B``; the tests pass a tiny one), weights drawn from N(0, 0.02) (norms 1), the embedding tied as in
+    SmolLM2."""
     import gguf
 
     from tickloom.tools.progress import progress_note
 
-    out = root / "random-1b-F16.gguf"
+    out = root / f"{name}-F16.gguf"
     if out.is_file():
         return out
     progress_note(f"writing {out.name} (random weights)")
     reader = gguf.GGUFReader(bundled)
     tmp = out.with_suffix(".part")
     w = gguf.GGUFWriter(str(tmp), "llama")
+    keys = {**shape, "rope.dimension_count": shape["embedding_length"] // shape["attention.head_count"]}
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
             continue
         short = key.removeprefix("llama.")
-        if short in RANDOM_1B:
-            w.add_key_value(key, RANDOM_1B[short], gguf.GGUFValueType.UINT32)
+        if short in keys:
+            w.add_key_value(key, keys[short], gguf.GGUFValueType.UINT32)
             continue
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    hidden, ffn = RANDOM_1B["embedding_length"], RANDOM_1B["feed_forward_length"]
-    heads, kv_heads = RANDOM_1B["attention.head_count"], RANDOM_1B["attention.head_count_kv"]
+    hidden, ffn = shape["embedding_length"], shape["feed_forward_length"]
+    heads, kv_heads = shape["attention.head_count"], shape["attention.head_count_kv"]
     kv_rows = hidden // heads * kv_heads
     vocab = int(reader.fields["llama.vocab_size"].contents())
     rng = np.random.default_rng(0)
@@ -129,7 +131,7 @@ def random_1b_f16(root: Path, bundled: Path) -> Path:
 
     w.add_tensor("token_embd.weight", matrix(vocab, hidden))
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    for i in range(RANDOM_1B["block_count"]):
+    for i in range(shape["block_count"]):
         for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv_rows, hidden)),
                             ("attn_v", (kv_rows, hidden)), ("attn_output", (hidden, hidden)),
                             ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):

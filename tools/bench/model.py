@@ -169,16 +169,6 @@ def _print_row(row: dict[str, Any]) -> None:
     print("  ".join(parts), flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    add_arguments(p)
-    run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()
-
-
 def memory_bandwidth(nbytes: int = 256 << 20, repeat: int = 5) -> float:
     """Bytes per second read by a reduction over a large tensor (far larger than any cache), the best of
     ``repeat``, with torch's current thread count."""
@@ -288,3 +278,13 @@ def _print_llamacpp_row(row: dict[str, Any]) -> None:
     if "limit_tok_s" in row:
         parts.append(f"| batch-1 limit {row['limit_tok_s']:7.1f} ({row['decode_tok_s'] / row['limit_tok_s']:.0%})")
     print("  ".join(parts), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_arguments(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
