@@ -16,6 +16,7 @@ from tickloom.engine.model import gguf_quants, native
 from tickloom.engine.model.quant import (
     Embedding,
     GroupedInt8Linear,
+    HalfLinear,
     Int4Linear,
     Int8Linear,
     RawBlocks,
@@ -138,6 +139,41 @@ def test_16_bit_floats_stay_floats(kind: str) -> None:
     assert torch.equal(dense.dequantize() if hasattr(dense, "dequantize") else dense.weight, oracle(kind, data))
 
 
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+@pytest.mark.parametrize("kind", ("F16", "BF16"))
+def test_16_bit_floats_are_read_in_place_by_a_float32_model(kind: str) -> None:
+    """A float32 model keeps an F16/BF16 matrix as the file's bits (the file's mapping, not a copy) and multiplies
+    it as the float32 model would; a bfloat16 model, or a CPU without the kernels, gets a dense copy as before."""
+    data = blocks(kind)
+    bias = torch.randn(48)
+    lin = quantize_linear(RawBlocks(kind, data, (48, 512)), bias, "none", torch.float32)
+    assert isinstance(lin, HalfLinear) and np.shares_memory(lin.w, data)
+    assert lin.nbytes() == 48 * 512 * 2 + 48 * 4
+    x = torch.randn(3, 2, 512)
+    want = (x.double() @ oracle(kind, data).double().t() + bias.double()).float()
+    got = lin(x)
+    assert got.shape == (3, 2, 48) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not isinstance(quantize_linear(RawBlocks(kind, data, (48, 512)), None, "none", torch.bfloat16),
+                          HalfLinear)
+
+
+def test_16_bit_fused_parts_join_into_one_half_layer_without_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q, k and v in F16 join into one layer in q, k, v order: a ``HalfLinear`` where the kernels run, else the
+    dense float32 weight (the same numbers)."""
+    parts = [blocks("F16", n, 512, seed) for n, seed in ((32, 1), (16, 2), (16, 3))]
+    want = torch.cat([oracle("F16", p) for p in parts])
+    raws = [RawBlocks("F16", p, (p.shape[0], 512)) for p in parts]
+    lin = join_linear(raws, None, "none", torch.float32)
+    x = torch.randn(5, 512)
+    if native.available():
+        assert isinstance(lin, HalfLinear) and lin.out_features == 64
+        torch.testing.assert_close(lin(x), x @ want.t(), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(native, "available", lambda: False)
+    dense = join_linear(raws, None, "none", torch.float32)
+    assert not isinstance(dense, HalfLinear) and torch.equal(dense.weight, want)
+
+
 def test_a_mixed_fused_projection_keeps_each_part_exact(torch_kernels: None) -> None:
     """A Q4_K_M layer: q and k in Q4_K, v in Q6_K. q and k join as int4, v stays grouped int8; the outputs are in
     q, k, v order."""
@@ -158,7 +194,7 @@ def test_a_mixed_fused_projection_keeps_each_part_exact(torch_kernels: None) -> 
     assert torch.equal(both.dequantize(), torch.cat([oracle("Q5_K", a), oracle("Q6_K", b)]))
 
 
-@pytest.mark.parametrize("kind", ("Q4_K", "Q6_K", "Q8_0"))
+@pytest.mark.parametrize("kind", ("Q4_K", "Q6_K", "Q8_0", "F16", "BF16"))
 def test_embedding_rows_are_looked_up_from_the_blocks(kind: str) -> None:
     data = blocks(kind, 64, 256)
     emb = Embedding(RawBlocks(kind, data, (64, 256)), torch.float32)

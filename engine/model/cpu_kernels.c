@@ -200,6 +200,8 @@ static inline v16 v16_loadu(const float *p) { return _mm512_loadu_ps(p); }
 static inline void v16_storeu(float *p, v16 v) { _mm512_storeu_ps(p, v); }
 static inline float v16_reduce_add(v16 v) { return _mm512_reduce_add_ps(v); }
 
+static inline __m512 load_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
 static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -243,3 +245,4 @@ static inline v16 silu(v16 a) {
 }
 
 #include "cpu_kernels_rowwise.h"
+#include "cpu_kernels_half.h"

@@ -281,3 +281,4 @@ static inline __m256 silu8(__m256 a) {
 static inline v16 silu(v16 a) { return (v16){silu8(a.lo), silu8(a.hi)}; }
 
 #include "cpu_kernels_rowwise.h"
+#include "cpu_kernels_half.h"

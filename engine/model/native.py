@@ -3,6 +3,7 @@ the system C compiler at first use, cached, and called through ctypes (which let
 
 - ``matmul``: 4-bit weights times bfloat16 activations (``Int4Linear``'s fast path).
 - ``q8_matmul``: 8-bit weights (GGUF Q8_0's form) times bfloat16 activations, float32 out (the LM head).
+- ``half_matmul``: 16-bit float weights (GGUF F16 and BF16, read in place) times float32 activations.
 - ``decode_attention``: decode rows' attention, reading K and V in place from the paged cache.
 - ``add_rms_norm``, ``rope_and_store``, ``silu_mul``: a decoder layer's row-wise ops, fused, so that a layer is
   a few calls instead of about twenty torch ops (each costs microseconds before it touches data, which at batch
@@ -57,7 +58,7 @@ TILE_BYTES = 320
 Q8_TILE_BYTES = 576
 GROUP = 32
 _HERE = Path(__file__).parent
-_HEADERS = (_HERE / "cpu_kernels_common.h", _HERE / "cpu_kernels_rowwise.h")  # included by both sources
+_HEADERS = tuple(_HERE / f"cpu_kernels_{h}.h" for h in ("common", "rowwise", "half"))  # included by both sources
 _COMMON = ["-O3", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -120,6 +121,9 @@ class _Kernel:
         self.silu_mul = lib.silu_mul
         self.silu_mul.argtypes = [ptr, i64, i64, ptr]
         self.silu_mul.restype = None
+        self.half_matmul = lib.half_matmul
+        self.half_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+        self.half_matmul.restype = ctypes.c_int
 
 
 def status() -> str:
@@ -316,6 +320,24 @@ def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int,
     kernel = _kernel()
     fn = kernel.matmul_f32 if out_dtype == torch.float32 else kernel.matmul
     return _matmul(fn, kernel.scratch_bytes, x, tiles, out_features, out_dtype, "q4")
+
+
+HALF_KINDS = {"BF16": 0, "F16": 1}
+"""The 16-bit weight types ``half_matmul`` reads, and the kernel's code for each."""
+
+
+def half_matmul(x: torch.Tensor, w: np.ndarray, kind: str) -> torch.Tensor:
+    """``x`` (``M x K`` float32, contiguous) times ``w`` (``N x K`` uint16: ``kind`` "BF16" or "F16" bits, C-contiguous,
+    a view of a file mapping or not), ``M x N`` float32."""
+    m, k = x.shape
+    n = w.shape[0]
+    if x.dtype != torch.float32 or not x.is_contiguous() or w.shape[1] != k or not w.flags.c_contiguous:
+        raise ValueError(f"half_matmul: x {tuple(x.shape)} {x.dtype}, w {w.shape}: wants float32 M x K and N x K")
+    y = torch.empty(m, n, dtype=torch.float32)
+    if _kernel().half_matmul(x.data_ptr(), w.ctypes.data, y.data_ptr(), m, n, k, HALF_KINDS[kind],
+                             torch.get_num_threads()):
+        raise ValueError(f"half kernel: unsupported shape N={n}, K={k}")
+    return y
 
 
 def _matmul(fn: Any, scratch_bytes: Any, x: torch.Tensor, tiles: torch.Tensor, out_features: int,

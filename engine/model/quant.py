@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tickloom.engine.model import gguf_quants, int4pack, native
-from tickloom.engine.model.quant_grouped import GroupedInt8Linear, SplitLinear
+from tickloom.engine.model.quant_grouped import GroupedInt8Linear, HalfLinear, SplitLinear
 
 QUANT_SETTINGS: dict[str, tuple[int, int]] = {
     "none": (0, 0),
@@ -326,14 +326,16 @@ def _blocks_linear(run: list[RawBlocks], form: str, bias: torch.Tensor | None, q
 def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch.dtype) -> Linear:
     """A linear layer for weight ``w`` under ``quant`` (a ``QUANT_SETTINGS`` key). A GGUF tensor under a setting
     keeps the file's integers where a layer takes them (``_block_form``: Q4_0/Q4_1/Q4_K as int4 under "int4";
-    Q5_0/Q5_1/Q5_K/Q6_K, and Q8_0 under "int4", as grouped int8; no float detour, no second rounding); anything
-    else is dequantized and quantized. Int4 falls back to int8 where the group does not divide the input size or
-    the output size is not a multiple of 16. ``act`` is the activation dtype (and, with ``"none"``, the weight
-    dtype)."""
+    Q5_0/Q5_1/Q5_K/Q6_K, and Q8_0 under "int4", as grouped int8; no float detour, no second rounding); F16 and
+    BF16 under "none" in a float32 model stay 16-bit where the kernels run (``HalfLinear``); anything else is
+    dequantized and quantized. Int4 falls back to int8 where the group does not divide the input size or the output
+    size is not a multiple of 16. ``act`` is the activation dtype (and, with ``"none"``, the weight dtype)."""
     bits, group = QUANT_SETTINGS[quant]
     if isinstance(w, RawBlocks):
         if bits:
             return _blocks_linear([w], _block_form(w.kind, quant, w.shape[0]), bias, quant, act)
+        if w.kind in native.HALF_KINDS and act == torch.float32 and native.available() and w.shape[1] % 16 == 0:
+            return HalfLinear(w.kind, w.data.view(np.uint16), bias)  # the file's 16 bits, not a float32 copy
         w = w.dequantize()
     if bits == 4 and w.shape[0] % 16 == 0 and w.shape[1] % group == 0:  # the int4 pack wants rows in sixteens
         return Int4Linear.from_float(w, group, bias, act)
@@ -371,7 +373,7 @@ def join_linear(ws: list[Weight], biases: list[torch.Tensor] | None, quant: str,
 
 
 class Embedding:
-    """Token lookup: a dense table, or a GGUF integer type's rows (Q8_0, Q4_K, ...) dequantized per lookup.
+    """Token lookup: a dense table, or a GGUF type's rows (Q8_0, Q4_K, ..., F16, BF16) dequantized per lookup.
 
     The rows stay where the loader found them: when that is a read-only mapping of the GGUF file, only the
     rows looked up are resident (``release_pages`` drops the rest, which the loader read while packing)."""
@@ -381,7 +383,7 @@ class Embedding:
     def __init__(self, w: Weight, dtype: torch.dtype) -> None:
         self.table: torch.Tensor | None = None
         self.blocks: RawBlocks | None = None
-        if isinstance(w, RawBlocks) and w.kind in gguf_quants.INT_KINDS:
+        if isinstance(w, RawBlocks) and (w.kind in gguf_quants.INT_KINDS or w.kind in native.HALF_KINDS):
             self.blocks = w
         else:
             self.table = (w.dequantize() if isinstance(w, RawBlocks) else w).to(dtype)
