@@ -18,13 +18,14 @@ from arch_gguf import add_gpt2_tokenizer, add_llama_shape
 from safetensors.torch import load_file
 from test_model_gguf_types import k_blocks
 
-from tickloom.engine.model import loaders
+from tickloom.engine.model import loaders, native
 from tickloom.engine.model.config import ModelConfig
 from tickloom.engine.model.convert import model_chat_template, resolve_model
 from tickloom.engine.model.errors import ModelLoadError
 from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.loaders import DEFAULT_SETTING, default_setting, load_model
 from tickloom.engine.model.quant import GroupedInt8Linear, Int4Linear, RawBlocks, SplitLinear, Weight
+from tickloom.engine.model.quant_grouped import Int5Linear
 from tickloom.engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import LogReader, RequestArrived
@@ -130,7 +131,7 @@ def test_a_q4_k_m_file_loads_as_it_is_stored(cache: Path, k_gguf: Path) -> None:
     assert isinstance(layer.qkv, SplitLinear)  # q, k in Q4_K as int4; v in Q6_K as grouped int8
     assert [type(p) for p in layer.qkv.parts] == [Int4Linear, GroupedInt8Linear]
     assert isinstance(layer.wo, Int4Linear) and isinstance(layer.w13, Int4Linear)
-    assert isinstance(layer.w2, GroupedInt8Linear)
+    assert isinstance(layer.w2, Int5Linear if native.available() else GroupedInt8Linear)  # Q5_K: its five bits
     assert q.model.embed.blocks is not None and q.model.embed.blocks.kind == "Q6_K"  # rows dequantized per lookup
     # the same file unquantized (float32, dequantized as ggml does) predicts the same way
     f = load_model(k_gguf, dtype="float32", quant="none")

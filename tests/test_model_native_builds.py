@@ -16,8 +16,9 @@ from tickloom.engine.model import native
 
 AVX2 = {"avx", "avx2", "fma", "f16c", "sse4_2"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16"}
-EXPORTS = ("q4_matmul", "q4_matmul_f32", "q4_scratch_bytes", "q8_matmul", "q8_scratch_bytes", "paged_decode_attention",
-           "attn_scratch_floats", "add_rms_norm", "add_rms_norm_f32", "rope_and_store", "silu_mul")
+EXPORTS = ("q4_matmul", "q4_matmul_f32", "q5_matmul", "q5_matmul_f32", "q4_scratch_bytes", "q8_matmul",
+           "q8_scratch_bytes", "paged_decode_attention", "attn_scratch_floats", "add_rms_norm", "add_rms_norm_f32",
+           "rope_and_store", "silu_mul", "half_matmul")
 
 
 def test_a_cpu_with_avx512_vnni_and_bf16_gets_the_avx512_build() -> None:
@@ -47,3 +48,49 @@ def test_each_source_compiles_and_exports_every_kernel(name: str, tmp_path: Path
                    capture_output=True, text=True)
     lib = ctypes.CDLL(str(out))  # loading runs no AVX512 instruction, so this works on any x86-64 CPU
     assert all(hasattr(lib, fn) for fn in EXPORTS)
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None
+                    or not _cpu_has_avx2() or not native.available(),
+                    reason="needs an x86-64 C compiler, AVX2, and tickloom's kernels running")
+def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
+    """Run the AVX2 build beside the one this CPU loaded (on an AVX512 CPU, the other source): the 4- and 5-bit
+    matmuls give the same bits (exact integer sums, then the same float operations in the same order); the 16-bit
+    one the same sums to float32 rounding (its lanes are reduced in another order)."""
+    import numpy as np
+    import torch
+
+    build = next(b for b in native._BUILDS if b.name == "avx2")
+    out = tmp_path / "avx2.so"
+    subprocess.run(["cc", *build.flags, "-o", str(out), str(build.source)], check=True, capture_output=True, text=True)
+    avx2 = native._Kernel(ctypes.CDLL(str(out)), "avx2")
+    rng = np.random.default_rng(0)
+    n, k, m = 48, 160, 5
+    q = rng.integers(0, 32, (n, k), dtype=np.uint8)
+    s = (rng.random((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32)
+    z = (-16 * s).astype(np.float32)
+    x = torch.randn(m, k).bfloat16()
+    low = (q & 15).reshape(n, -1, 32)
+    for five, tiles in ((False, native.pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, z)),
+                        (True, native.pack_q5_tiles(q, s, z))):
+        for rows in (1, 2, m):
+            xs = x[:rows].contiguous()
+            theirs = torch.empty(rows, n)
+            fn = avx2.q5_matmul_f32 if five else avx2.matmul_f32
+            scratch = torch.empty(avx2.scratch_bytes(rows, k), dtype=torch.uint8)
+            assert fn(xs.data_ptr(), tiles.data_ptr(), theirs.data_ptr(), rows, n, k, scratch.data_ptr(), 1) == 0
+            assert torch.equal(native.matmul(xs, tiles, n, torch.float32, five=five), theirs), (five, rows)
+    half = torch.randn(n, k).half()
+    bits = half.view(torch.int16).numpy().view(np.uint16)
+    xf = torch.randn(m, k)
+    theirs = torch.empty(m, n)
+    assert avx2.half_matmul(xf.data_ptr(), bits.ctypes.data, theirs.data_ptr(), m, n, k, 1, 1) == 0
+    torch.testing.assert_close(native.half_matmul(xf, bits, "F16"), theirs, atol=1e-5, rtol=1e-5)

@@ -13,6 +13,10 @@
                      low nibble and q[16b + r, 32g + 16 + 4t + c] in its high one (GGUF's byte 4t + c of the row)
      bytes 256..287  s for the 16 rows, float16
      bytes 288..319  z for the 16 rows, float16
+   The 5-bit form (GGUF Q5_0, Q5_1, Q5_K: q in 0..31) is the same tile with 64 bytes more, 384 in all:
+     bytes 320..383  per chunk t, two 64-bit masks (little-endian): bit i of the first is the fifth bit of the
+                     value in byte i's low nibble, of the second that of its high nibble
+   so a chunk's bytes become q with one masked OR each (VPDPBUSD takes unsigned bytes up to 255).
 
    Why: a decode step multiplies one activation row by every weight once, so it is bound by how fast weights
    become products. Activations are quantized per group of 32 to int8 (x ~ dx * qx), and VPDPBUSD multiplies 64
@@ -61,21 +65,27 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, fl
 /* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT, constant after inlining. */
 static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, float *yf, int64_t n,
-    int64_t k, int64_t block, int64_t m0, int mt) {
-    const int64_t groups = k / 32;
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    int64_t k, int64_t block, int64_t m0, int mt, int five) {
+    const int64_t groups = k / 32, tile_bytes = five ? Q5_TILE_BYTES : TILE_BYTES;
+    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     /* VPDPBUSD takes several cycles to finish, so a lone row would wait on its own accumulator: few rows get
        several independent partial sums (chains), added once per group. */
     const int chains = mt >= 4 ? 1 : (mt == 1 ? 4 : 2);
     __m512 acc[MT];
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
-    const uint8_t *tile = w + block * groups * TILE_BYTES;
-    for (int64_t g = 0; g < groups; g++, tile += TILE_BYTES) {
+    const uint8_t *tile = w + block * groups * tile_bytes;
+    for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
         __m512i part[MT];
         for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
         for (int t = 0; t < 4; t++) {
             __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * t));
             __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+            if (five) { /* each byte's fifth bit from its mask: 64 bits for the low nibbles, 64 for the high */
+                uint64_t bits[2];
+                memcpy(bits, tile + TILE_BYTES + 16 * t, 16);
+                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)bits[0], bit4));
+                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)bits[1], bit4));
+            }
             for (int i = 0; i < mt; i++) {
                 const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
                 int c0 = i * chains + (2 * t) % chains, c1 = i * chains + (2 * t + 1) % chains;
@@ -105,20 +115,28 @@ static inline __attribute__((always_inline)) void block_rows(
    0. `scratch` holds at least q4_scratch_bytes(M, K) bytes. Returns 0, or 1 for shapes it does not take.
    q4_matmul_f32 serves the projections whose output is added to the float32 residual stream (o and down). */
 
+static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, const int8_t *qx, const float *dx,
+                                                             const float *dxs, uint16_t *y, float *yf,
+                                                             int64_t m_rows, int64_t n, int64_t k, int five,
+                                                             int threads) {
+    const int64_t blocks = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, yf, n, k, b, m0, mt, five)
+        FOR_ROW_TILES(m_rows, Q4_ROWS);
+#undef Q4_ROWS
+    }
+}
+
 static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
-                        int64_t k, void *scratch, int threads) {
+                        int64_t k, void *scratch, int threads, int five) {
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + m_rows * k) + 63) & ~(uintptr_t)63);
     float *dxs = dx + m_rows * (k / 32);
     prepare(x, m_rows, k, qx, dx, dxs);
-    const int64_t blocks = n / 16;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t b = 0; b < blocks; b++) {
-#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, yf, n, k, b, m0, mt)
-        FOR_ROW_TILES(m_rows, Q4_ROWS);
-#undef Q4_ROWS
-    }
+    if (five) q4_blocks(w, qx, dx, dxs, y, yf, m_rows, n, k, 1, threads);
+    else q4_blocks(w, qx, dx, dxs, y, yf, m_rows, n, k, 0, threads);
     return 0;
 }
 

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #define TILE_BYTES 320
+#define Q5_TILE_BYTES 384 /* a 4-bit tile and the fifth bits' masks */
 #define MT 8 /* activation rows per pass over a row block's weights */
 
 /* ROWS(mt) for each tile of MT activation rows, then once for the 1..7 left, mt a constant in every call so that
@@ -63,19 +64,30 @@ static void prepare_two_pass(const uint16_t *x, int64_t m_rows, int64_t k, int8_
     }
 }
 
-/* Each build defines q4_matmul_to, its int4 matmul: bfloat16 out into y, or float32 into yf when that is given.
-   The exports wrap it: the float32 form serves the projections added to the float32 residual stream. */
+/* Each build defines q4_matmul_to, its int4 matmul (or 5-bit, `five`: Q5_TILE_BYTES tiles): bfloat16 out into
+   y, or float32 into yf when that is given. The exports wrap it: the float32 form serves the projections added to
+   the float32 residual stream. */
 static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
-                        int64_t k, void *scratch, int threads);
+                        int64_t k, void *scratch, int threads, int five);
 
 int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
               void *scratch, int threads) {
-    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads);
+    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads, 0);
 }
 
 int q4_matmul_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,
                   void *scratch, int threads) {
-    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads);
+    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads, 0);
+}
+
+int q5_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
+              void *scratch, int threads) {
+    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads, 1);
+}
+
+int q5_matmul_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,
+                  void *scratch, int threads) {
+    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads, 1);
 }
 
 int64_t q4_scratch_bytes(int64_t m_rows, int64_t k) { return m_rows * k + 2 * m_rows * (k / 32) * 4 + 64; }

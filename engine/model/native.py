@@ -2,6 +2,7 @@
 the system C compiler at first use, cached, and called through ctypes (which lets go of the GIL for the call).
 
 - ``matmul``: 4-bit weights times bfloat16 activations (``Int4Linear``'s fast path).
+- ``matmul(..., five=True)``: the same for 5-bit weights (GGUF Q5_0, Q5_1, Q5_K), a bit plane beside the nibbles.
 - ``q8_matmul``: 8-bit weights (GGUF Q8_0's form) times bfloat16 activations, float32 out (the LM head).
 - ``half_matmul``: 16-bit float weights (GGUF F16 and BF16, read in place) times float32 activations.
 - ``decode_attention``: decode rows' attention, reading K and V in place from the paged cache.
@@ -55,6 +56,7 @@ from tickloom.engine.model.registry import cache_dir
 
 TILE_ROWS = 16
 TILE_BYTES = 320
+Q5_TILE_BYTES = 384
 Q8_TILE_BYTES = 576
 GROUP = 32
 _HERE = Path(__file__).parent
@@ -92,6 +94,12 @@ class _Kernel:
         self.matmul_f32 = lib.q4_matmul_f32
         self.matmul_f32.argtypes = self.matmul.argtypes
         self.matmul_f32.restype = ctypes.c_int
+        self.q5_matmul = lib.q5_matmul
+        self.q5_matmul.argtypes = self.matmul.argtypes
+        self.q5_matmul.restype = ctypes.c_int
+        self.q5_matmul_f32 = lib.q5_matmul_f32
+        self.q5_matmul_f32.argtypes = self.matmul.argtypes
+        self.q5_matmul_f32.restype = ctypes.c_int
         self.q8_matmul = lib.q8_matmul
         self.q8_matmul.argtypes = self.matmul.argtypes
         self.q8_matmul.restype = ctypes.c_int
@@ -215,6 +223,32 @@ def pack_tiles(nibbles: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tenso
     return torch.from_numpy(out)
 
 
+def pack_q5_tiles(q: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tensor:
+    """The 5-bit kernel's weight: ``q`` ``N x K`` integers in 0..31 (GGUF Q5_0/Q5_1/Q5_K's, ``w = s * q + z`` per
+    group of 32), ``s``, ``z`` ``N x K/32``. ``pack_tiles``' tile for the low four bits, then per chunk two 64-bit
+    masks of the fifth bits (layout: ``cpu_kernels.c``). Returns ``N / 16 x K/32 x 384`` bytes."""
+    n, k = q.shape
+    b, g = n // TILE_ROWS, k // GROUP
+    qg = q.reshape(n, g, GROUP).astype(np.uint8)
+    low = qg & 0x0F
+    base = pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, z).numpy()
+    # element 16 h + 4 t + c of a group sits in chunk t, byte 4 r + c (r: the row in its block), nibble h
+    high = (qg >> 4).reshape(b, TILE_ROWS, g, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5).reshape(b, g, 4, 2, 64)
+    masks = np.packbits(high, axis=-1, bitorder="little").reshape(b, g, 64)
+    return torch.from_numpy(np.concatenate([base, masks], axis=-1))
+
+
+def unpack_q5_tiles(tiles: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``pack_q5_tiles``' inverse: (q ``N x K`` uint8 in 0..31, s, z float32 ``N x K/32``)."""
+    t = tiles.numpy()
+    b, g, _ = t.shape
+    nibbles, s, z = unpack_tiles(torch.from_numpy(np.ascontiguousarray(t[..., :TILE_BYTES])))
+    bits = np.unpackbits(t[..., TILE_BYTES:].reshape(b, g, 4, 2, 8), axis=-1, bitorder="little")
+    high = bits.reshape(b, g, 4, 2, TILE_ROWS, 4).transpose(0, 4, 1, 3, 2, 5).reshape(b * TILE_ROWS, g, GROUP)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1) | (high << 4)
+    return q.reshape(b * TILE_ROWS, g * GROUP), s, z
+
+
 def pack_q8_tiles(q: np.ndarray, d: np.ndarray) -> torch.Tensor:
     """The 8-bit kernel's weight: ``q`` ``N x K`` int8 and ``d`` ``N x K/32`` (``w = d * q`` per group of 32, GGUF
     Q8_0's form; ``d`` kept as float16). ``N % 16 == 0``. Returns ``N / 16 x K/32 x 576`` bytes."""
@@ -314,12 +348,15 @@ def q8_matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.
 
 
 def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int,
-           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_tiles`` weight, ``M x N`` bfloat16 or float32 (the same
-    sums, unrounded)."""
+           out_dtype: torch.dtype = torch.bfloat16, five: bool = False) -> torch.Tensor:
+    """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_tiles`` weight (``pack_q5_tiles`` with ``five``),
+    ``M x N`` bfloat16 or float32 (the same sums, unrounded)."""
     kernel = _kernel()
-    fn = kernel.matmul_f32 if out_dtype == torch.float32 else kernel.matmul
-    return _matmul(fn, kernel.scratch_bytes, x, tiles, out_features, out_dtype, "q4")
+    if five:
+        fn = kernel.q5_matmul_f32 if out_dtype == torch.float32 else kernel.q5_matmul
+    else:
+        fn = kernel.matmul_f32 if out_dtype == torch.float32 else kernel.matmul
+    return _matmul(fn, kernel.scratch_bytes, x, tiles, out_features, out_dtype, "q5" if five else "q4")
 
 
 HALF_KINDS = {"BF16": 0, "F16": 1}

@@ -238,9 +238,9 @@ def run_llamacpp(args: argparse.Namespace) -> list[dict[str, Any]]:
             fp = bench_llamacpp.footprint(gguf)
             print(f"llama.cpp: RSS {fp['rss'] / 2**20:.0f} MiB, load {fp['load_s']:.2f} s", flush=True)
         for setting in args.settings:
-            fp = footprint(name, setting)
             d, q = setting.split("+") if setting != "default" else (None, None)
-            lm = load_model(name, dtype=d, quant=q)
+            lm = load_model(name, dtype=d, quant=q)  # first, so that the footprint's load is not a file's first
+            fp = footprint(name, setting)  # (a new GGUF's first load also fingerprints its weights, once)
             wbytes = lm.model.weight_bytes()
             print(f"{name} {fp['setting']}: RSS {fp['rss'] / 2**20:.0f} MiB, load {fp['load_s']:.2f} s, "
                   f"weights read per token {wbytes / 2**20:.0f} MiB", flush=True)
