@@ -25,7 +25,7 @@ from tickloom.engine.model.errors import ModelLoadError
 from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.loaders import DEFAULT_SETTING, default_setting, load_model
 from tickloom.engine.model.quant import GroupedInt8Linear, Int4Linear, RawBlocks, SplitLinear, Weight
-from tickloom.engine.model.quant_grouped import Int5Linear
+from tickloom.engine.model.quant_grouped import WideIntLinear
 from tickloom.engine.model.registry import DEFAULT_MODEL, smollm2_gguf_path
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.events import LogReader, RequestArrived
@@ -128,10 +128,11 @@ def test_a_q4_k_m_file_loads_as_it_is_stored(cache: Path, k_gguf: Path) -> None:
     assert matrices and all(isinstance(w, RawBlocks) for w in matrices.values())  # no float32 copy was made
     assert {w.kind for w in matrices.values() if isinstance(w, RawBlocks)} == {"Q4_K", "Q5_K", "Q6_K"}
     layer = q.model.layers[0]
-    assert isinstance(layer.qkv, SplitLinear)  # q, k in Q4_K as int4; v in Q6_K as grouped int8
-    assert [type(p) for p in layer.qkv.parts] == [Int4Linear, GroupedInt8Linear]
+    wide = WideIntLinear if native.available() else GroupedInt8Linear  # Q5_K and Q6_K: their own bits
+    assert isinstance(layer.qkv, SplitLinear)  # q, k in Q4_K as int4; v in Q6_K as 6-bit (grouped int8 in torch)
+    assert [type(p) for p in layer.qkv.parts] == [Int4Linear, wide]
     assert isinstance(layer.wo, Int4Linear) and isinstance(layer.w13, Int4Linear)
-    assert isinstance(layer.w2, Int5Linear if native.available() else GroupedInt8Linear)  # Q5_K: its five bits
+    assert isinstance(layer.w2, wide)
     assert q.model.embed.blocks is not None and q.model.embed.blocks.kind == "Q6_K"  # rows dequantized per lookup
     # the same file unquantized (float32, dequantized as ggml does) predicts the same way
     f = load_model(k_gguf, dtype="float32", quant="none")

@@ -16,9 +16,9 @@ from tickloom.engine.model import native
 
 AVX2 = {"avx", "avx2", "fma", "f16c", "sse4_2"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16"}
-EXPORTS = ("q4_matmul", "q4_matmul_f32", "q5_matmul", "q5_matmul_f32", "q4_scratch_bytes", "q8_matmul",
-           "q8_scratch_bytes", "paged_decode_attention", "attn_scratch_floats", "add_rms_norm", "add_rms_norm_f32",
-           "rope_and_store", "silu_mul", "half_matmul")
+EXPORTS = ("q4_matmul", "q4_matmul_f32", "q5_matmul", "q5_matmul_f32", "q6_matmul", "q6_matmul_f32",
+           "q4_scratch_bytes", "q8_matmul", "q8_scratch_bytes", "paged_decode_attention", "attn_scratch_floats",
+           "add_rms_norm", "add_rms_norm_f32", "rope_and_store", "silu_mul", "half_matmul")
 
 
 def test_a_cpu_with_avx512_vnni_and_bf16_gets_the_avx512_build() -> None:
@@ -62,7 +62,7 @@ def _cpu_has_avx2() -> bool:
                     or not _cpu_has_avx2() or not native.available(),
                     reason="needs an x86-64 C compiler, AVX2, and tickloom's kernels running")
 def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
-    """Run the AVX2 build beside the one this CPU loaded (on an AVX512 CPU, the other source): the 4- and 5-bit
+    """Run the AVX2 build beside the one this CPU loaded (on an AVX512 CPU, the other source): the 4-, 5- and 6-bit
     matmuls give the same bits (exact integer sums, then the same float operations in the same order); the 16-bit
     one the same sums to float32 rounding (its lanes are reduced in another order)."""
     import numpy as np
@@ -74,20 +74,21 @@ def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
     avx2 = native._Kernel(ctypes.CDLL(str(out)), "avx2")
     rng = np.random.default_rng(0)
     n, k, m = 48, 160, 5
-    q = rng.integers(0, 32, (n, k), dtype=np.uint8)
-    s = (rng.random((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32)
-    z = (-16 * s).astype(np.float32)
     x = torch.randn(m, k).bfloat16()
-    low = (q & 15).reshape(n, -1, 32)
-    for five, tiles in ((False, native.pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, z)),
-                        (True, native.pack_q5_tiles(q, s, z))):
+    for bits in (4, 5, 6):
+        q = rng.integers(0, 2**bits, (n, k), dtype=np.uint8)
+        s = (rng.random((n, k // (16 if bits == 6 else 32))) * 0.02).astype(np.float16).astype(np.float32)
+        z = (-16 * s).astype(np.float32)
+        low = (q & 15).reshape(n, -1, 32)
+        tiles = (native.pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, z) if bits == 4
+                 else native.pack_wide_tiles(q, s, z, bits))
         for rows in (1, 2, m):
             xs = x[:rows].contiguous()
             theirs = torch.empty(rows, n)
-            fn = avx2.q5_matmul_f32 if five else avx2.matmul_f32
+            fn = avx2.matmul_f32 if bits == 4 else avx2.wide[bits, True]
             scratch = torch.empty(avx2.scratch_bytes(rows, k), dtype=torch.uint8)
             assert fn(xs.data_ptr(), tiles.data_ptr(), theirs.data_ptr(), rows, n, k, scratch.data_ptr(), 1) == 0
-            assert torch.equal(native.matmul(xs, tiles, n, torch.float32, five=five), theirs), (five, rows)
+            assert torch.equal(native.matmul(xs, tiles, n, torch.float32, bits=bits), theirs), (bits, rows)
     half = torch.randn(n, k).half()
     bits = half.view(torch.int16).numpy().view(np.uint16)
     xf = torch.randn(m, k)

@@ -16,7 +16,10 @@
    The 5-bit form (GGUF Q5_0, Q5_1, Q5_K: q in 0..31) is the same tile with 64 bytes more, 384 in all:
      bytes 320..383  per chunk t, two 64-bit masks (little-endian): bit i of the first is the fifth bit of the
                      value in byte i's low nibble, of the second that of its high nibble
-   so a chunk's bytes become q with one masked OR each (VPDPBUSD takes unsigned bytes up to 255).
+   so a chunk's bytes become q with one masked OR each (VPDPBUSD takes unsigned bytes up to 255). The 6-bit form
+   (GGUF Q6_K: q in 0..63, a scale per 16) has 512 bytes: s and z at 256 and 288 are the group's first half's
+   (its low nibbles), per chunk four masks at 320 + 32 t (fifth bits low, high; sixth bits low, high), and the
+   second half's s and z at 448 and 480; each half sums apart and gets its own scale and offset.
 
    Why: a decode step multiplies one activation row by every weight once, so it is bound by how fast weights
    become products. Activations are quantized per group of 32 to int8 (x ~ dx * qx), and VPDPBUSD multiplies 64
@@ -62,29 +65,36 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, fl
     }
 }
 
-/* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT, constant after inlining. */
+/* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT and bits (4, 5 or 6) constants after
+   inlining. 6-bit tiles keep the two halves of a group apart: each has its own scale and offset. */
 static inline __attribute__((always_inline)) void block_rows(
-    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, float *yf, int64_t n,
-    int64_t k, int64_t block, int64_t m0, int mt, int five) {
-    const int64_t groups = k / 32, tile_bytes = five ? Q5_TILE_BYTES : TILE_BYTES;
-    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, uint16_t *y,
+    float *yf, int64_t n, int64_t k, int64_t block, int64_t m0, int mt, int bits) {
+    const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
+    const int split = bits == 6, mask_stride = bits == 5 ? 16 : 32;
+    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bit5 = _mm512_set1_epi8(0x20);
     /* VPDPBUSD takes several cycles to finish, so a lone row would wait on its own accumulator: few rows get
-       several independent partial sums (chains), added once per group. */
-    const int chains = mt >= 4 ? 1 : (mt == 1 ? 4 : 2);
+       several independent partial sums (chains), added once per group. Split tiles need an even count: the low
+       nibbles (a group's first half) go to even chains, the high ones to odd chains. */
+    const int chains = mt == 1 ? 4 : (mt >= 4 && !split ? 1 : 2);
     __m512 acc[MT];
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     const uint8_t *tile = w + block * groups * tile_bytes;
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
-        __m512i part[MT];
+        __m512i part[4 * MT];
         for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
         for (int t = 0; t < 4; t++) {
             __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * t));
             __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-            if (five) { /* each byte's fifth bit from its mask: 64 bits for the low nibbles, 64 for the high */
-                uint64_t bits[2];
-                memcpy(bits, tile + TILE_BYTES + 16 * t, 16);
-                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)bits[0], bit4));
-                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)bits[1], bit4));
+            if (bits > 4) { /* each byte's fifth (and sixth) bit from the masks: 64 bits per nibble and bit */
+                uint64_t m[4];
+                memcpy(m, tile + TILE_BYTES + mask_stride * t, (size_t)mask_stride);
+                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)m[0], bit4));
+                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)m[1], bit4));
+                if (bits == 6) {
+                    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)m[2], bit5));
+                    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)m[3], bit5));
+                }
             }
             for (int i = 0; i < mt; i++) {
                 const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
@@ -96,10 +106,24 @@ static inline __attribute__((always_inline)) void block_rows(
         __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
         __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
         for (int i = 0; i < mt; i++) {
-            __m512i sum = part[i * chains];
-            for (int c = 1; c < chains; c++) sum = _mm512_add_epi32(sum, part[i * chains + c]);
             int64_t at = (m0 + i) * groups + g;
             __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[at]));
+            if (split) {
+                __m512i first = part[i * chains], second = part[i * chains + 1];
+                for (int c = 2; c < chains; c += 2) {
+                    first = _mm512_add_epi32(first, part[i * chains + c]);
+                    second = _mm512_add_epi32(second, part[i * chains + c + 1]);
+                }
+                __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 448)));
+                __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 480)));
+                acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(first), acc[i]);
+                acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs16[2 * at]), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s1, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(second), acc[i]);
+                acc[i] = _mm512_fmadd_ps(z1, _mm512_set1_ps(dxs16[2 * at + 1]), acc[i]);
+                continue;
+            }
+            __m512i sum = part[i * chains];
+            for (int c = 1; c < chains; c++) sum = _mm512_add_epi32(sum, part[i * chains + c]);
             acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(sum), acc[i]);
             acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs[at]), acc[i]);
         }
@@ -113,30 +137,32 @@ static inline __attribute__((always_inline)) void block_rows(
 
 /* y (M x N bfloat16, or float32 into yf when that is given) = x (M x K bfloat16) @ w^T. N % 16 == 0, K % 32 ==
    0. `scratch` holds at least q4_scratch_bytes(M, K) bytes. Returns 0, or 1 for shapes it does not take.
-   q4_matmul_f32 serves the projections whose output is added to the float32 residual stream (o and down). */
+   The float32 form serves the projections whose output is added to the float32 residual stream (o and down). */
 
 static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, const int8_t *qx, const float *dx,
-                                                             const float *dxs, uint16_t *y, float *yf,
-                                                             int64_t m_rows, int64_t n, int64_t k, int five,
-                                                             int threads) {
+                                                             const float *dxs, const float *dxs16, uint16_t *y,
+                                                             float *yf, int64_t m_rows, int64_t n, int64_t k,
+                                                             int bits, int threads) {
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, yf, n, k, b, m0, mt, five)
+#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, b, m0, mt, bits)
         FOR_ROW_TILES(m_rows, Q4_ROWS);
 #undef Q4_ROWS
     }
 }
 
 static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
-                        int64_t k, void *scratch, int threads, int five) {
+                        int64_t k, void *scratch, int threads, int bits) {
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + m_rows * k) + 63) & ~(uintptr_t)63);
-    float *dxs = dx + m_rows * (k / 32);
+    float *dxs = dx + m_rows * (k / 32), *dxs16 = dxs + m_rows * (k / 32);
     prepare(x, m_rows, k, qx, dx, dxs);
-    if (five) q4_blocks(w, qx, dx, dxs, y, yf, m_rows, n, k, 1, threads);
-    else q4_blocks(w, qx, dx, dxs, y, yf, m_rows, n, k, 0, threads);
+    if (bits == 6) half_group_sums(qx, dx, m_rows, k, dxs16);
+    if (bits == 6) q4_blocks(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, 6, threads);
+    else if (bits == 5) q4_blocks(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, 5, threads);
+    else q4_blocks(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, 4, threads);
     return 0;
 }
 

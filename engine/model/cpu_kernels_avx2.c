@@ -117,12 +117,12 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, fl
     }
 }
 
-/* A 5-bit tile's mask for one half of a chunk (32 bits, one per byte) as bytes of 0x10 where the bit is set. */
-static inline __m256i fifth_bits(uint32_t m) {
+/* A 5- or 6-bit tile's mask for one half of a chunk (32 bits, one per byte) as bytes of `bit` where it is set. */
+static inline __m256i mask_bytes(uint32_t m, char bit) {
     const __m256i pick = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), pick), bit); /* byte j: m's byte j/8 */
-    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+    const __m256i probe = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), pick), probe); /* byte j: m's byte j/8 */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, probe), _mm256_set1_epi8(bit));
 }
 
 /* Rows [m0, m0 + mt) of the output for halves half0 .. half0 + nhalf - 1 (rows 0-7, 8-15) of row block `block`.
@@ -130,9 +130,10 @@ static inline __m256i fifth_bits(uint32_t m) {
    pass, so that a row's sums fit one register each: sixteen registers would not hold eight rows' of a whole block.
    Either way a lane's arithmetic is the same, so a row's result does not depend on which pass it took. */
 static inline __attribute__((always_inline)) void block_rows(
-    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, uint16_t *y, float *yf, int64_t n,
-    int64_t k, int64_t block, int half0, int nhalf, int64_t m0, int mt, int five) {
-    const int64_t groups = k / 32, tile_bytes = five ? Q5_TILE_BYTES : TILE_BYTES;
+    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, uint16_t *y,
+    float *yf, int64_t n, int64_t k, int64_t block, int half0, int nhalf, int64_t m0, int mt, int bits) {
+    const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
+    const int split = bits == 6, mask_stride = bits == 5 ? 16 : 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[2][MT];
     for (int h = 0; h < nhalf; h++)
@@ -140,26 +141,35 @@ static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *tile = w + block * groups * tile_bytes;
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
         prefetch(tile + 8 * tile_bytes, (int)tile_bytes);
-        /* 16-bit pair sums; 5-bit values' pairs could overflow 16 bits over four chunks, so those widen each chunk
-           (the sums are exact integers either way, as VPDPBUSD's are) */
-        __m256i part[2][MT];
+        /* 4-bit: 16-bit pair sums, widened once a group. 5- and 6-bit values' pairs could overflow 16 bits over
+           four chunks, so those widen each chunk; 6-bit tiles sum a group's halves apart (part, part2). The sums
+           are exact integers either way, as VPDPBUSD's are. */
+        __m256i part[2][MT], part2[2][MT];
         for (int h = 0; h < nhalf; h++)
-            for (int i = 0; i < mt; i++) part[h][i] = _mm256_setzero_si256();
+            for (int i = 0; i < mt; i++) part[h][i] = part2[h][i] = _mm256_setzero_si256();
         for (int t = 0; t < 4; t++) {
-            uint32_t bits[4] = {0, 0, 0, 0}; /* the low nibbles' masks for rows 0-7 and 8-15, then the high ones' */
-            if (five) memcpy(bits, tile + TILE_BYTES + 16 * t, 16);
+            /* per mask: rows 0-7, then 8-15; fifth bits low, high; sixth bits low, high */
+            uint32_t m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (bits > 4) memcpy(m, tile + TILE_BYTES + mask_stride * t, (size_t)mask_stride);
             for (int i = 0; i < mt; i++) {
                 const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
                 __m256i xl = _mm256_set1_epi32(*(const int32_t *)xq), xh = _mm256_set1_epi32(*(const int32_t *)(xq + 16));
                 for (int h = 0; h < nhalf; h++) {
                     __m256i bytes = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * (half0 + h)));
                     __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-                    if (five) {
-                        lo = _mm256_or_si256(lo, fifth_bits(bits[half0 + h]));
-                        hi = _mm256_or_si256(hi, fifth_bits(bits[2 + half0 + h]));
-                        part[h][i] = _mm256_add_epi32(part[h][i], widen(_mm256_add_epi16(pairs(lo, xl), pairs(hi, xh))));
-                    } else {
+                    if (bits == 4) {
                         part[h][i] = _mm256_add_epi16(part[h][i], _mm256_add_epi16(pairs(lo, xl), pairs(hi, xh)));
+                        continue;
+                    }
+                    lo = _mm256_or_si256(lo, mask_bytes(m[half0 + h], 0x10));
+                    hi = _mm256_or_si256(hi, mask_bytes(m[2 + half0 + h], 0x10));
+                    if (split) {
+                        lo = _mm256_or_si256(lo, mask_bytes(m[4 + half0 + h], 0x20));
+                        hi = _mm256_or_si256(hi, mask_bytes(m[6 + half0 + h], 0x20));
+                        part[h][i] = _mm256_add_epi32(part[h][i], widen(pairs(lo, xl)));
+                        part2[h][i] = _mm256_add_epi32(part2[h][i], widen(pairs(hi, xh)));
+                    } else {
+                        part[h][i] = _mm256_add_epi32(part[h][i], widen(_mm256_add_epi16(pairs(lo, xl), pairs(hi, xh))));
                     }
                 }
             }
@@ -170,9 +180,18 @@ static inline __attribute__((always_inline)) void block_rows(
             for (int i = 0; i < mt; i++) {
                 int64_t at = (m0 + i) * groups + g;
                 __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[at]));
-                __m256i sum = five ? part[h][i] : widen(part[h][i]);
+                __m256i sum = bits == 4 ? widen(part[h][i]) : part[h][i];
                 acc[h][i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(sum), acc[h][i]);
-                acc[h][i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc[h][i]);
+                if (split) {
+                    __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 448 + 16 * (half0 + h))));
+                    __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 480 + 16 * (half0 + h))));
+                    acc[h][i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs16[2 * at]), acc[h][i]);
+                    acc[h][i] = _mm256_fmadd_ps(_mm256_mul_ps(s1, _mm256_set1_ps(dx[at])),
+                                                _mm256_cvtepi32_ps(part2[h][i]), acc[h][i]);
+                    acc[h][i] = _mm256_fmadd_ps(z1, _mm256_set1_ps(dxs16[2 * at + 1]), acc[h][i]);
+                } else {
+                    acc[h][i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc[h][i]);
+                }
             }
         }
     }
@@ -185,35 +204,37 @@ static inline __attribute__((always_inline)) void block_rows(
 }
 
 static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, const int8_t *qx, const float *dx,
-                                                             const float *dxs, uint16_t *y, float *yf,
-                                                             int64_t m_rows, int64_t n, int64_t k, int five,
-                                                             int threads) {
+                                                             const float *dxs, const float *dxs16, uint16_t *y,
+                                                             float *yf, int64_t m_rows, int64_t n, int64_t k,
+                                                             int bits, int threads) {
     const int64_t blocks = n / 16;
     if (m_rows <= 2) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t b = 0; b < blocks; b++) {
-            if (m_rows == 1) block_rows(w, qx, dx, dxs, y, yf, n, k, b, 0, 2, 0, 1, five);
-            else block_rows(w, qx, dx, dxs, y, yf, n, k, b, 0, 2, 0, 2, five);
+            if (m_rows == 1) block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, b, 0, 2, 0, 1, bits);
+            else block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, b, 0, 2, 0, 2, bits);
         }
         return;
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t bh = 0; bh < 2 * blocks; bh++) {
-#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, y, yf, n, k, bh / 2, (int)(bh % 2), 1, m0, mt, five)
+#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, bh / 2, (int)(bh % 2), 1, m0, mt, bits)
         FOR_ROW_TILES(m_rows, Q4_ROWS);
 #undef Q4_ROWS
     }
 }
 
 static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
-                        int64_t k, void *scratch, int threads, int five) {
+                        int64_t k, void *scratch, int threads, int bits) {
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + m_rows * k) + 63) & ~(uintptr_t)63);
-    float *dxs = dx + m_rows * (k / 32);
+    float *dxs = dx + m_rows * (k / 32), *dxs16 = dxs + m_rows * (k / 32);
     prepare(x, m_rows, k, qx, dx, dxs);
-    if (five) q4_blocks(w, qx, dx, dxs, y, yf, m_rows, n, k, 1, threads);
-    else q4_blocks(w, qx, dx, dxs, y, yf, m_rows, n, k, 0, threads);
+    if (bits == 6) half_group_sums(qx, dx, m_rows, k, dxs16);
+    if (bits == 6) q4_blocks(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, 6, threads);
+    else if (bits == 5) q4_blocks(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, 5, threads);
+    else q4_blocks(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, 4, threads);
     return 0;
 }
 

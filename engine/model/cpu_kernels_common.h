@@ -11,6 +11,8 @@
 
 #define TILE_BYTES 320
 #define Q5_TILE_BYTES 384 /* a 4-bit tile and the fifth bits' masks */
+#define Q6_TILE_BYTES 512 /* and the sixth bits', and a second scale and offset */
+#define TILE_BYTES_OF(bits) ((bits) == 4 ? TILE_BYTES : (bits) == 5 ? Q5_TILE_BYTES : Q6_TILE_BYTES)
 #define MT 8 /* activation rows per pass over a row block's weights */
 
 /* ROWS(mt) for each tile of MT activation rows, then once for the 1..7 left, mt a constant in every call so that
@@ -64,33 +66,40 @@ static void prepare_two_pass(const uint16_t *x, int64_t m_rows, int64_t k, int8_
     }
 }
 
-/* Each build defines q4_matmul_to, its int4 matmul (or 5-bit, `five`: Q5_TILE_BYTES tiles): bfloat16 out into
-   y, or float32 into yf when that is given. The exports wrap it: the float32 form serves the projections added to
-   the float32 residual stream. */
+/* dxs16[m, 2 g + h] = dx[m, g] * the sum of qx over half h (16 values) of group g: the 6-bit tiles' offsets
+   apply per half group. */
+static void half_group_sums(const int8_t *qx, const float *dx, int64_t m_rows, int64_t k, float *dxs16) {
+    const int64_t groups = k / 32;
+    for (int64_t m = 0; m < m_rows; m++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int h = 0; h < 2; h++) {
+                int32_t sum = 0;
+                for (int j = 0; j < 16; j++) sum += qx[m * k + 32 * g + 16 * h + j];
+                dxs16[(m * groups + g) * 2 + h] = dx[m * groups + g] * (float)sum;
+            }
+}
+
+/* Each build defines q4_matmul_to, its matmul of 4-, 5- or 6-bit tiles (`bits`; TILE_BYTES_OF): bfloat16 out
+   into y, or float32 into yf when that is given. The exports wrap it: the float32 forms serve the projections
+   added to the float32 residual stream. */
 static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
-                        int64_t k, void *scratch, int threads, int five);
+                        int64_t k, void *scratch, int threads, int bits);
 
-int q4_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
-              void *scratch, int threads) {
-    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads, 0);
-}
+#define MATMUL_EXPORTS(name, bits)                                                                                 \
+    int name(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,             \
+             void *scratch, int threads) {                                                                         \
+        return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads, bits);                                  \
+    }                                                                                                              \
+    int name##_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,          \
+                   void *scratch, int threads) {                                                                   \
+        return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads, bits);                                  \
+    }
+MATMUL_EXPORTS(q4_matmul, 4)
+MATMUL_EXPORTS(q5_matmul, 5)
+MATMUL_EXPORTS(q6_matmul, 6)
+#undef MATMUL_EXPORTS
 
-int q4_matmul_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,
-                  void *scratch, int threads) {
-    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads, 0);
-}
-
-int q5_matmul(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,
-              void *scratch, int threads) {
-    return q4_matmul_to(x, w, y, NULL, m_rows, n, k, scratch, threads, 1);
-}
-
-int q5_matmul_f32(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int64_t n, int64_t k,
-                  void *scratch, int threads) {
-    return q4_matmul_to(x, w, NULL, y, m_rows, n, k, scratch, threads, 1);
-}
-
-int64_t q4_scratch_bytes(int64_t m_rows, int64_t k) { return m_rows * k + 2 * m_rows * (k / 32) * 4 + 64; }
+int64_t q4_scratch_bytes(int64_t m_rows, int64_t k) { return m_rows * k + 4 * m_rows * (k / 32) * 4 + 64; }
 int64_t q8_scratch_bytes(int64_t m_rows, int64_t k) { return 2 * m_rows * k + 2 * m_rows * (k / 32) * 4 + 64; }
 int64_t attn_scratch_floats(int64_t rows, int64_t kv_heads, int64_t groups, int64_t max_len, int64_t head_dim) {
     return rows * kv_heads * groups * (max_len + 16 + head_dim);

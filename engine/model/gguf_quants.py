@@ -51,7 +51,8 @@ GGML_TYPE_NAMES: dict[int, str] = {
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 """The types whose weights are 4-bit integers in groups of 32 (``int4_fields``)."""
 INT5_KINDS = ("Q5_0", "Q5_1", "Q5_K")
-"""The 5-bit types (``quant_grouped.Int5Linear``)."""
+WIDE_KINDS = (*INT5_KINDS, "Q6_K")
+"""The 5- and 6-bit types (``quant_grouped.WideIntLinear``)."""
 INT_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 """The integer types (``int8_fields``)."""
 FLOAT_KINDS = ("F32", "F16", "BF16")

@@ -2,7 +2,8 @@
 the system C compiler at first use, cached, and called through ctypes (which lets go of the GIL for the call).
 
 - ``matmul``: 4-bit weights times bfloat16 activations (``Int4Linear``'s fast path).
-- ``matmul(..., five=True)``: the same for 5-bit weights (GGUF Q5_0, Q5_1, Q5_K), a bit plane beside the nibbles.
+- ``matmul(..., bits=5 or 6)``: the same for 5- and 6-bit weights (GGUF Q5_0, Q5_1, Q5_K; Q6_K), bit planes
+  beside the nibbles.
 - ``q8_matmul``: 8-bit weights (GGUF Q8_0's form) times bfloat16 activations, float32 out (the LM head).
 - ``half_matmul``: 16-bit float weights (GGUF F16 and BF16, read in place) times float32 activations.
 - ``decode_attention``: decode rows' attention, reading K and V in place from the paged cache.
@@ -56,7 +57,7 @@ from tickloom.engine.model.registry import cache_dir
 
 TILE_ROWS = 16
 TILE_BYTES = 320
-Q5_TILE_BYTES = 384
+WIDE_TILE_BYTES = {5: 384, 6: 512}
 Q8_TILE_BYTES = 576
 GROUP = 32
 _HERE = Path(__file__).parent
@@ -94,12 +95,12 @@ class _Kernel:
         self.matmul_f32 = lib.q4_matmul_f32
         self.matmul_f32.argtypes = self.matmul.argtypes
         self.matmul_f32.restype = ctypes.c_int
-        self.q5_matmul = lib.q5_matmul
-        self.q5_matmul.argtypes = self.matmul.argtypes
-        self.q5_matmul.restype = ctypes.c_int
-        self.q5_matmul_f32 = lib.q5_matmul_f32
-        self.q5_matmul_f32.argtypes = self.matmul.argtypes
-        self.q5_matmul_f32.restype = ctypes.c_int
+        self.wide: dict[tuple[int, bool], Any] = {}  # (bits, float32 out) -> the 5- and 6-bit exports
+        for bits in (5, 6):
+            for f32 in (False, True):
+                fn = getattr(lib, f"q{bits}_matmul{'_f32' if f32 else ''}")
+                fn.argtypes, fn.restype = self.matmul.argtypes, ctypes.c_int
+                self.wide[bits, f32] = fn
         self.q8_matmul = lib.q8_matmul
         self.q8_matmul.argtypes = self.matmul.argtypes
         self.q8_matmul.restype = ctypes.c_int
@@ -223,29 +224,51 @@ def pack_tiles(nibbles: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tenso
     return torch.from_numpy(out)
 
 
-def pack_q5_tiles(q: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tensor:
-    """The 5-bit kernel's weight: ``q`` ``N x K`` integers in 0..31 (GGUF Q5_0/Q5_1/Q5_K's, ``w = s * q + z`` per
-    group of 32), ``s``, ``z`` ``N x K/32``. ``pack_tiles``' tile for the low four bits, then per chunk two 64-bit
-    masks of the fifth bits (layout: ``cpu_kernels.c``). Returns ``N / 16 x K/32 x 384`` bytes."""
+def pack_wide_tiles(q: np.ndarray, s: np.ndarray, z: np.ndarray, bits: int) -> torch.Tensor:
+    """The 5- and 6-bit kernels' weight: ``q`` ``N x K`` integers below ``2 ** bits``; ``w = s * q + z`` per group
+    of 32 (5 bits: GGUF Q5_0/Q5_1/Q5_K; ``s``, ``z`` ``N x K/32``) or of 16 (6 bits: Q6_K; ``N x K/16``).
+    ``pack_tiles``' tile for the low four bits (and a group's first half's scale), then per chunk the masks of the
+    higher bits (and the second half's scale; layout: ``cpu_kernels.c``). Returns ``N / 16 x K/32 x 384`` (or
+    ``512``) bytes."""
     n, k = q.shape
     b, g = n // TILE_ROWS, k // GROUP
+    if bits not in (5, 6) or s.shape != (n, k // (GROUP if bits == 5 else 16)) or z.shape != s.shape:
+        raise ValueError(f"wide tiles: bits {bits}, q {q.shape}, s {s.shape}, z {z.shape}")
     qg = q.reshape(n, g, GROUP).astype(np.uint8)
     low = qg & 0x0F
-    base = pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, z).numpy()
+    first = (slice(None), slice(None, None, 2)) if bits == 6 else (slice(None), slice(None))
+    base = pack_tiles(low[..., :16] | (low[..., 16:] << 4), s[first], z[first]).numpy()
     # element 16 h + 4 t + c of a group sits in chunk t, byte 4 r + c (r: the row in its block), nibble h
-    high = (qg >> 4).reshape(b, TILE_ROWS, g, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5).reshape(b, g, 4, 2, 64)
-    masks = np.packbits(high, axis=-1, bitorder="little").reshape(b, g, 64)
-    return torch.from_numpy(np.concatenate([base, masks], axis=-1))
+    planes = [((qg >> bit) & 1).reshape(b, TILE_ROWS, g, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5)
+              for bit in range(4, bits)]  # each b, g, t, h, r, c
+    masks = np.packbits(np.stack(planes, axis=3).reshape(b, g, 4, 2 * len(planes), 64), axis=-1,
+                        bitorder="little").reshape(b, g, 4 * 16 * len(planes))
+    parts = [base, masks]
+    if bits == 6:
+        second = pack_tiles(np.zeros((n, g, 16), np.uint8), s[:, 1::2], z[:, 1::2]).numpy()
+        parts.append(second[..., 256:])
+    return torch.from_numpy(np.concatenate(parts, axis=-1))
 
 
-def unpack_q5_tiles(tiles: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``pack_q5_tiles``' inverse: (q ``N x K`` uint8 in 0..31, s, z float32 ``N x K/32``)."""
+def unpack_wide_tiles(tiles: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``pack_wide_tiles``' inverse: (q ``N x K`` uint8, s, z float32)."""
     t = tiles.numpy()
     b, g, _ = t.shape
     nibbles, s, z = unpack_tiles(torch.from_numpy(np.ascontiguousarray(t[..., :TILE_BYTES])))
-    bits = np.unpackbits(t[..., TILE_BYTES:].reshape(b, g, 4, 2, 8), axis=-1, bitorder="little")
-    high = bits.reshape(b, g, 4, 2, TILE_ROWS, 4).transpose(0, 4, 1, 3, 2, 5).reshape(b * TILE_ROWS, g, GROUP)
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1) | (high << 4)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    n_planes = bits - 4
+    mask_end = TILE_BYTES + 64 * n_planes
+    bits_ = np.unpackbits(t[..., TILE_BYTES:mask_end].reshape(b, g, 4, 2 * n_planes, 8), axis=-1,
+                          bitorder="little").reshape(b, g, 4, n_planes, 2, TILE_ROWS, 4)
+    for p in range(n_planes):
+        plane = bits_[:, :, :, p].transpose(0, 4, 1, 3, 2, 5).reshape(b * TILE_ROWS, g, GROUP)
+        q |= plane << (4 + p)
+    if bits == 6:
+        tail = np.zeros((b, g, TILE_BYTES), np.uint8)
+        tail[..., 256:] = t[..., mask_end:]
+        _, s1, z1 = unpack_tiles(torch.from_numpy(tail))
+        s = np.stack([s, s1], axis=-1).reshape(b * TILE_ROWS, 2 * g)
+        z = np.stack([z, z1], axis=-1).reshape(b * TILE_ROWS, 2 * g)
     return q.reshape(b * TILE_ROWS, g * GROUP), s, z
 
 
@@ -348,15 +371,13 @@ def q8_matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.
 
 
 def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int,
-           out_dtype: torch.dtype = torch.bfloat16, five: bool = False) -> torch.Tensor:
-    """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_tiles`` weight (``pack_q5_tiles`` with ``five``),
-    ``M x N`` bfloat16 or float32 (the same sums, unrounded)."""
+           out_dtype: torch.dtype = torch.bfloat16, bits: int = 4) -> torch.Tensor:
+    """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_tiles`` weight (``pack_wide_tiles`` for ``bits`` 5 or
+    6), ``M x N`` bfloat16 or float32 (the same sums, unrounded)."""
     kernel = _kernel()
-    if five:
-        fn = kernel.q5_matmul_f32 if out_dtype == torch.float32 else kernel.q5_matmul
-    else:
-        fn = kernel.matmul_f32 if out_dtype == torch.float32 else kernel.matmul
-    return _matmul(fn, kernel.scratch_bytes, x, tiles, out_features, out_dtype, "q5" if five else "q4")
+    f32 = out_dtype == torch.float32
+    fn = (kernel.matmul_f32 if f32 else kernel.matmul) if bits == 4 else kernel.wide[bits, f32]
+    return _matmul(fn, kernel.scratch_bytes, x, tiles, out_features, out_dtype, f"q{bits}")
 
 
 HALF_KINDS = {"BF16": 0, "F16": 1}

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tickloom.engine.model import gguf_quants, int4pack, native
-from tickloom.engine.model.quant_grouped import GroupedInt8Linear, HalfLinear, Int5Linear, SplitLinear
+from tickloom.engine.model.quant_grouped import GroupedInt8Linear, HalfLinear, SplitLinear, WideIntLinear
 
 QUANT_SETTINGS: dict[str, tuple[int, int]] = {
     "none": (0, 0),
@@ -288,14 +288,15 @@ Weight = torch.Tensor | RawBlocks
 
 def _block_form(kind: str, quant: str, rows: int) -> str:
     """How a GGUF tensor of ``kind`` becomes a layer under ``quant`` (not "none"): "int4" (``Int4Linear``, the
-    file's 4-bit integers as they are), "int5" (``Int5Linear``, the 5-bit ones, where the kernels run), "grouped"
+    file's 4-bit integers as they are), "int5"/"int6" (``WideIntLinear``, the 5- and 6-bit ones, where the kernels
+    run), "grouped"
     (``GroupedInt8Linear``, as they are), "rows" (``Int8Linear``, one scale per row: Q8_0 under int8, as before),
     or "float" (dequantized, then quantized as a float weight)."""
     bits = QUANT_SETTINGS[quant][0]
     if kind in gguf_quants.INT4_KINDS and bits == 4 and rows % 16 == 0:
         return "int4"
-    if kind in gguf_quants.INT5_KINDS and bits == 4 and rows % 16 == 0 and native.available():
-        return "int5"
+    if kind in gguf_quants.WIDE_KINDS and bits == 4 and rows % 16 == 0 and native.available():
+        return "int6" if kind == "Q6_K" else "int5"
     if kind == "Q8_0" and bits == 8:
         return "rows"
     if kind in gguf_quants.FLOAT_KINDS or (bits == 8 and kind in ("Q4_0", "Q4_1")):
@@ -310,8 +311,8 @@ def _blocks_linear(run: list[RawBlocks], form: str, bias: torch.Tensor | None, q
         fields = [gguf_quants.int4_fields(w.kind, w.data) for w in run]
         nibbles, s, z = (np.concatenate([f[i] for f in fields]) for i in range(3))
         return Int4Linear(nibbles, s, z, 32, bias, act)
-    if form == "int5":
-        return Int5Linear.from_gguf([(w.kind, w.data) for w in run], bias, act)
+    if form in ("int5", "int6"):
+        return WideIntLinear.from_gguf([(w.kind, w.data) for w in run], bias, act)
     if form == "grouped":
         parts = [gguf_quants.int8_fields(w.kind, w.data) for w in run]
         group = min(p[3] for p in parts)  # 32-groups split into 16s where a Q6_K part has them: the same weights

@@ -1,8 +1,8 @@
-"""Layers for GGUF tensors that no one packed int4 or per-row int8 form holds exactly: ``Int5Linear`` (Q5_0, Q5_1
-and Q5_K's five bits, on tickloom's kernels), ``GroupedInt8Linear`` (a scale per group of 16 or 32: GGUF's 5-, 6-
-and 8-bit types as the file has them, where no narrower form runs), ``HalfLinear`` (F16 and BF16 as the file has
-them, for a float32 model) and ``SplitLinear`` (a fused projection whose parts have different forms).
-``quant.quantize_linear`` and ``quant.join_linear`` choose them.
+"""Layers for GGUF tensors that no one packed int4 or per-row int8 form holds exactly: ``WideIntLinear`` (Q5_0,
+Q5_1, Q5_K and Q6_K's five and six bits, on tickloom's kernels), ``GroupedInt8Linear`` (a scale per group of 16
+or 32: GGUF's 5-, 6- and 8-bit types as the file has them, where no narrower form runs), ``HalfLinear`` (F16 and
+BF16 as the file has them, for a float32 model) and ``SplitLinear`` (a fused projection whose parts have different
+forms). ``quant.quantize_linear`` and ``quant.join_linear`` choose them.
 """
 
 from __future__ import annotations
@@ -138,46 +138,51 @@ def _q8_tiles_rows(tiles: torch.Tensor, n: int) -> torch.Tensor:
     return torch.from_numpy(q.astype(np.float32))
 
 
-class Int5Linear:
-    """GGUF's 5-bit types as the file has them: ``w = s * q + z`` per group of 32 with ``q`` in 0..31 (Q5_0: ``z =
-    -16 s``; Q5_1: ``s = d, z = m``; Q5_K: ``s = d sc, z = -dmin m``), ``s`` and ``z`` kept as float16 (exact for
-    Q5_0 and Q5_1; Q5_K's products rounded once, as Q4_K's are in ``Int4Linear``). 0.75 bytes a weight, against 1.125
-    for the grouped int8 form these types took before, which at batch 1 is the time a step takes. Only where
-    tickloom's kernels run (``native.matmul(five=True)``); elsewhere ``GroupedInt8Linear`` holds the same values."""
+class WideIntLinear:
+    """GGUF's 5- and 6-bit types as the file has them, on tickloom's kernels (``native.matmul(bits=...)``):
+    ``w = s * q + z`` with ``q`` in 0..31 per group of 32 (Q5_0: ``z = -16 s``; Q5_1: ``s = d, z = m``; Q5_K:
+    ``s = d sc, z = -dmin m``) or in 0..63 per group of 16 (Q6_K: ``s = d sc, z = -32 s``). ``s`` and ``z`` are kept
+    as float16: exact for Q5_0 and Q5_1, whose d and m are float16; the K-quants' products are rounded once, as
+    Q4_K's are in ``Int4Linear``. 0.75 and 1.0 bytes a weight, against 1.125 for the grouped int8 form these types
+    took before (torch's float32 path for Q6_K's groups of 16), which at batch 1 is the time a step takes. Elsewhere
+    ``GroupedInt8Linear`` holds the same values."""
 
-    __slots__ = ("act", "bias", "in_features", "out_features", "tiles")
+    __slots__ = ("act", "bias", "bits", "in_features", "out_features", "tiles")
 
-    def __init__(self, q: np.ndarray, s: np.ndarray, z: np.ndarray, bias: torch.Tensor | None,
+    def __init__(self, q: np.ndarray, s: np.ndarray, z: np.ndarray, bits: int, bias: torch.Tensor | None,
                  act: torch.dtype) -> None:
-        """``q``: ``N x K`` integers in 0..31; ``s``, ``z``: ``N x K/32`` float32."""
+        """``q``: ``N x K`` integers below ``2 ** bits``; ``s``, ``z``: ``N x K/32`` (5 bits) or ``N x K/16`` (6)."""
         n, k = q.shape
-        if n % native.TILE_ROWS or k % native.GROUP or s.shape != (n, k // native.GROUP) or z.shape != s.shape:
-            raise ValueError(f"int5: bad shapes q {q.shape}, s {s.shape}, z {z.shape} (rows in 16s, groups of 32)")
+        if n % native.TILE_ROWS or k % native.GROUP:
+            raise ValueError(f"int{bits}: q {q.shape} must have rows in 16s and groups of 32")
         if act != torch.bfloat16:
-            raise ValueError(f"the 5-bit kernel takes bfloat16 activations, not {act}")
-        self.out_features, self.in_features, self.act = n, k, act
+            raise ValueError(f"the {bits}-bit kernel takes bfloat16 activations, not {act}")
+        self.out_features, self.in_features, self.bits, self.act = n, k, bits, act
         self.bias = None if bias is None else bias.to(act)
-        self.tiles = native.pack_q5_tiles(q, s, z)
+        self.tiles = native.pack_wide_tiles(q, s, z, bits)
 
     @classmethod
     def from_gguf(cls, parts: list[tuple[str, np.ndarray]], bias: torch.Tensor | None, act: torch.dtype
-                  ) -> Int5Linear:
-        """GGUF tensors ``(kind, raw bytes N x row bytes)`` of 5-bit types, stacked along the output axis."""
+                  ) -> WideIntLinear:
+        """GGUF tensors ``(kind, raw bytes N x row bytes)``, all 5-bit types or all Q6_K, stacked along the output
+        axis."""
+        six = parts[0][0] == "Q6_K"
         qs, ss, zs = [], [], []
         for kind, data in parts:
-            if kind not in gguf_quants.INT5_KINDS:
-                raise ValueError(f"{kind} is not a 5-bit GGUF type")
+            if (kind == "Q6_K") != six or (kind not in gguf_quants.INT5_KINDS and kind != "Q6_K"):
+                raise ValueError(f"{kind} does not join {parts[0][0]} in a 5- or 6-bit layer")
             q, s, z, _ = gguf_quants.int8_fields(kind, data)
-            if z is None:  # Q5_0 stores q - 16
-                q, z = q + np.int8(16), -16.0 * s
+            if z is None:  # Q5_0 stores q - 16, Q6_K q - 32
+                offset = 32 if six else 16
+                q, z = q.astype(np.int16) + offset, -float(offset) * s
             qs.append(q.astype(np.uint8))
             ss.append(s)
             zs.append(z)
-        return cls(np.concatenate(qs), np.concatenate(ss), np.concatenate(zs), bias, act)
+        return cls(np.concatenate(qs), np.concatenate(ss), np.concatenate(zs), 6 if six else 5, bias, act)
 
     def _mm(self, x: torch.Tensor, out: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.act).contiguous()
-        y = native.matmul(x2, self.tiles, self.out_features, out, five=True)
+        y = native.matmul(x2, self.tiles, self.out_features, out, bits=self.bits)
         if self.bias is not None:
             y = y + self.bias.to(out)
         return y.view(*x.shape[:-1], self.out_features)
@@ -190,9 +195,10 @@ class Int5Linear:
         return self._mm(x, torch.float32)
 
     def dequantize(self) -> torch.Tensor:
-        q, s, z = native.unpack_q5_tiles(self.tiles)
+        q, s, z = native.unpack_wide_tiles(self.tiles, self.bits)
         n, k = q.shape
-        w = q.reshape(n, -1, native.GROUP).astype(np.float32) * s[..., None] + z[..., None]
+        group = k // s.shape[1]
+        w = q.reshape(n, -1, group).astype(np.float32) * s[..., None] + z[..., None]
         return torch.from_numpy(w.reshape(n, k))
 
     def nbytes(self) -> int:

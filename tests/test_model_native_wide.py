@@ -1,0 +1,148 @@
+"""The 5- and 6-bit kernels (GGUF Q5_0, Q5_1, Q5_K and Q6_K as the file has them: ``native.pack_wide_tiles``,
+``matmul(bits=...)``, ``WideIntLinear``): their tiles hold every value, their sums are exact integer sums of the
+weights' values times the int8 activations (with a scale and offset per 32, or per 16 for 6 bits), a row's result
+does not depend on its batch, and the layer is chosen for those types only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_model_gguf_types import k_blocks
+
+from tickloom.engine.model import gguf_quants, native
+from tickloom.engine.model.quant import GroupedInt8Linear, Int4Linear, RawBlocks, join_linear, quantize_linear
+from tickloom.engine.model.quant_grouped import SplitLinear, WideIntLinear
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+
+
+def _weights(n: int, k: int, seed: int, bits: int = 5) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random values below ``2 ** bits``, float16-exact s and z (``w = s q + z`` per 32, or per 16 for 6 bits)."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 2**bits, (n, k), dtype=np.uint8)
+    group = 32 if bits == 5 else 16
+    s = (rng.random((n, k // group)) * 0.02 + 0.001).astype(np.float16).astype(np.float32)
+    z = (-(2 ** (bits - 1)) * s + rng.normal(0, 0.01, s.shape)).astype(np.float16).astype(np.float32)
+    return q, s, z
+
+
+def _reference(x: torch.Tensor, q: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tensor:
+    """The kernel's arithmetic: activations rounded to int8 per group of 32 as the kernel rounds them (float32
+    ``x * (127 / max|x|)`` to nearest even, step ``max|x| / 127``), then ``dx * (s * sum q qx + z * sum qx)`` per
+    group in float64."""
+    group = q.shape[1] // s.shape[1]
+    xf = x.float().reshape(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    qx = torch.round(xf * inv).double()
+    dx = (amax / 127.0).double().repeat_interleave(32 // group, dim=1)  # per group of the weights
+    qx = qx.reshape(x.shape[0], -1, group)
+    qg = torch.from_numpy(q.astype(np.float64)).reshape(q.shape[0], -1, group)
+    dots = torch.einsum("mgk,ngk->mng", qx, qg)
+    sums = qx.sum(-1)[:, None, :]
+    return (dx.squeeze(-1)[:, None, :] * (torch.from_numpy(s).double() * dots + torch.from_numpy(z).double() * sums)
+            ).sum(-1)
+
+
+def _activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """bfloat16 rows whose int8 rounding is exact (integers / 128, each group's largest 127 / 128): no value sits
+    near a rounding tie, where float32's last bit decides, so the reference can be exact."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (m, k // 32, 32), generator=g)
+    q[..., 0] = 127
+    return (q.float() / 128).reshape(m, k).bfloat16()
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+def test_wide_tiles_hold_every_value(bits: int) -> None:
+    q, s, z = _weights(48, 96, seed=1, bits=bits)
+    tiles = native.pack_wide_tiles(q, s, z, bits)
+    assert tiles.shape == (3, 3, native.WIDE_TILE_BYTES[bits])
+    back = native.unpack_wide_tiles(tiles, bits)
+    assert np.array_equal(back[0], q) and np.array_equal(back[1], s) and np.array_equal(back[2], z)
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17])
+def test_wide_matmul_is_the_exact_integer_sum_at_every_row_tile(m: int, bits: int) -> None:
+    """Every value (each high bit included, in both nibbles of a byte) counts, and each half group of a 6-bit tile
+    gets its own scale and offset; one or two rows a pass, eight, and the rest, each their own code path."""
+    q, s, z = _weights(64, 160, seed=m, bits=bits)
+    x = _activations(m, 160, seed=m)
+    top = 2**bits - 1
+    for values in (q, np.where(q >= 16, q, top).astype(np.uint8)):  # wrong high bits would show in the second
+        y = native.matmul(x, native.pack_wide_tiles(values, s, z, bits), 64, torch.float32, bits=bits)
+        ref = _reference(x, values, s, z)
+        torch.testing.assert_close(y.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+def test_wide_rows_do_not_depend_on_their_batch_or_the_threads_and_bf16_rounds_the_float32_sums(bits: int) -> None:
+    q, s, z = _weights(128, 256, seed=4, bits=bits)
+    tiles = native.pack_wide_tiles(q, s, z, bits)
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    whole = native.matmul(x, tiles, 128, torch.float32, bits=bits)
+    for i in range(11):
+        assert torch.equal(native.matmul(x[i : i + 1].contiguous(), tiles, 128, torch.float32, bits=bits),
+                           whole[i : i + 1])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(native.matmul(x, tiles, 128, torch.float32, bits=bits), whole)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(native.matmul(x, tiles, 128, bits=bits), whole.bfloat16())
+
+
+def _gguf_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    import gguf
+
+    if kind in ("Q5_K", "Q6_K"):
+        return k_blocks(kind, n, k, seed)
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return np.ascontiguousarray(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))).view(
+        np.uint8).reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_5_and_6_bit_gguf_types_become_wide_layers_with_the_files_values(kind: str) -> None:
+    """Under the default ("int4": the file's integers as they are) a 5- or 6-bit type keeps its bits: the layer's
+    weight is the file's, up to s and z rounded to float16 (exact for Q5_0 and Q5_1, whose d and m are float16)."""
+    data = _gguf_blocks(kind, 48, 512, seed=7)
+    lin = quantize_linear(RawBlocks(kind, data, (48, 512)), None, "int4", torch.bfloat16)
+    bits = 6 if kind == "Q6_K" else 5
+    assert isinstance(lin, WideIntLinear) and lin.bits == bits
+    assert lin.nbytes() == 48 * 512 * native.WIDE_TILE_BYTES[bits] // 512
+    want = torch.from_numpy(gguf_quants.dequantize(kind, data))
+    got = lin.dequantize()
+    if kind in ("Q5_K", "Q6_K"):  # d * sc (and dmin * m) rounded to float16, as the int4 path does for Q4_K
+        torch.testing.assert_close(got, want, atol=2e-3 * float(want.abs().max()), rtol=0)
+    else:
+        assert torch.equal(got, want)
+    x = torch.randn(3, 512).bfloat16()
+    assert torch.equal(lin.forward_f32(x).bfloat16(), lin(x))
+    # the int8 setting keeps its grouped int8 form
+    assert isinstance(quantize_linear(RawBlocks(kind, data, (48, 512)), None, "int8", torch.bfloat16),
+                      GroupedInt8Linear)
+
+
+def test_a_k_m_projection_joins_its_5_bit_parts_and_keeps_the_rest_apart() -> None:
+    """Q5_K q and k join into one 5-bit layer; a Q6_K v beside them is a 6-bit layer; a Q4_K part stays int4."""
+    q, k, v = _gguf_blocks("Q5_K", 32, 512, 1), _gguf_blocks("Q5_K", 16, 512, 2), _gguf_blocks("Q5_K", 16, 512, 3)
+    joined = join_linear([RawBlocks("Q5_K", q, (32, 512)), RawBlocks("Q5_K", k, (16, 512))], None, "int4",
+                         torch.bfloat16)
+    assert isinstance(joined, WideIntLinear) and joined.out_features == 48 and joined.bits == 5
+    six = k_blocks("Q6_K", 16, 512, 4)
+    four = k_blocks("Q4_K", 16, 512, 5)
+    split = join_linear([RawBlocks("Q5_K", q, (32, 512)), RawBlocks("Q6_K", six, (16, 512)),
+                         RawBlocks("Q4_K", four, (16, 512)), RawBlocks("Q5_K", v, (16, 512))], None, "int4",
+                        torch.bfloat16)
+    assert isinstance(split, SplitLinear)
+    assert [type(p) for p in split.parts] == [WideIntLinear, WideIntLinear, Int4Linear, WideIntLinear]
+    assert [getattr(p, "bits", 4) for p in split.parts] == [5, 6, 4, 5]
+    x = torch.randn(2, 512).bfloat16()
+    want = torch.cat([torch.from_numpy(gguf_quants.dequantize(kind, d)) for kind, d in
+                      (("Q5_K", q), ("Q6_K", six), ("Q4_K", four), ("Q5_K", v))])
+    ref = x.float() @ want.t()
+    torch.testing.assert_close(split(x).float(), ref, atol=3e-2 * float(ref.abs().max()), rtol=2e-2)
