@@ -17,21 +17,26 @@ from tickloom.engine.model.quant_grouped import SplitLinear, WideIntLinear
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
 
-def _weights(n: int, k: int, seed: int, bits: int = 5) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Random values below ``2 ** bits``, float16-exact s and z (``w = s q + z`` per 32, or per 16 for 6 bits)."""
+def _weights(n: int, k: int, seed: int, bits: int = 5) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Random values below ``2 ** bits``, float16-exact scales: ``w = s q + z`` per 32 (5 bits), or ``w = s (q -
+    32)`` per 16 (6 bits: z None, as Q6_K)."""
     rng = np.random.default_rng(seed)
     q = rng.integers(0, 2**bits, (n, k), dtype=np.uint8)
     group = 32 if bits == 5 else 16
     s = (rng.random((n, k // group)) * 0.02 + 0.001).astype(np.float16).astype(np.float32)
-    z = (-(2 ** (bits - 1)) * s + rng.normal(0, 0.01, s.shape)).astype(np.float16).astype(np.float32)
+    if bits == 6:
+        return q, s, None
+    z = (-16 * s + rng.normal(0, 0.01, s.shape)).astype(np.float16).astype(np.float32)
     return q, s, z
 
 
-def _reference(x: torch.Tensor, q: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tensor:
+def _reference(x: torch.Tensor, q: np.ndarray, s: np.ndarray, z: np.ndarray | None) -> torch.Tensor:
     """The kernel's arithmetic: activations rounded to int8 per group of 32 as the kernel rounds them (float32
     ``x * (127 / max|x|)`` to nearest even, step ``max|x| / 127``), then ``dx * (s * sum q qx + z * sum qx)`` per
     group in float64."""
     group = q.shape[1] // s.shape[1]
+    if z is None:
+        z = -32.0 * s
     xf = x.float().reshape(x.shape[0], -1, 32)
     amax = xf.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
@@ -60,7 +65,8 @@ def test_wide_tiles_hold_every_value(bits: int) -> None:
     tiles = native.pack_wide_tiles(q, s, z, bits)
     assert tiles.shape == (3, 3, native.WIDE_TILE_BYTES[bits])
     back = native.unpack_wide_tiles(tiles, bits)
-    assert np.array_equal(back[0], q) and np.array_equal(back[1], s) and np.array_equal(back[2], z)
+    assert np.array_equal(back[0], q) and np.array_equal(back[1], s)
+    assert back[2] is None if z is None else np.array_equal(back[2], z)
 
 
 @pytest.mark.parametrize("bits", [5, 6])

@@ -17,9 +17,9 @@
      bytes 320..383  per chunk t, two 64-bit masks (little-endian): bit i of the first is the fifth bit of the
                      value in byte i's low nibble, of the second that of its high nibble
    so a chunk's bytes become q with one masked OR each (VPDPBUSD takes unsigned bytes up to 255). The 6-bit form
-   (GGUF Q6_K: q in 0..63, a scale per 16) has 512 bytes: s and z at 256 and 288 are the group's first half's
-   (its low nibbles), per chunk four masks at 320 + 32 t (fifth bits low, high; sixth bits low, high), and the
-   second half's s and z at 448 and 480; each half sums apart and gets its own scale and offset.
+   (GGUF Q6_K: q in 0..63, w = s (q - 32) with a scale per 16) has 448 bytes: at 256 the scales of the group's
+   first half (its low nibbles), at 288 those of its second half, and per chunk four masks at 320 + 32 t (fifth
+   bits low, high; sixth bits low, high); each half sums apart and gets its own scale and offset -32 s.
 
    Why: a decode step multiplies one activation row by every weight once, so it is bound by how fast weights
    become products. Activations are quantized per group of 32 to int8 (x ~ dx * qx), and VPDPBUSD multiplies 64
@@ -114,10 +114,10 @@ static inline __attribute__((always_inline)) void block_rows(
                     first = _mm512_add_epi32(first, part[i * chains + c]);
                     second = _mm512_add_epi32(second, part[i * chains + c + 1]);
                 }
-                __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 448)));
-                __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 480)));
+                /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
+                __m512 s1 = z, z0 = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f)), z1 = _mm512_mul_ps(s1, _mm512_set1_ps(-32.0f));
                 acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(first), acc[i]);
-                acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs16[2 * at]), acc[i]);
+                acc[i] = _mm512_fmadd_ps(z0, _mm512_set1_ps(dxs16[2 * at]), acc[i]);
                 acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s1, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(second), acc[i]);
                 acc[i] = _mm512_fmadd_ps(z1, _mm512_set1_ps(dxs16[2 * at + 1]), acc[i]);
                 continue;

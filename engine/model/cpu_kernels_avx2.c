@@ -182,10 +182,9 @@ static inline __attribute__((always_inline)) void block_rows(
                 __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[at]));
                 __m256i sum = bits == 4 ? widen(part[h][i]) : part[h][i];
                 acc[h][i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(sum), acc[h][i]);
-                if (split) {
-                    __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 448 + 16 * (half0 + h))));
-                    __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 480 + 16 * (half0 + h))));
-                    acc[h][i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs16[2 * at]), acc[h][i]);
+                if (split) { /* the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
+                    __m256 s1 = z, z0 = _mm256_mul_ps(s, _mm256_set1_ps(-32.0f)), z1 = _mm256_mul_ps(s1, _mm256_set1_ps(-32.0f));
+                    acc[h][i] = _mm256_fmadd_ps(z0, _mm256_set1_ps(dxs16[2 * at]), acc[h][i]);
                     acc[h][i] = _mm256_fmadd_ps(_mm256_mul_ps(s1, _mm256_set1_ps(dx[at])),
                                                 _mm256_cvtepi32_ps(part2[h][i]), acc[h][i]);
                     acc[h][i] = _mm256_fmadd_ps(z1, _mm256_set1_ps(dxs16[2 * at + 1]), acc[h][i]);

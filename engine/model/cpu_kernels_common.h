@@ -11,7 +11,7 @@
 
 #define TILE_BYTES 320
 #define Q5_TILE_BYTES 384 /* a 4-bit tile and the fifth bits' masks */
-#define Q6_TILE_BYTES 512 /* and the sixth bits', and a second scale and offset */
+#define Q6_TILE_BYTES 448 /* and the sixth bits'; a second scale where the offset was */
 #define TILE_BYTES_OF(bits) ((bits) == 4 ? TILE_BYTES : (bits) == 5 ? Q5_TILE_BYTES : Q6_TILE_BYTES)
 #define MT 8 /* activation rows per pass over a row block's weights */
 

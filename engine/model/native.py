@@ -57,7 +57,7 @@ from tickloom.engine.model.registry import cache_dir
 
 TILE_ROWS = 16
 TILE_BYTES = 320
-WIDE_TILE_BYTES = {5: 384, 6: 512}
+WIDE_TILE_BYTES = {5: 384, 6: 448}
 Q8_TILE_BYTES = 576
 GROUP = 32
 _HERE = Path(__file__).parent
@@ -224,52 +224,44 @@ def pack_tiles(nibbles: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tenso
     return torch.from_numpy(out)
 
 
-def pack_wide_tiles(q: np.ndarray, s: np.ndarray, z: np.ndarray, bits: int) -> torch.Tensor:
-    """The 5- and 6-bit kernels' weight: ``q`` ``N x K`` integers below ``2 ** bits``; ``w = s * q + z`` per group
-    of 32 (5 bits: GGUF Q5_0/Q5_1/Q5_K; ``s``, ``z`` ``N x K/32``) or of 16 (6 bits: Q6_K; ``N x K/16``).
-    ``pack_tiles``' tile for the low four bits (and a group's first half's scale), then per chunk the masks of the
-    higher bits (and the second half's scale; layout: ``cpu_kernels.c``). Returns ``N / 16 x K/32 x 384`` (or
-    ``512``) bytes."""
+def pack_wide_tiles(q: np.ndarray, s: np.ndarray, z: np.ndarray | None, bits: int) -> torch.Tensor:
+    """The 5- and 6-bit kernels' weight: ``q`` ``N x K`` integers below ``2 ** bits``. 5 bits: ``w = s * q + z``
+    per group of 32 (GGUF Q5_0/Q5_1/Q5_K; ``s``, ``z`` ``N x K/32``). 6 bits: ``w = s * (q - 32)`` per group of 16
+    (Q6_K; ``s`` ``N x K/16``, ``z`` None: the kernel makes the offset). ``pack_tiles``' tile for the low four bits
+    and the scales, then per chunk the masks of the higher bits (layout: ``cpu_kernels.c``). Returns ``N / 16 x K/32
+    x 384`` (or ``448``) bytes."""
     n, k = q.shape
     b, g = n // TILE_ROWS, k // GROUP
-    if bits not in (5, 6) or s.shape != (n, k // (GROUP if bits == 5 else 16)) or z.shape != s.shape:
-        raise ValueError(f"wide tiles: bits {bits}, q {q.shape}, s {s.shape}, z {z.shape}")
+    fits = {5: s.shape == (n, g) and z is not None and z.shape == s.shape, 6: s.shape == (n, 2 * g) and z is None}
+    if not fits.get(bits, False):
+        raise ValueError(f"wide tiles: bits {bits}, q {q.shape}, s {s.shape}, z {None if z is None else z.shape}")
     qg = q.reshape(n, g, GROUP).astype(np.uint8)
     low = qg & 0x0F
-    first = (slice(None), slice(None, None, 2)) if bits == 6 else (slice(None), slice(None))
-    base = pack_tiles(low[..., :16] | (low[..., 16:] << 4), s[first], z[first]).numpy()
+    first, second = (s[:, 0::2], s[:, 1::2]) if z is None else (s, z)  # 6 bits: the halves' scales at s and z
+    base = pack_tiles(low[..., :16] | (low[..., 16:] << 4), first, second).numpy()
     # element 16 h + 4 t + c of a group sits in chunk t, byte 4 r + c (r: the row in its block), nibble h
     planes = [((qg >> bit) & 1).reshape(b, TILE_ROWS, g, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5)
               for bit in range(4, bits)]  # each b, g, t, h, r, c
     masks = np.packbits(np.stack(planes, axis=3).reshape(b, g, 4, 2 * len(planes), 64), axis=-1,
                         bitorder="little").reshape(b, g, 4 * 16 * len(planes))
-    parts = [base, masks]
-    if bits == 6:
-        second = pack_tiles(np.zeros((n, g, 16), np.uint8), s[:, 1::2], z[:, 1::2]).numpy()
-        parts.append(second[..., 256:])
-    return torch.from_numpy(np.concatenate(parts, axis=-1))
+    return torch.from_numpy(np.concatenate([base, masks], axis=-1))
 
 
-def unpack_wide_tiles(tiles: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``pack_wide_tiles``' inverse: (q ``N x K`` uint8, s, z float32)."""
+def unpack_wide_tiles(tiles: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``pack_wide_tiles``' inverse: (q ``N x K`` uint8, s float32, z float32 or None)."""
     t = tiles.numpy()
     b, g, _ = t.shape
     nibbles, s, z = unpack_tiles(torch.from_numpy(np.ascontiguousarray(t[..., :TILE_BYTES])))
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
     n_planes = bits - 4
-    mask_end = TILE_BYTES + 64 * n_planes
-    bits_ = np.unpackbits(t[..., TILE_BYTES:mask_end].reshape(b, g, 4, 2 * n_planes, 8), axis=-1,
-                          bitorder="little").reshape(b, g, 4, n_planes, 2, TILE_ROWS, 4)
+    planes = np.unpackbits(t[..., TILE_BYTES:].reshape(b, g, 4, 2 * n_planes, 8), axis=-1,
+                           bitorder="little").reshape(b, g, 4, n_planes, 2, TILE_ROWS, 4)
     for p in range(n_planes):
-        plane = bits_[:, :, :, p].transpose(0, 4, 1, 3, 2, 5).reshape(b * TILE_ROWS, g, GROUP)
-        q |= plane << (4 + p)
+        q |= planes[:, :, :, p].transpose(0, 4, 1, 3, 2, 5).reshape(b * TILE_ROWS, g, GROUP) << (4 + p)
+    q = q.reshape(b * TILE_ROWS, g * GROUP)
     if bits == 6:
-        tail = np.zeros((b, g, TILE_BYTES), np.uint8)
-        tail[..., 256:] = t[..., mask_end:]
-        _, s1, z1 = unpack_tiles(torch.from_numpy(tail))
-        s = np.stack([s, s1], axis=-1).reshape(b * TILE_ROWS, 2 * g)
-        z = np.stack([z, z1], axis=-1).reshape(b * TILE_ROWS, 2 * g)
-    return q.reshape(b * TILE_ROWS, g * GROUP), s, z
+        return q, np.stack([s, z], axis=-1).reshape(b * TILE_ROWS, 2 * g), None
+    return q, s, z
 
 
 def pack_q8_tiles(q: np.ndarray, d: np.ndarray) -> torch.Tensor:

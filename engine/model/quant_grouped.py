@@ -143,15 +143,16 @@ class WideIntLinear:
     ``w = s * q + z`` with ``q`` in 0..31 per group of 32 (Q5_0: ``z = -16 s``; Q5_1: ``s = d, z = m``; Q5_K:
     ``s = d sc, z = -dmin m``) or in 0..63 per group of 16 (Q6_K: ``s = d sc, z = -32 s``). ``s`` and ``z`` are kept
     as float16: exact for Q5_0 and Q5_1, whose d and m are float16; the K-quants' products are rounded once, as
-    Q4_K's are in ``Int4Linear``. 0.75 and 1.0 bytes a weight, against 1.125 for the grouped int8 form these types
+    Q4_K's are in ``Int4Linear``. 0.75 and 0.875 bytes a weight, against 1.125 for the grouped int8 form these types
     took before (torch's float32 path for Q6_K's groups of 16), which at batch 1 is the time a step takes. Elsewhere
     ``GroupedInt8Linear`` holds the same values."""
 
     __slots__ = ("act", "bias", "bits", "in_features", "out_features", "tiles")
 
-    def __init__(self, q: np.ndarray, s: np.ndarray, z: np.ndarray, bits: int, bias: torch.Tensor | None,
+    def __init__(self, q: np.ndarray, s: np.ndarray, z: np.ndarray | None, bits: int, bias: torch.Tensor | None,
                  act: torch.dtype) -> None:
-        """``q``: ``N x K`` integers below ``2 ** bits``; ``s``, ``z``: ``N x K/32`` (5 bits) or ``N x K/16`` (6)."""
+        """``q``: ``N x K`` integers below ``2 ** bits``; 5 bits: ``s``, ``z`` ``N x K/32``; 6 bits: ``s`` ``N x
+        K/16`` and ``z`` None (the offset is ``-32 s``)."""
         n, k = q.shape
         if n % native.TILE_ROWS or k % native.GROUP:
             raise ValueError(f"int{bits}: q {q.shape} must have rows in 16s and groups of 32")
@@ -172,13 +173,15 @@ class WideIntLinear:
             if (kind == "Q6_K") != six or (kind not in gguf_quants.INT5_KINDS and kind != "Q6_K"):
                 raise ValueError(f"{kind} does not join {parts[0][0]} in a 5- or 6-bit layer")
             q, s, z, _ = gguf_quants.int8_fields(kind, data)
-            if z is None:  # Q5_0 stores q - 16, Q6_K q - 32
-                offset = 32 if six else 16
-                q, z = q.astype(np.int16) + offset, -float(offset) * s
+            if six:  # stored as q - 32; the kernel makes the offset -32 s
+                q = q.astype(np.int16) + 32
+            elif z is None:  # Q5_0 stores q - 16
+                q, z = q.astype(np.int16) + 16, -16.0 * s
             qs.append(q.astype(np.uint8))
             ss.append(s)
             zs.append(z)
-        return cls(np.concatenate(qs), np.concatenate(ss), np.concatenate(zs), 6 if six else 5, bias, act)
+        z_all = None if six else np.concatenate(zs)
+        return cls(np.concatenate(qs), np.concatenate(ss), z_all, 6 if six else 5, bias, act)
 
     def _mm(self, x: torch.Tensor, out: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.act).contiguous()
@@ -198,6 +201,8 @@ class WideIntLinear:
         q, s, z = native.unpack_wide_tiles(self.tiles, self.bits)
         n, k = q.shape
         group = k // s.shape[1]
+        if z is None:
+            z = -32.0 * s
         w = q.reshape(n, -1, group).astype(np.float32) * s[..., None] + z[..., None]
         return torch.from_numpy(w.reshape(n, k))
 
