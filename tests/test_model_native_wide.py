@@ -128,9 +128,11 @@ def test_5_and_6_bit_gguf_types_become_wide_layers_with_the_files_values(kind: s
         assert torch.equal(got, want)
     x = torch.randn(3, 512).bfloat16()
     assert torch.equal(lin.forward_f32(x).bfloat16(), lin(x))
-    # the int8 setting keeps its grouped int8 form
+    # the int8 setting keeps its grouped int8 form, and so do float32 activations (the kernel takes bfloat16)
     assert isinstance(quantize_linear(RawBlocks(kind, data, (48, 512)), None, "int8", torch.bfloat16),
                       GroupedInt8Linear)
+    f32 = quantize_linear(RawBlocks(kind, data, (48, 512)), None, "int4", torch.float32)
+    assert isinstance(f32, GroupedInt8Linear) and torch.equal(f32.dequantize(), want)
 
 
 def test_a_k_m_projection_joins_its_5_bit_parts_and_keeps_the_rest_apart() -> None:

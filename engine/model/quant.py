@@ -286,16 +286,17 @@ class RawBlocks:
 Weight = torch.Tensor | RawBlocks
 
 
-def _block_form(kind: str, quant: str, rows: int) -> str:
+def _block_form(kind: str, quant: str, rows: int, act: torch.dtype) -> str:
     """How a GGUF tensor of ``kind`` becomes a layer under ``quant`` (not "none"): "int4" (``Int4Linear``, the
     file's 4-bit integers as they are), "int5"/"int6" (``WideIntLinear``, the 5- and 6-bit ones, where the kernels
-    run), "grouped"
+    run and the activations are bfloat16), "grouped"
     (``GroupedInt8Linear``, as they are), "rows" (``Int8Linear``, one scale per row: Q8_0 under int8, as before),
     or "float" (dequantized, then quantized as a float weight)."""
     bits = QUANT_SETTINGS[quant][0]
     if kind in gguf_quants.INT4_KINDS and bits == 4 and rows % 16 == 0:
         return "int4"
-    if kind in gguf_quants.WIDE_KINDS and bits == 4 and rows % 16 == 0 and native.available():
+    if (kind in gguf_quants.WIDE_KINDS and bits == 4 and rows % 16 == 0 and act == torch.bfloat16
+            and native.available()):
         return "int6" if kind == "Q6_K" else "int5"
     if kind == "Q8_0" and bits == 8:
         return "rows"
@@ -339,7 +340,7 @@ def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch
     bits, group = QUANT_SETTINGS[quant]
     if isinstance(w, RawBlocks):
         if bits:
-            return _blocks_linear([w], _block_form(w.kind, quant, w.shape[0]), bias, quant, act)
+            return _blocks_linear([w], _block_form(w.kind, quant, w.shape[0], act), bias, quant, act)
         if w.kind in native.HALF_KINDS and act == torch.float32 and native.available() and w.shape[1] % 16 == 0:
             return HalfLinear(w.kind, w.data.view(np.uint16), bias)  # the file's 16 bits, not a float32 copy
         w = w.dequantize()
@@ -363,7 +364,7 @@ def join_linear(ws: list[Weight], biases: list[torch.Tensor] | None, quant: str,
         if joined is not None:
             return quantize_linear(joined, bias, quant, act)
         if quant != "none":
-            forms = [_block_form(w.kind, quant, w.shape[0]) for w in blocks]
+            forms = [_block_form(w.kind, quant, w.shape[0], act) for w in blocks]
             runs: list[tuple[str, list[RawBlocks]]] = []
             for form, w in zip(forms, blocks, strict=True):
                 if runs and runs[-1][0] == form:
