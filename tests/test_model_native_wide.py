@@ -132,7 +132,8 @@ def test_5_and_6_bit_gguf_types_become_wide_layers_with_the_files_values(kind: s
     assert isinstance(quantize_linear(RawBlocks(kind, data, (48, 512)), None, "int8", torch.bfloat16),
                       GroupedInt8Linear)
     f32 = quantize_linear(RawBlocks(kind, data, (48, 512)), None, "int4", torch.float32)
-    assert isinstance(f32, GroupedInt8Linear) and torch.equal(f32.dequantize(), want)
+    assert isinstance(f32, GroupedInt8Linear)
+    torch.testing.assert_close(f32.dequantize(), want, atol=2e-3 * float(want.abs().max()), rtol=0)
 
 
 def test_a_k_m_projection_joins_its_5_bit_parts_and_keeps_the_rest_apart() -> None:
