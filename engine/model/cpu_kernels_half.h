@@ -62,8 +62,12 @@ static inline __attribute__((always_inline)) void half_matmul_kind(const float *
                                                                    int64_t m_rows, int64_t n, int64_t k, int kind,
                                                                    int threads) {
     const int64_t blocks = n / HN;
+    /* `kind` is a literal in each call: OpenMP outlines the loop body, where a variable would stay unknown */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t b = 0; b < blocks; b++) half_block(x, w, y, m_rows, n, k, kind, b * HN, HN);
+    for (int64_t b = 0; b < blocks; b++) {
+        if (kind) half_block(x, w, y, m_rows, n, k, 1, b * HN, HN);
+        else half_block(x, w, y, m_rows, n, k, 0, b * HN, HN);
+    }
     switch (n - blocks * HN) {
     case 3: half_block(x, w, y, m_rows, n, k, kind, blocks * HN, 3); break;
     case 2: half_block(x, w, y, m_rows, n, k, kind, blocks * HN, 2); break;
