@@ -160,18 +160,6 @@ static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, co
     }
 }
 
-static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
-                        int64_t k, void *scratch, int threads, int bits) {
-    if (n % 16 || k % 32) return 1;
-    int8_t *qx = (int8_t *)scratch;
-    float *dx = (float *)(((uintptr_t)(qx + m_rows * k) + 63) & ~(uintptr_t)63);
-    float *dxs = dx + m_rows * (k / 32), *dxs16 = dxs + m_rows * (k / 32);
-    prepare(x, m_rows, k, qx, dx, dxs);
-    if (bits == 6) half_group_sums(qx, dx, m_rows, k, dxs16);
-    q4_blocks(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, bits, threads);
-    return 0;
-}
-
 /* ---- The 8-bit matmul (the LM head, from GGUF Q8_0) ----
 
    Weights: w[n, k] = d[n, g] * q[n, k], q int8, g = k / 32 (GGUF Q8_0 exactly). Tiles of 576 bytes, one per (16

@@ -79,11 +79,28 @@ static void half_group_sums(const int8_t *qx, const float *dx, int64_t m_rows, i
             }
 }
 
-/* Each build defines q4_matmul_to, its matmul of 4-, 5- or 6-bit tiles (`bits`; TILE_BYTES_OF): bfloat16 out
-   into y, or float32 into yf when that is given. The exports wrap it: the float32 forms serve the projections
-   added to the float32 residual stream. */
+/* Each build defines these two: `prepare` rounds the activations to int8 per group of 32 (qx, dx, and dxs = dx *
+   sum qx), `q4_blocks` multiplies the tiles of 4-, 5- or 6-bit weights (`bits`; TILE_BYTES_OF) by them. */
+static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, float *dx, float *dxs);
+static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, const int8_t *qx, const float *dx,
+                                                             const float *dxs, const float *dxs16, uint16_t *y,
+                                                             float *yf, int64_t m_rows, int64_t n, int64_t k,
+                                                             int bits, int threads);
+
+/* The matmul of 4-, 5- or 6-bit tiles: bfloat16 out into y, or float32 into yf when that is given. N % 16 == 0,
+   K % 32 == 0; `scratch` holds at least q4_scratch_bytes(M, K). Returns 0, or 1 for shapes it does not take. The
+   exports wrap it: the float32 forms serve the projections added to the float32 residual stream. */
 static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
-                        int64_t k, void *scratch, int threads, int bits);
+                        int64_t k, void *scratch, int threads, int bits) {
+    if (n % 16 || k % 32) return 1;
+    int8_t *qx = (int8_t *)scratch;
+    float *dx = (float *)(((uintptr_t)(qx + m_rows * k) + 63) & ~(uintptr_t)63);
+    float *dxs = dx + m_rows * (k / 32), *dxs16 = dxs + m_rows * (k / 32);
+    prepare(x, m_rows, k, qx, dx, dxs);
+    if (bits == 6) half_group_sums(qx, dx, m_rows, k, dxs16);
+    q4_blocks(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, bits, threads);
+    return 0;
+}
 
 #define MATMUL_EXPORTS(name, bits)                                                                                 \
     int name(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t m_rows, int64_t n, int64_t k,             \
