@@ -381,40 +381,48 @@ def test_a_prompts_logits_and_cache_do_not_depend_on_its_chunks_or_its_batch(tmp
 
 
 def _half_weight(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
-    """Random ``kind`` bits ``N x K`` and the float32 weight they encode."""
+    """Random ``kind`` bits ``N x K`` in the kernel's tiles, and the float32 weight they encode."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     half = w.half() if kind == "F16" else w.bfloat16()
-    return half.view(torch.int16).numpy().view(np.uint16), half.float()
+    return native.pack_half_tiles(half.view(torch.int16).numpy().view(np.uint16)), half.float()
+
+
+def test_half_tiles_hold_the_files_values_in_fours_of_rows() -> None:
+    bits = np.arange(7 * 32, dtype=np.uint16).reshape(7, 32)
+    tiles = native.pack_half_tiles(bits)
+    assert tiles.shape == (2, 2, 64)  # rows 4..6 and a zero row; 16 columns of 4 rows a chunk
+    assert np.array_equal(tiles[0, 1, 16:32], bits[1, 16:32]) and not tiles[1, 0, 48:].any()
+    assert np.array_equal(native.unpack_half_tiles(tiles, 7), bits)
 
 
 @pytest.mark.parametrize("kind", ["F16", "BF16"])
 @pytest.mark.parametrize("m,n", [(1, 1), (1, 7), (3, 4), (4, 9), (6, 13), (9, 16)])
 def test_half_matmul_is_the_float32_product_at_every_tile_remainder(kind: str, m: int, n: int) -> None:
     """Output rows go in fours and activation rows in fours: every remainder of both gives the float32 product."""
-    bits, w = _half_weight(kind, n, 48, seed=m * 100 + n)
+    tiles, w = _half_weight(kind, n, 48, seed=m * 100 + n)
     x = torch.randn(m, 48)
-    torch.testing.assert_close(native.half_matmul(x, bits, kind), (x.double() @ w.double().t()).float(),
+    torch.testing.assert_close(native.half_matmul(x, tiles, n, kind), (x.double() @ w.double().t()).float(),
                                atol=1e-5, rtol=1e-5)
 
 
 def test_half_matmul_rows_do_not_depend_on_their_batch_or_the_threads() -> None:
-    bits, _ = _half_weight("F16", 37, 256, seed=1)
+    tiles, _ = _half_weight("F16", 37, 256, seed=1)
     x = torch.randn(11, 256)
     torch.set_num_threads(1)
-    alone = [native.half_matmul(x[i : i + 1].contiguous(), bits, "F16") for i in range(11)]
+    alone = [native.half_matmul(x[i : i + 1].contiguous(), tiles, 37, "F16") for i in range(11)]
     torch.set_num_threads(2)
     try:
-        together = native.half_matmul(x, bits, "F16")
+        together = native.half_matmul(x, tiles, 37, "F16")
     finally:
         torch.set_num_threads(1)
     assert torch.equal(torch.cat(alone), together)
 
 
 def test_half_matmul_names_what_it_cannot_take() -> None:
-    bits, _ = _half_weight("BF16", 16, 40, seed=2)
-    with pytest.raises(ValueError, match="unsupported shape N=16, K=40"):
-        native.half_matmul(torch.randn(2, 40), bits, "BF16")
+    tiles, _ = _half_weight("BF16", 16, 48, seed=2)
     with pytest.raises(ValueError, match="wants float32 M x K"):
-        native.half_matmul(torch.randn(2, 40).bfloat16(), bits, "BF16")
+        native.half_matmul(torch.randn(2, 48).bfloat16(), tiles, 16, "BF16")
     with pytest.raises(ValueError, match="wants float32 M x K"):
-        native.half_matmul(torch.randn(2, 32), bits, "BF16")
+        native.half_matmul(torch.randn(2, 32), tiles, 16, "BF16")
+    with pytest.raises(ValueError, match="wants float32 M x K"):
+        native.half_matmul(torch.randn(2, 48), tiles, 17, "BF16")

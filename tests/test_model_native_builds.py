@@ -90,8 +90,8 @@ def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
             assert fn(xs.data_ptr(), tiles.data_ptr(), theirs.data_ptr(), rows, n, k, scratch.data_ptr(), 1) == 0
             assert torch.equal(native.matmul(xs, tiles, n, torch.float32, bits=bits), theirs), (bits, rows)
     half = torch.randn(n, k).half()
-    bits = half.view(torch.int16).numpy().view(np.uint16)
+    tiles16 = native.pack_half_tiles(half.view(torch.int16).numpy().view(np.uint16))
     xf = torch.randn(m, k)
     theirs = torch.empty(m, n)
-    assert avx2.half_matmul(xf.data_ptr(), bits.ctypes.data, theirs.data_ptr(), m, n, k, 1, 1) == 0
-    torch.testing.assert_close(native.half_matmul(xf, bits, "F16"), theirs, atol=1e-5, rtol=1e-5)
+    assert avx2.half_matmul(xf.data_ptr(), tiles16.ctypes.data, theirs.data_ptr(), m, n, k, 1, 1) == 0
+    torch.testing.assert_close(native.half_matmul(xf, tiles16, n, "F16"), theirs, atol=1e-5, rtol=1e-5)

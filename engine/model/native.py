@@ -5,7 +5,7 @@ the system C compiler at first use, cached, and called through ctypes (which let
 - ``matmul(..., bits=5 or 6)``: the same for 5- and 6-bit weights (GGUF Q5_0, Q5_1, Q5_K; Q6_K), bit planes
   beside the nibbles.
 - ``q8_matmul``: 8-bit weights (GGUF Q8_0's form) times bfloat16 activations, float32 out (the LM head).
-- ``half_matmul``: 16-bit float weights (GGUF F16 and BF16, read in place) times float32 activations.
+- ``half_matmul``: 16-bit float weights (GGUF F16 and BF16, reordered into 4-row tiles) times float32 activations.
 - ``decode_attention``: decode rows' attention, reading K and V in place from the paged cache.
 - ``add_rms_norm``, ``rope_and_store``, ``silu_mul``: a decoder layer's row-wise ops, fused, so that a layer is
   a few calls instead of about twenty torch ops (each costs microseconds before it touches data, which at batch
@@ -374,17 +374,37 @@ def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int,
 
 HALF_KINDS = {"BF16": 0, "F16": 1}
 """The 16-bit weight types ``half_matmul`` reads, and the kernel's code for each."""
+HALF_TILE_ROWS = 4
 
 
-def half_matmul(x: torch.Tensor, w: np.ndarray, kind: str) -> torch.Tensor:
-    """``x`` (``M x K`` float32, contiguous) times ``w`` (``N x K`` uint16: ``kind`` "BF16" or "F16" bits, C-contiguous,
-    a view of a file mapping or not), ``M x N`` float32."""
+def pack_half_tiles(bits: np.ndarray) -> np.ndarray:
+    """The 16-bit kernel's weight: ``bits`` ``N x K`` uint16 (F16 or BF16) reordered into tiles of 4 rows (zero rows
+    past N), each chunk of 16 columns of the tile's rows side by side (layout: ``cpu_kernels_half.h``). Returns
+    ``ceil(N / 4) x K/16 x 64`` uint16: the same values, reordered."""
+    n, k = bits.shape
+    tiles = -(-n // HALF_TILE_ROWS)
+    padded = np.zeros((tiles * HALF_TILE_ROWS, k), np.uint16)
+    padded[:n] = bits
+    return np.ascontiguousarray(padded.reshape(tiles, HALF_TILE_ROWS, k // 16, 16).transpose(0, 2, 1, 3)).reshape(
+        tiles, k // 16, 16 * HALF_TILE_ROWS)
+
+
+def unpack_half_tiles(tiles: np.ndarray, n: int) -> np.ndarray:
+    """``pack_half_tiles``' inverse: ``N x K`` uint16."""
+    t, chunks, _ = tiles.shape
+    return tiles.reshape(t, chunks, HALF_TILE_ROWS, 16).transpose(0, 2, 1, 3).reshape(t * HALF_TILE_ROWS, -1)[:n]
+
+
+def half_matmul(x: torch.Tensor, tiles: np.ndarray, n: int, kind: str) -> torch.Tensor:
+    """``x`` (``M x K`` float32, contiguous) times a ``pack_half_tiles`` weight of ``n`` rows of ``kind`` ("BF16" or
+    "F16") bits, ``M x N`` float32."""
     m, k = x.shape
-    n = w.shape[0]
-    if x.dtype != torch.float32 or not x.is_contiguous() or w.shape[1] != k or not w.flags.c_contiguous:
-        raise ValueError(f"half_matmul: x {tuple(x.shape)} {x.dtype}, w {w.shape}: wants float32 M x K and N x K")
+    if (x.dtype != torch.float32 or not x.is_contiguous() or tiles.shape[1] * 16 != k or not tiles.flags.c_contiguous
+            or tiles.shape[0] * HALF_TILE_ROWS < n):
+        raise ValueError(f"half_matmul: x {tuple(x.shape)} {x.dtype}, tiles {tiles.shape}: wants float32 M x K and "
+                         f"the tiles of N x K")
     y = torch.empty(m, n, dtype=torch.float32)
-    if _kernel().half_matmul(x.data_ptr(), w.ctypes.data, y.data_ptr(), m, n, k, HALF_KINDS[kind],
+    if _kernel().half_matmul(x.data_ptr(), tiles.ctypes.data, y.data_ptr(), m, n, k, HALF_KINDS[kind],
                              torch.get_num_threads()):
         raise ValueError(f"half kernel: unsupported shape N={n}, K={k}")
     return y

@@ -1,8 +1,8 @@
 """Layers for GGUF tensors that no one packed int4 or per-row int8 form holds exactly: ``WideIntLinear`` (Q5_0,
 Q5_1, Q5_K and Q6_K's five and six bits, on tickloom's kernels), ``GroupedInt8Linear`` (a scale per group of 16
 or 32: GGUF's 5-, 6- and 8-bit types as the file has them, where no narrower form runs), ``HalfLinear`` (F16 and
-BF16 as the file has them, for a float32 model) and ``SplitLinear`` (a fused projection whose parts have different
-forms). ``quant.quantize_linear`` and ``quant.join_linear`` choose them.
+BF16 values as the file has them, for a float32 model) and ``SplitLinear`` (a fused projection whose parts have
+different forms). ``quant.quantize_linear`` and ``quant.join_linear`` choose them.
 """
 
 from __future__ import annotations
@@ -211,33 +211,35 @@ class WideIntLinear:
 
 
 class HalfLinear:
-    """A GGUF F16 or BF16 matrix for a float32 model, as the file stores it: ``w`` is ``N x K`` uint16, a view of
-    the file's read-only mapping (nothing copied; the OS pages it in as it is read, and it counts as the file's
-    pages, not the heap) or a copy where the loader joined tensors (fused q/k/v). ``native.half_matmul`` widens
-    each weight to float32 as it multiplies, so the products are the float32 model's, at half its memory and half
-    its bytes read per token. Built only where tickloom's kernels run (``quant.quantize_linear``)."""
+    """A GGUF F16 or BF16 matrix for a float32 model, as the file stores it: its 16-bit values, reordered once into
+    the kernel's 4-row tiles (``native.pack_half_tiles``: one stream per step, where the file's rows side by side
+    were four; the same bytes as the file, and the file's pages are dropped after the load). ``native.half_matmul``
+    widens each weight to float32 as it multiplies, so the products are the float32 model's, at half its memory and
+    half its bytes read per token. Built only where tickloom's kernels run (``quant.quantize_linear``)."""
 
-    __slots__ = ("bias", "in_features", "kind", "out_features", "w")
+    __slots__ = ("bias", "in_features", "kind", "out_features", "tiles")
 
     def __init__(self, kind: str, w: np.ndarray, bias: torch.Tensor | None) -> None:
-        if kind not in native.HALF_KINDS or w.dtype != np.uint16 or w.ndim != 2:
-            raise ValueError(f"HalfLinear takes F16 or BF16 bits N x K (got {kind}, {w.dtype}, {w.shape})")
-        self.kind, self.w = kind, np.ascontiguousarray(w)
+        if kind not in native.HALF_KINDS or w.dtype != np.uint16 or w.ndim != 2 or w.shape[1] % 16:
+            raise ValueError(f"HalfLinear takes F16 or BF16 bits N x K, K a multiple of 16 (got {kind}, {w.dtype}, "
+                             f"{w.shape})")
+        self.kind, self.tiles = kind, native.pack_half_tiles(w)
         self.out_features, self.in_features = w.shape
         self.bias = None if bias is None else bias.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float().contiguous()
-        y = native.half_matmul(x2, self.w, self.kind)
+        y = native.half_matmul(x2, self.tiles, self.out_features, self.kind)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
-        return torch.from_numpy(gguf_quants.dequantize(self.kind, self.w.view(np.uint8)))
+        bits = native.unpack_half_tiles(self.tiles, self.out_features)
+        return torch.from_numpy(gguf_quants.dequantize(self.kind, np.ascontiguousarray(bits).view(np.uint8)))
 
     def nbytes(self) -> int:
-        return int(self.w.nbytes) + _nbytes(self.bias)
+        return int(self.tiles.nbytes) + _nbytes(self.bias)
 
 
 class SplitLinear:
