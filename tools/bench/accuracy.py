@@ -169,7 +169,7 @@ def score(ref_logits: list[torch.Tensor], ref_tokens: list[list[int]], logits: l
 def measure(model: str = "smollm2-135m", new_tokens: int = NEW_TOKENS,
             prompts: list[str] = PROMPTS) -> dict[str, Any]:
     """The reference's continuations, then every path's scores against them."""
-    from tickloom.engine.model.loaders import DEFAULT_SETTING, _source_gguf, default_setting
+    from tickloom.engine.model.loaders import DEFAULT_SETTING, _source_gguf, default_setting, gguf_is_quantized
     from tickloom.tools.bench import llamacpp as bench_llamacpp
     from tickloom.tools.progress import progress_note
 
@@ -193,10 +193,12 @@ def measure(model: str = "smollm2-135m", new_tokens: int = NEW_TOKENS,
         rows["tickloom default (float32+none) = reference"] = score(ref_logits, ref_tokens, ref_logits, ref_tokens)
     else:
         paths.append(("tickloom default", {}))
-    if (dt, q) != DEFAULT_SETTING and _source_gguf(model) is not None:
+    source = _source_gguf(model)
+    if (dt, q) != DEFAULT_SETTING and source is not None and gguf_is_quantized(source):
         # this CPU has no native bfloat16, so the default is float32; measure the setting a bfloat16 CPU gets too
         paths.append(("tickloom bf16-CPU default", {"dtype": DEFAULT_SETTING[0], "quant": DEFAULT_SETTING[1]}))
-    paths.append(("tickloom float32 act + int4", {"dtype": "float32", "quant": "int4"}))
+    if source is None or gguf_is_quantized(source):  # an F16/BF16 file's float32 activations are the reference
+        paths.append(("tickloom float32 act + int4", {"dtype": "float32", "quant": "int4"}))
     for label, kw in paths:
         lm = load_model(model, **kw)
         name = f"{label} ({lm.model.dtype}+{lm.model.quant})".replace("torch.", "")
