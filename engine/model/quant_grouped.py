@@ -168,7 +168,9 @@ class WideIntLinear:
         """GGUF tensors ``(kind, raw bytes N x row bytes)``, all 5-bit types or all Q6_K, stacked along the output
         axis."""
         six = parts[0][0] == "Q6_K"
-        qs, ss, zs = [], [], []
+        qs: list[np.ndarray] = []
+        ss: list[np.ndarray] = []
+        zs: list[np.ndarray] = []
         for kind, data in parts:
             if (kind == "Q6_K") != six or (kind not in gguf_quants.INT5_KINDS and kind != "Q6_K"):
                 raise ValueError(f"{kind} does not join {parts[0][0]} in a 5- or 6-bit layer")
@@ -179,7 +181,8 @@ class WideIntLinear:
                 q, z = q.astype(np.int16) + 16, -16.0 * s
             qs.append(q.astype(np.uint8))
             ss.append(s)
-            zs.append(z)
+            if z is not None:
+                zs.append(z)
         z_all = None if six else np.concatenate(zs)
         return cls(np.concatenate(qs), np.concatenate(ss), z_all, 6 if six else 5, bias, act)
 
