@@ -18,8 +18,10 @@
                      value in byte i's low nibble, of the second that of its high nibble
    so a chunk's bytes become q with one masked OR each (VPDPBUSD takes unsigned bytes up to 255). The 6-bit form
    (GGUF Q6_K: q in 0..63, w = s (q - 32) with a scale per 16) has 448 bytes: at 256 the scales of the group's
-   first half (its low nibbles), at 288 those of its second half, and per chunk four masks at 320 + 32 t (fifth
-   bits low, high; sixth bits low, high); each half sums apart and gets its own scale and offset -32 s.
+   first half (its low nibbles), at 288 those of its second half, and per chunk 32 bytes at 320 + 32 t of the two
+   high bits (q >> 4): byte i holds those of byte i's low nibble in bits 0-1 and of its high nibble in bits 2-3, and
+   byte 32 + i's in bits 4-7 likewise (shifts and masks put them in place, no mask registers); each half sums apart
+   and gets its own scale and offset -32 s.
 
    Why: a decode step multiplies one activation row by every weight once, so it is bound by how fast weights
    become products. Activations are quantized per group of 32 to int8 (x ~ dx * qx), and VPDPBUSD multiplies 64
@@ -71,8 +73,8 @@ static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, uint16_t *y,
     float *yf, int64_t n, int64_t k, int64_t block, int64_t m0, int mt, int bits) {
     const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
-    const int split = bits == 6, mask_stride = bits == 5 ? 16 : 32;
-    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bit5 = _mm512_set1_epi8(0x20);
+    const int split = bits == 6;
+    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
     /* VPDPBUSD takes several cycles to finish, so a lone row would wait on its own accumulator: few rows get
        several independent partial sums (chains), added once per group. Split tiles need an even count: the low
        nibbles (a group's first half) go to even chains, the high ones to odd chains. */
@@ -86,15 +88,16 @@ static inline __attribute__((always_inline)) void block_rows(
         for (int t = 0; t < 4; t++) {
             __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * t));
             __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-            if (bits > 4) { /* each byte's fifth (and sixth) bit from the masks: 64 bits per nibble and bit */
-                uint64_t m[4];
-                memcpy(m, tile + TILE_BYTES + mask_stride * t, (size_t)mask_stride);
+            if (bits == 5) { /* each byte's fifth bit from the masks: 64 bits for the low nibbles, 64 for the high */
+                uint64_t m[2];
+                memcpy(m, tile + TILE_BYTES + 16 * t, 16);
                 lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)m[0], bit4));
                 hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)m[1], bit4));
-                if (bits == 6) {
-                    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)m[2], bit5));
-                    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)m[3], bit5));
-                }
+            } else if (bits == 6) { /* two high bits a value, four values a byte: the upper half's in bits 4-7 */
+                __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t)));
+                h = _mm512_srlv_epi64(h, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
+                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
+                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
             }
             for (int i = 0; i < mt; i++) {
                 const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;

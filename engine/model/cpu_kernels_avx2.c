@@ -133,7 +133,7 @@ static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, uint16_t *y,
     float *yf, int64_t n, int64_t k, int64_t block, int half0, int nhalf, int64_t m0, int mt, int bits) {
     const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
-    const int split = bits == 6, mask_stride = bits == 5 ? 16 : 32;
+    const int split = bits == 6;
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[2][MT];
     for (int h = 0; h < nhalf; h++)
@@ -148,9 +148,12 @@ static inline __attribute__((always_inline)) void block_rows(
         for (int h = 0; h < nhalf; h++)
             for (int i = 0; i < mt; i++) part[h][i] = part2[h][i] = _mm256_setzero_si256();
         for (int t = 0; t < 4; t++) {
-            /* per mask: rows 0-7, then 8-15; fifth bits low, high; sixth bits low, high */
-            uint32_t m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            if (bits > 4) memcpy(m, tile + TILE_BYTES + mask_stride * t, (size_t)mask_stride);
+            /* 5 bits: per mask, rows 0-7 then 8-15; the low nibbles' fifth bits, then the high ones'. 6 bits: the
+               two high bits of 4 values a byte (cpu_kernels.c), a half's in bits 4h .. 4h + 3 */
+            uint32_t m[4] = {0, 0, 0, 0};
+            if (bits == 5) memcpy(m, tile + TILE_BYTES + 16 * t, 16);
+            __m256i high = bits == 6 ? _mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t))
+                                     : _mm256_setzero_si256();
             for (int i = 0; i < mt; i++) {
                 const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
                 __m256i xl = _mm256_set1_epi32(*(const int32_t *)xq), xh = _mm256_set1_epi32(*(const int32_t *)(xq + 16));
@@ -161,14 +164,15 @@ static inline __attribute__((always_inline)) void block_rows(
                         part[h][i] = _mm256_add_epi16(part[h][i], _mm256_add_epi16(pairs(lo, xl), pairs(hi, xh)));
                         continue;
                     }
-                    lo = _mm256_or_si256(lo, mask_bytes(m[half0 + h], 0x10));
-                    hi = _mm256_or_si256(hi, mask_bytes(m[2 + half0 + h], 0x10));
                     if (split) {
-                        lo = _mm256_or_si256(lo, mask_bytes(m[4 + half0 + h], 0x20));
-                        hi = _mm256_or_si256(hi, mask_bytes(m[6 + half0 + h], 0x20));
+                        __m256i v = half0 + h ? _mm256_srli_epi16(high, 4) : high;
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(v, 4), _mm256_set1_epi8(0x30)));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(v, 2), _mm256_set1_epi8(0x30)));
                         part[h][i] = _mm256_add_epi32(part[h][i], widen(pairs(lo, xl)));
                         part2[h][i] = _mm256_add_epi32(part2[h][i], widen(pairs(hi, xh)));
                     } else {
+                        lo = _mm256_or_si256(lo, mask_bytes(m[half0 + h], 0x10));
+                        hi = _mm256_or_si256(hi, mask_bytes(m[2 + half0 + h], 0x10));
                         part[h][i] = _mm256_add_epi32(part[h][i], widen(_mm256_add_epi16(pairs(lo, xl), pairs(hi, xh))));
                     }
                 }

@@ -228,7 +228,7 @@ def pack_wide_tiles(q: np.ndarray, s: np.ndarray, z: np.ndarray | None, bits: in
     """The 5- and 6-bit kernels' weight: ``q`` ``N x K`` integers below ``2 ** bits``. 5 bits: ``w = s * q + z``
     per group of 32 (GGUF Q5_0/Q5_1/Q5_K; ``s``, ``z`` ``N x K/32``). 6 bits: ``w = s * (q - 32)`` per group of 16
     (Q6_K; ``s`` ``N x K/16``, ``z`` None: the kernel makes the offset). ``pack_tiles``' tile for the low four bits
-    and the scales, then per chunk the masks of the higher bits (layout: ``cpu_kernels.c``). Returns ``N / 16 x K/32
+    and the scales, then per chunk the higher bits (layout: ``cpu_kernels.c``). Returns ``N / 16 x K/32
     x 384`` (or ``448``) bytes."""
     n, k = q.shape
     b, g = n // TILE_ROWS, k // GROUP
@@ -240,11 +240,13 @@ def pack_wide_tiles(q: np.ndarray, s: np.ndarray, z: np.ndarray | None, bits: in
     first, second = (s[:, 0::2], s[:, 1::2]) if z is None else (s, z)  # 6 bits: the halves' scales at s and z
     base = pack_tiles(low[..., :16] | (low[..., 16:] << 4), first, second).numpy()
     # element 16 h + 4 t + c of a group sits in chunk t, byte 4 r + c (r: the row in its block), nibble h
-    planes = [((qg >> bit) & 1).reshape(b, TILE_ROWS, g, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5)
-              for bit in range(4, bits)]  # each b, g, t, h, r, c
-    masks = np.packbits(np.stack(planes, axis=3).reshape(b, g, 4, 2 * len(planes), 64), axis=-1,
-                        bitorder="little").reshape(b, g, 4 * 16 * len(planes))
-    return torch.from_numpy(np.concatenate([base, masks], axis=-1))
+    high = (qg >> 4).reshape(b, TILE_ROWS, g, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5).reshape(b, g, 4, 2, 64)
+    if bits == 5:  # per chunk, a 64-bit mask for each nibble
+        extra = np.packbits(high, axis=-1, bitorder="little").reshape(b, g, 64)
+    else:  # per chunk, 32 bytes: byte i holds the low and high nibbles' two bits of byte i, then of byte 32 + i
+        extra = (high[..., 0, :32] | high[..., 1, :32] << 2 | high[..., 0, 32:] << 4 | high[..., 1, 32:] << 6
+                 ).astype(np.uint8).reshape(b, g, 128)
+    return torch.from_numpy(np.concatenate([base, extra], axis=-1))
 
 
 def unpack_wide_tiles(tiles: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -253,11 +255,13 @@ def unpack_wide_tiles(tiles: torch.Tensor, bits: int) -> tuple[np.ndarray, np.nd
     b, g, _ = t.shape
     nibbles, s, z = unpack_tiles(torch.from_numpy(np.ascontiguousarray(t[..., :TILE_BYTES])))
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-    n_planes = bits - 4
-    planes = np.unpackbits(t[..., TILE_BYTES:].reshape(b, g, 4, 2 * n_planes, 8), axis=-1,
-                           bitorder="little").reshape(b, g, 4, n_planes, 2, TILE_ROWS, 4)
-    for p in range(n_planes):
-        q |= planes[:, :, :, p].transpose(0, 4, 1, 3, 2, 5).reshape(b * TILE_ROWS, g, GROUP) << (4 + p)
+    if bits == 5:
+        high = np.unpackbits(t[..., TILE_BYTES:].reshape(b, g, 4, 2, 8), axis=-1, bitorder="little")
+    else:
+        packed = t[..., TILE_BYTES:].reshape(b, g, 4, 32)
+        high = np.stack([np.concatenate([packed & 3, packed >> 4 & 3], axis=-1),
+                         np.concatenate([packed >> 2 & 3, packed >> 6], axis=-1)], axis=3)  # b, g, t, h, 64
+    q |= high.reshape(b, g, 4, 2, TILE_ROWS, 4).transpose(0, 4, 1, 3, 2, 5).reshape(b * TILE_ROWS, g, GROUP) << 4
     q = q.reshape(b * TILE_ROWS, g * GROUP)
     if bits == 6:
         return q, np.stack([s, z], axis=-1).reshape(b * TILE_ROWS, 2 * g), None
