@@ -108,6 +108,8 @@ static inline __attribute__((always_inline)) void block_rows(
         }
         __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
         __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
+        /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
+        const __m512 s1 = z, z0 = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f)), z1 = _mm512_mul_ps(z, _mm512_set1_ps(-32.0f));
         for (int i = 0; i < mt; i++) {
             int64_t at = (m0 + i) * groups + g;
             __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[at]));
@@ -117,8 +119,6 @@ static inline __attribute__((always_inline)) void block_rows(
                     first = _mm512_add_epi32(first, part[i * chains + c]);
                     second = _mm512_add_epi32(second, part[i * chains + c + 1]);
                 }
-                /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
-                __m512 s1 = z, z0 = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f)), z1 = _mm512_mul_ps(s1, _mm512_set1_ps(-32.0f));
                 acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(first), acc[i]);
                 acc[i] = _mm512_fmadd_ps(z0, _mm512_set1_ps(dxs16[2 * at]), acc[i]);
                 acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s1, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(second), acc[i]);

@@ -117,12 +117,12 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, fl
     }
 }
 
-/* A 5- or 6-bit tile's mask for one half of a chunk (32 bits, one per byte) as bytes of `bit` where it is set. */
-static inline __m256i mask_bytes(uint32_t m, char bit) {
+/* A 5-bit tile's mask for one half of a chunk (32 bits, one per byte) as bytes of 0x10 where it is set. */
+static inline __m256i fifth_bits(uint32_t m) {
     const __m256i pick = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
     const __m256i probe = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), pick), probe); /* byte j: m's byte j/8 */
-    return _mm256_and_si256(_mm256_cmpeq_epi8(v, probe), _mm256_set1_epi8(bit));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, probe), _mm256_set1_epi8(0x10));
 }
 
 /* Rows [m0, m0 + mt) of the output for halves half0 .. half0 + nhalf - 1 (rows 0-7, 8-15) of row block `block`.
@@ -171,8 +171,8 @@ static inline __attribute__((always_inline)) void block_rows(
                         part[h][i] = _mm256_add_epi32(part[h][i], widen(pairs(lo, xl)));
                         part2[h][i] = _mm256_add_epi32(part2[h][i], widen(pairs(hi, xh)));
                     } else {
-                        lo = _mm256_or_si256(lo, mask_bytes(m[half0 + h], 0x10));
-                        hi = _mm256_or_si256(hi, mask_bytes(m[2 + half0 + h], 0x10));
+                        lo = _mm256_or_si256(lo, fifth_bits(m[half0 + h]));
+                        hi = _mm256_or_si256(hi, fifth_bits(m[2 + half0 + h]));
                         part[h][i] = _mm256_add_epi32(part[h][i], widen(_mm256_add_epi16(pairs(lo, xl), pairs(hi, xh))));
                     }
                 }
@@ -181,13 +181,14 @@ static inline __attribute__((always_inline)) void block_rows(
         for (int h = 0; h < nhalf; h++) {
             __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * (half0 + h))));
             __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * (half0 + h))));
+            /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
+            __m256 s1 = z, z0 = _mm256_mul_ps(s, _mm256_set1_ps(-32.0f)), z1 = _mm256_mul_ps(z, _mm256_set1_ps(-32.0f));
             for (int i = 0; i < mt; i++) {
                 int64_t at = (m0 + i) * groups + g;
                 __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[at]));
                 __m256i sum = bits == 4 ? widen(part[h][i]) : part[h][i];
                 acc[h][i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(sum), acc[h][i]);
-                if (split) { /* the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
-                    __m256 s1 = z, z0 = _mm256_mul_ps(s, _mm256_set1_ps(-32.0f)), z1 = _mm256_mul_ps(s1, _mm256_set1_ps(-32.0f));
+                if (split) {
                     acc[h][i] = _mm256_fmadd_ps(z0, _mm256_set1_ps(dxs16[2 * at]), acc[h][i]);
                     acc[h][i] = _mm256_fmadd_ps(_mm256_mul_ps(s1, _mm256_set1_ps(dx[at])),
                                                 _mm256_cvtepi32_ps(part2[h][i]), acc[h][i]);

@@ -288,8 +288,8 @@ Weight = torch.Tensor | RawBlocks
 
 def _block_form(kind: str, quant: str, rows: int, act: torch.dtype) -> str:
     """How a GGUF tensor of ``kind`` becomes a layer under ``quant`` (not "none"): "int4" (``Int4Linear``, the
-    file's 4-bit integers as they are), "int5"/"int6" (``WideIntLinear``, the 5- and 6-bit ones, where the kernels
-    run and the activations are bfloat16), "grouped"
+    file's 4-bit integers as they are), "int5" / "int6" (``WideIntLinear``, the 5- and 6-bit ones, where the
+    kernels run and the activations are bfloat16; two names, as the two do not join into one layer), "grouped"
     (``GroupedInt8Linear``, as they are), "rows" (``Int8Linear``, one scale per row: Q8_0 under int8, as before),
     or "float" (dequantized, then quantized as a float weight)."""
     bits = QUANT_SETTINGS[quant][0]
@@ -333,7 +333,8 @@ def _blocks_linear(run: list[RawBlocks], form: str, bias: torch.Tensor | None, q
 def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch.dtype) -> Linear:
     """A linear layer for weight ``w`` under ``quant`` (a ``QUANT_SETTINGS`` key). A GGUF tensor under a setting
     keeps the file's integers where a layer takes them (``_block_form``: Q4_0/Q4_1/Q4_K as int4 under "int4";
-    Q5_0/Q5_1/Q5_K/Q6_K, and Q8_0 under "int4", as grouped int8; no float detour, no second rounding); F16 and
+    Q5_0/Q5_1/Q5_K/Q6_K as 5- and 6-bit layers on the kernels, else, and Q8_0, as grouped int8; no float detour, no
+    second rounding); F16 and
     BF16 under "none" in a float32 model stay 16-bit where the kernels run (``HalfLinear``); anything else is
     dequantized and quantized. Int4 falls back to int8 where the group does not divide the input size or the output
     size is not a multiple of 16. ``act`` is the activation dtype (and, with ``"none"``, the weight dtype)."""

@@ -172,7 +172,7 @@ class WideIntLinear:
         ss: list[np.ndarray] = []
         zs: list[np.ndarray] = []
         for kind, data in parts:
-            if (kind == "Q6_K") != six or (kind not in gguf_quants.INT5_KINDS and kind != "Q6_K"):
+            if (kind == "Q6_K") != six or kind not in gguf_quants.WIDE_KINDS:
                 raise ValueError(f"{kind} does not join {parts[0][0]} in a 5- or 6-bit layer")
             q, s, z, _ = gguf_quants.int8_fields(kind, data)
             if six:  # stored as q - 32; the kernel makes the offset -32 s
