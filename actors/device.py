@@ -52,7 +52,13 @@ from tickloom.events import (
     SwapIn,
     SwapInFailed,
 )
-from tickloom.events.oracle import OracleRow, oracle_accept_count, oracle_extra_count, oracle_step
+from tickloom.events.oracle import (
+    OracleRow,
+    oracle_accept_count,
+    oracle_extra_count,
+    oracle_fill_count,
+    oracle_step,
+)
 
 
 class Executor(Protocol):
@@ -110,14 +116,14 @@ def with_placeholders(step: RunStep, dead: set[str], result: StepResult | None) 
     return StepResult(tokens, widen(result.logprobs, 0.0), widen(result.top_token_ids, []),
                       widen(result.top_logprobs, []), widen(result.prompt_logprobs, []),
                       widen(result.prompt_top_token_ids, []), widen(result.prompt_top_logprobs, []),
-                      widen(result.extra_token_ids, []))
+                      widen(result.extra_token_ids, []), widen(result.proposed, 0))
 
 
 def step_done(command: RunStep, result: StepResult, elapsed_ns: int) -> StepDone:
     """The ``StepDone`` reporting ``result`` for ``command``'s sampling rows."""
     return StepDone(command.step_id, sampled_ids(command), result.token_ids, elapsed_ns, result.logprobs,
                     result.top_token_ids, result.top_logprobs, result.prompt_logprobs, result.prompt_top_token_ids,
-                    result.prompt_top_logprobs, result.extra_token_ids)
+                    result.prompt_top_logprobs, result.extra_token_ids, result.proposed)
 
 
 def sampled_ids(step: RunStep) -> list[str]:
@@ -333,6 +339,9 @@ class StubDevice:
                 (r for r, k in zip(step.request_ids, step.sample_indices, strict=True) if k != NO_SAMPLE), rows,
                 slots, strict=True)]
             result.extra_token_ids = extras if any(extras) else None
+        if any(slots):
+            result.proposed = [oracle_fill_count(row.seed, row.output_index, n) if n else 0
+                               for row, n in zip(rows, slots, strict=True)]
         if dead:
             result = with_placeholders(command, dead, result)
         await self._outbox.send(step_done(command, result, int(seconds * 1e9)))

@@ -55,6 +55,10 @@ class StepDone(Record, frozen=True, tag="done"):
     constraint that admits exactly one continuation forces them), and their KV is written by the sequence's next
     row. On a row with proposal slots (speculative decoding) they are the sampled tokens of the positions whose
     proposal was right, at most one per slot; their KV, but for the last one's, is already written."""
+    proposed: list[int] | None = None
+    """Per sampling row: how many of its proposal slots the proposer filled (0 on a row without slots); at least the
+    row's accepted count. None: every slot was filled (the stub devices; logs written before this field). The
+    core's adaptive k reads it: a row whose proposer found nothing to propose is no evidence against proposing."""
 
 
 class StepFailed(Record, frozen=True, tag="fail"):

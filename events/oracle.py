@@ -59,6 +59,15 @@ def oracle_accept_count(seed: int, index: int, slots: int) -> int:
     return (mixed >> 13) % (slots + 1)
 
 
+def oracle_fill_count(seed: int, index: int, slots: int) -> int:
+    """How many of a row's ``slots`` the oracle devices' proposer fills when the row samples output ``index``: at
+    least ``oracle_accept_count`` (the filled ones past it were wrong), up to ``slots``, stable per (seed, index).
+    A row that accepts none fills none about one time in ``slots + 1``: a proposer that found nothing."""
+    accepted = oracle_accept_count(seed, index, slots)
+    mixed = (seed * 3266489917 + index * 668265263 + 2654435761) & 0xFFFFFFFF
+    return accepted + (mixed >> 9) % (slots - accepted + 1)
+
+
 class OracleSample(NamedTuple):
     """A token with its logprob and the top-k alternatives (best first) under the oracle's distribution."""
 

@@ -29,7 +29,14 @@ from tickloom.events import (
     StepFailed,
     SwapIn,
 )
-from tickloom.events.oracle import OracleRow, oracle_accept_count, oracle_extra_count, oracle_step, oracle_token
+from tickloom.events.oracle import (
+    OracleRow,
+    oracle_accept_count,
+    oracle_extra_count,
+    oracle_fill_count,
+    oracle_step,
+    oracle_token,
+)
 
 __all__ = ["OracleExecutor", "oracle_token"]
 
@@ -115,6 +122,7 @@ class OracleExecutor:
         ids: list[str] = []
         tokens: list[int] = []
         extras: list[list[int]] = []
+        proposed: list[int] = []
         sampled: dict[str, int] = {}
         try:
             row_slots = proposal_slots(step)
@@ -141,6 +149,7 @@ class OracleExecutor:
                 ids.append(request_id)
                 tokens.append(token)
                 sampled[request_id] = token
+                proposed.append(oracle_fill_count(self.seeds[request_id], index, slots) if slots else 0)
                 if slots:
                     accepted = oracle_accept_count(self.seeds[request_id], index, slots)
                     extras.append([self.token(request_id, index + 1 + j) for j in range(accepted)])
@@ -158,9 +167,8 @@ class OracleExecutor:
         self.sampled.pop(step.step_id - 4, None)
         if step.step_id in self.fail_steps:
             return StepFailed(step.step_id, "scripted failure")
-        if any(extras):
-            return StepDone(step.step_id, ids, tokens, self.step_time_ns, extra_token_ids=extras)
-        return StepDone(step.step_id, ids, tokens, self.step_time_ns)
+        return StepDone(step.step_id, ids, tokens, self.step_time_ns, extra_token_ids=extras if any(extras) else None,
+                        proposed=proposed if any(row_slots) else None)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         size = self.block_size or 1

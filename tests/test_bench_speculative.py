@@ -21,4 +21,5 @@ def test_the_bench_runs_every_case_side_by_side_and_reads_acceptance_from_the_lo
         assert row["same_tokens"], row
         assert row["tokens"] == 16 * row["requests"]  # the stub never stops early
         assert 0.0 < row["acceptance"] <= 1.0 and row["tokens_per_row"] > 1.0, row
+        assert 0.0 < row["filled"] < 1.0, row  # the stub's proposer leaves some slots empty (oracle_fill_count)
         assert row["plain_tok_s"] > 0 and row["speculative_tok_s"] > 0

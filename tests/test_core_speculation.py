@@ -152,6 +152,69 @@ def test_all_accepted_doubles_k_and_none_halves_it() -> None:
     assert seq.spec_k == 8
 
 
+def _done_proposed(d: Driver, step_id: int, token: int, extras: list[int], proposed: list[int]) -> None:
+    d.run(StepDone(step_id, ["r"], [token], extra_token_ids=[extras] if extras else None, proposed=proposed))
+
+
+def test_a_row_whose_proposer_filled_no_slot_leaves_k_as_it_is() -> None:
+    """Prompt lookup that finds no match is no rejection: k stays, and the next row has its slots."""
+    d = _started(k=4)
+    seq = d.core.state.seqs["r"]
+    for step in (1, 2, 3):
+        _done_proposed(d, step, 100 + step, [], [0])
+        assert seq.spec_k == 4 and d.row(step + 1)[1] == 5
+    assert seq.kv_settled == P + 3  # each row settled like a plain decode row
+
+
+def test_a_row_that_proposed_and_accepted_none_halves_k() -> None:
+    d = _started(k=4)
+    _done_proposed(d, 1, 101, [], [1])
+    assert d.core.state.seqs["r"].spec_k == 2 and d.row(2)[1] == 3
+
+
+def test_a_row_that_filled_fewer_slots_and_accepted_all_of_them_keeps_k() -> None:
+    """Doubling needs every slot accepted; a proposer that ran out of tokens is no evidence for more."""
+    d = _started(k=8)
+    seq = d.core.state.seqs["r"]
+    _done_proposed(d, 1, 101, [], [2])
+    assert seq.spec_k == 4
+    _done_proposed(d, 2, 102, [103, 104], [2])
+    assert seq.spec_k == 4 and d.emitted[-2:] == [(3, 103), (4, 104)]
+
+
+def test_without_a_proposed_column_every_slot_counts_as_filled() -> None:
+    """Logs from before ``StepDone.proposed`` (and the stub devices' default) replay as they did: none accepted
+    halves k."""
+    d = _started(k=4)
+    d.done(1, 101, [])
+    assert d.core.state.seqs["r"].spec_k == 2
+
+
+@pytest.mark.parametrize(("extras", "proposed", "match"), [
+    ([], [5], "0 proposals accepted of 5 proposed on a row with 4 proposal slots"),
+    ([102, 103], [1], "2 proposals accepted of 1 proposed"),
+    ([], [-1], "of -1 proposed"),
+])
+def test_a_proposed_count_outside_accepted_to_slots_is_an_invariant_violation(extras: list[int],
+                                                                               proposed: list[int],
+                                                                               match: str) -> None:
+    d = _started(k=4)
+    with pytest.raises(InvariantViolation, match=match):
+        _done_proposed(d, 1, 101, extras, proposed)
+
+
+def test_proposals_on_a_row_without_slots_are_an_invariant_violation() -> None:
+    d = _started(k=0)
+    with pytest.raises(InvariantViolation, match="no proposal slots"):
+        _done_proposed(d, 1, 101, [], [2])
+
+
+def test_a_proposed_column_of_the_wrong_length_is_an_invariant_violation() -> None:
+    d = _started(k=4)
+    with pytest.raises(InvariantViolation, match="length differs"):
+        _done_proposed(d, 1, 101, [], [0, 0])
+
+
 def test_a_sequence_that_stops_accepting_retries_one_slot_after_a_while() -> None:
     d = _started(k=1, max_tokens=100)
     seq = d.core.state.seqs["r"]

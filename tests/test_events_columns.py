@@ -22,7 +22,7 @@ def _hints(owner: type) -> dict[str, object]:
     return typing.get_type_hints(owner)
 
 
-AFTER_COLUMNS = {EmitTokens: (), StepDone: ("extra_token_ids",)}
+AFTER_COLUMNS = {EmitTokens: (), StepDone: ("extra_token_ids", "proposed")}
 """Fields a struct appended after the logprob columns (a wire struct only grows at its end)."""
 
 
@@ -40,8 +40,9 @@ def test_the_wire_structs_carry_the_columns_last_in_their_order_and_types() -> N
 def test_step_done_and_a_step_result_are_the_sampled_tokens_then_the_columns() -> None:
     """The stub device and the stub executor build them as tokens then ``*columns``."""
     assert tuple(f.name for f in msgspec.structs.fields(StepDone)) == (
-        "step_id", "request_ids", "token_ids", "step_time_ns", *COLUMNS, "extra_token_ids")
-    assert tuple(f.name for f in dataclasses.fields(StepResult)) == ("token_ids", *COLUMNS, "extra_token_ids")
+        "step_id", "request_ids", "token_ids", "step_time_ns", *COLUMNS, "extra_token_ids", "proposed")
+    assert tuple(f.name for f in dataclasses.fields(StepResult)) == (
+        "token_ids", *COLUMNS, "extra_token_ids", "proposed")
     assert {name: hint for name, hint in _hints(StepResult).items() if name in COLUMNS} == _hints(LogprobColumns)
 
 

@@ -60,8 +60,10 @@ def plain(model: Path, prompt: list[int], spec: SamplingSpec, n: int) -> list[in
     return drv.generate(["x"], n)["x"]
 
 
-def speculate(ex: ModelExecutor, prompt: list[int], spec: SamplingSpec, n: int, k: int) -> tuple[list[int], list[int]]:
-    """Prefill, then rows of one input and ``k`` proposal slots until ``n`` outputs; (outputs, accepted per row)."""
+def speculate(ex: ModelExecutor, prompt: list[int], spec: SamplingSpec, n: int, k: int,
+              filled: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """Prefill, then rows of one input and ``k`` proposal slots until ``n`` outputs; (outputs, accepted per row).
+    ``filled`` gets each decode row's ``StepResult.proposed`` entry (-1 for a step that reports none)."""
     ex.bind(BindRequest("x", spec, 42, len(prompt), []))
     table: list[int] = []
     free = list(range(ex.num_blocks))
@@ -72,6 +74,8 @@ def speculate(ex: ModelExecutor, prompt: list[int], spec: SamplingSpec, n: int, 
         start = len(table)
         table.extend(new)
         res = ex.run_step(step_of(["x"], [position], [len(tokens)], tokens, [index], [start], [len(new)], new))
+        if filled is not None and index > 0:
+            filled.append(-1 if res.proposed is None else res.proposed[0])
         return res.token_ids[0], (res.extra_token_ids or [[]])[0]
 
     token, _ = run(0, prompt, 0)
@@ -95,9 +99,11 @@ def test_a_proposer_that_knows_the_answer_has_every_proposal_accepted(tiny: Path
     want = plain(tiny, prompt, spec, 20)
     ex = make_executor(tiny, dtype="float64", num_blocks=64, block_size=BLOCK)
     ex.proposer = AnswerKey(want, len(prompt))
-    got, rows = speculate(ex, prompt, spec, 20, k=3)
+    filled: list[int] = []
+    got, rows = speculate(ex, prompt, spec, 20, k=3, filled=filled)
     assert got == want
     assert rows == [min(3, 20 - 2 - 4 * i) for i in range(len(rows))]  # every slot accepted, every row
+    assert filled == [n if n else -1 for n in rows]  # each row reports its slots filled; a row without slots, none
 
 
 @pytest.mark.parametrize("wrong_at", [2, 3, 7])
@@ -121,8 +127,11 @@ def test_without_a_proposer_slots_stay_empty_and_the_row_decodes_plainly(tiny: P
     spec = Spec(temperature=1.0)
     prompt = prompts(1, 6, vocab=300, seed=1)[0]
     ex = make_executor(tiny, dtype="float64", num_blocks=64, block_size=BLOCK)
-    got, rows = speculate(ex, prompt, spec, 10, k=3)
+    filled: list[int] = []
+    got, rows = speculate(ex, prompt, spec, 10, k=3, filled=filled)
     assert got == plain(tiny, prompt, spec, 10) and not any(rows)
+    # every row with slots reports that none was filled (the core then keeps its k); the last row has no slots
+    assert filled == [0] * (len(rows) - 1) + [-1]
 
 
 def test_a_draft_that_is_the_target_itself_proposes_what_greedy_decoding_samples(tiny: Path) -> None:
@@ -180,6 +189,22 @@ def test_prompt_lookup_proposes_nothing_without_a_match_and_at_most_most() -> No
     assert p.propose("r", [1, 2, 3, 4, 5], 3) == []
     assert p.propose("s", [1, 2, 3, 4, 1, 2], 1) == [3]
     assert p.propose("s", [1, 2, 3, 4, 1, 2], 0) == []
+
+
+def test_prompt_lookup_after_a_one_token_match_proposes_short_most_tokens() -> None:
+    tokens = [4, 7, 8, 9, 6, 5, 4]  # only "4" recurs: it was followed by 7 8 9
+    assert PromptLookup().propose("r", tokens, 3) == [7]
+    assert PromptLookup(short_most=2).propose("r", tokens, 3) == [7, 8]
+    assert PromptLookup(short_most=0).propose("r", tokens, 3) == []
+    assert PromptLookup(min_n=2).propose("r", tokens, 3) == []  # one-token matches off
+    assert PromptLookup().propose("s", [4, 7, 8, 9, 6, 4, 7], 3) == [8, 9, 6]  # a longer match: up to most
+
+
+def test_prompt_lookup_refuses_settings_that_name_no_match() -> None:
+    with pytest.raises(ValueError, match="min_n"):
+        PromptLookup(max_n=2, min_n=3)
+    with pytest.raises(ValueError, match="short_most"):
+        PromptLookup(short_most=-1)
 
 
 def test_prompt_lookup_indexes_again_when_a_requests_tokens_change_behind_it() -> None:

@@ -99,7 +99,8 @@ class _EngineFields(SchedulingKnobs, frozen=True, kw_only=True, forbid_unknown_f
                                            "a larger one is refused at submit.")] = 100_000
     speculative_proposer: Annotated[Literal["prompt_lookup", "draft"], Meta(
         description="What fills the proposal slots when speculative_tokens > 0: prompt_lookup proposes what followed "
-                    "the request's last 3 (or 2) tokens where they occurred before in its prompt or output; draft "
+                    "the request's last 3 (or 2, or 1: then one token) tokens where they occurred before in its prompt "
+                    "or output; draft "
                     "decodes greedily with speculative_draft_model. The stub model accepts a stable pseudo-random "
                     "share instead. Logged in the header.")] = "prompt_lookup"
     speculative_draft_model: Annotated[Annotated[str, Meta(min_length=1, max_length=4096)] | None, Meta(

@@ -204,15 +204,20 @@ def settle_step(state: CoreState, ctx: TickContext, msg: StepDone) -> None:
     extras = msg.extra_token_ids
     if (msg.logprobs is None and msg.top_token_ids is None and msg.prompt_logprobs is None and ctx.plain
             and state.config.think_start_token is None and extras is None and not state.void_rows
-            and not state.spec_rows):
+            and not state.spec_rows and msg.proposed is None):
         _commit_in_bulk(state, ctx, step, msg)
     else:
         running = Status.RUNNING
         logprobs = msg.logprobs
         for i, seq in enumerate(step.samplers):
             seq.inflight -= 1
+            filled = None if msg.proposed is None else msg.proposed[i]
             if seq.spec_row and not seq.inflight:  # no row is planned after a row with proposal slots
-                settle_proposals(state, seq, len(extras[i]) if extras is not None else 0)
+                settle_proposals(state, seq, len(extras[i]) if extras is not None else 0, filled)
+            elif filled:
+                raise InvariantViolation("step results match their step",
+                                         f"step {msg.step_id}: {filled} proposals on {seq.request_id!r}'s row, "
+                                         f"which has no proposal slots")
             if seq.void:  # a void row is the sequence's earliest in flight: steps settle in order
                 seq.void -= 1
                 state.void_rows -= 1
@@ -260,7 +265,7 @@ def _check_columns(msg: StepDone) -> None:
     """Every optional column of a ``StepDone`` has one entry per sampled token (top-k ids and logprobs alike)."""
     rows = len(msg.token_ids)
     columns = (msg.logprobs, msg.top_token_ids, msg.top_logprobs, msg.prompt_logprobs, msg.prompt_top_token_ids,
-               msg.prompt_top_logprobs, msg.extra_token_ids)
+               msg.prompt_top_logprobs, msg.extra_token_ids, msg.proposed)
     if any(column is not None and len(column) != rows for column in columns):
         raise InvariantViolation("step results match their step",
                                  f"step {msg.step_id}: a logprob column's length differs from its {rows} tokens")

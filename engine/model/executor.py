@@ -260,6 +260,8 @@ class ModelExecutor(BoundRequests[_RequestState]):
             result.prompt_top_logprobs = [p[2] for p in prompts]
         if any(extras):
             result.extra_token_ids = extras
+        if proposals:
+            result.proposed = [len(proposals.get(i, ())) for i, k in enumerate(step.sample_indices) if k >= 0]
         return result
 
     def _prompt_logprobs(self, rows: list[RowSpec], states: list[_RequestState], logits: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from tickloom.engine.model.tables import BoundRequests, proposal_slots
 from tickloom.engine.model.types import HostKV, StepResult
 from tickloom.events import SamplingSpec
 from tickloom.events.commands import BindRequest, RunStep
-from tickloom.events.oracle import OracleRow, oracle_accept_count, oracle_step, oracle_token
+from tickloom.events.oracle import OracleRow, oracle_accept_count, oracle_fill_count, oracle_step, oracle_token
 
 
 def token_for(seed: int, output_index: int, vocab_size: int = 32000) -> int:
@@ -73,6 +73,8 @@ class StubExecutor(BoundRequests[_StubRequest]):
                        for j in range(oracle_accept_count(row.seed, row.output_index, n))]
                       for row, n in zip(rows, slots, strict=True)]
             result.extra_token_ids = extras if any(extras) else None
+            result.proposed = [oracle_fill_count(row.seed, row.output_index, n) if n else 0
+                               for row, n in zip(rows, slots, strict=True)]
         return result
 
     def release(self, request_id: str) -> None:

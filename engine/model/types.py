@@ -28,6 +28,8 @@ class StepResult:
     prompt_top_logprobs: list[list[list[float]]] | None = None
     extra_token_ids: list[list[int]] | None = None
     """Per sampling row: tokens a constraint forced after the sampled one (``events.StepDone.extra_token_ids``)."""
+    proposed: list[int] | None = None
+    """Per sampling row: proposal slots the proposer filled (``events.StepDone.proposed``)."""
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ lookup). Greedy requests, on two kinds of prompt:
 At batch 1 (requests one after another) and at each ``--batch`` (that many at once, ``max_batch_size`` the batch),
 each side runs ``--repeat`` times, alternating; the fastest run counts. Tokens per second is the output tokens over
 the wall time of the run. Both sides must give the same tokens (speculation never changes one; checked here too).
-From the speculating engine's log: the acceptance rate (proposals accepted per proposal slot planned) and the
-tokens per decode row.
+From the speculating engine's log: the share of proposal slots the proposer filled, the acceptance rate
+(proposals accepted per proposal made) and the tokens per decode row with slots.
 
 llama.cpp's own prompt lookup decoding (llama-cpp-python's ``LlamaPromptLookupDecoding``) runs the same prompts at
 batch 1 when llama-cpp-python is installed (``tickloom[bench]``), with and without it.
@@ -84,11 +84,11 @@ def _jobs(prompts: list[str], count: int, max_tokens: int) -> list[tuple[Any, An
              SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=i)) for i in range(count)]
 
 
-def _acceptance(log: Path) -> tuple[int, int, int]:
-    """(proposal slots planned, proposals accepted, decode rows with slots) in a log."""
+def _acceptance(log: Path) -> tuple[int, int, int, int]:
+    """(proposal slots planned, slots the proposer filled, proposals accepted, decode rows with slots) in a log."""
     from tickloom.events import PROPOSE, LogReader, RunStep, StepDone
 
-    slots = accepted = rows = 0
+    slots = filled = accepted = rows = 0
     with LogReader(log) as reader:
         for record in reader.ticks():
             for command in record.outputs.commands:
@@ -99,7 +99,9 @@ def _acceptance(log: Path) -> tuple[int, int, int]:
             for item in record.inputs.inputs:
                 if isinstance(item, StepDone) and item.extra_token_ids:
                     accepted += sum(len(row) for row in item.extra_token_ids)
-    return slots, accepted, rows
+                if isinstance(item, StepDone) and item.proposed:
+                    filled += sum(item.proposed)
+    return slots, filled, accepted, rows
 
 
 def _row_starts(command: Any) -> list[int]:
@@ -132,13 +134,14 @@ async def _case(kind: str, prompts: list[str], batch: int, args: argparse.Namesp
                 best[side] = min(best[side], seconds)
                 outputs[side] = outs
     tokens = sum(len(o) for o in outputs["plain"])
-    slots, accepted, rows = _acceptance(log)
+    slots, filled, accepted, rows = _acceptance(log)
     return {
         "prompts": kind, "batch": batch, "proposer": proposer if dtype is None else f"{proposer} ({dtype} target)",
         "requests": count, "tokens": tokens,
         "plain_tok_s": tokens / best["plain"], "speculative_tok_s": tokens / best["speculative"],
         "ratio": best["plain"] / best["speculative"], "same_tokens": outputs["plain"] == outputs["speculative"],
-        "acceptance": accepted / slots if slots else 0.0, "tokens_per_row": (rows + accepted) / rows if rows else 1.0,
+        "filled": filled / slots if slots else 0.0, "acceptance": accepted / filled if filled else 0.0,
+        "tokens_per_row": (rows + accepted) / rows if rows else 1.0,
     }
 
 
@@ -200,13 +203,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"speculative decoding (prompt lookup, k={args.k}) against plain decoding; {args.model}, greedy")
         print(f"{'proposer':>26} {'prompts':>10} {'batch':>5} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} "
-              f"{'ratio':>6} {'goal':>5} {'accepted':>8} {'tok/row':>7} {'same':>4}")
+              f"{'ratio':>6} {'goal':>5} {'filled':>6} {'accepted':>8} {'tok/row':>7} {'same':>4}")
         for row in rows:
             goal = _goal(row)
             print(f"{row['proposer']:>26} {row['prompts']:>10} {row['batch']:>5} {row['tokens']:>6} "
                   f"{row['plain_tok_s']:>11.1f} "
                   f"{row['speculative_tok_s']:>10.1f} {row['ratio']:>5.2f}x "
-                  f"{'' if goal is None else f'{goal:.2f}x':>5} {row['acceptance']:>8.0%} "
+                  f"{'' if goal is None else f'{goal:.2f}x':>5} {row['filled']:>6.0%} {row['acceptance']:>8.0%} "
                   f"{row['tokens_per_row']:>7.2f} {'yes' if row['same_tokens'] else 'NO':>4}")
         if llama is None:
             print("llama.cpp prompt lookup: not run (needs llama-cpp-python: pip install 'tickloom[bench]')")
