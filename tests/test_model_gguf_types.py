@@ -143,7 +143,8 @@ def test_16_bit_floats_stay_floats(kind: str) -> None:
 @pytest.mark.parametrize("kind", ("F16", "BF16"))
 def test_16_bit_floats_are_read_in_place_by_a_float32_model(kind: str) -> None:
     """A float32 model keeps an F16/BF16 matrix as the file's 16-bit values (the same bytes, no float32 copy) and
-    multiplies it as the float32 model would; a bfloat16 model, or a CPU without the kernels, gets a dense copy."""
+    multiplies it as the float32 model would; a bfloat16 model keeps it in bfloat16 (an F16 file's values rounded
+    once), on the same kernel."""
     data = blocks(kind)
     bias = torch.randn(48)
     lin = quantize_linear(RawBlocks(kind, data, (48, 512)), bias, "none", torch.float32)
@@ -154,8 +155,9 @@ def test_16_bit_floats_are_read_in_place_by_a_float32_model(kind: str) -> None:
     got = lin(x)
     assert got.shape == (3, 2, 48) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert not isinstance(quantize_linear(RawBlocks(kind, data, (48, 512)), None, "none", torch.bfloat16),
-                          HalfLinear)
+    in_bf16 = quantize_linear(RawBlocks(kind, data, (48, 512)), None, "none", torch.bfloat16)
+    assert isinstance(in_bf16, HalfLinear) and in_bf16.kind == "BF16"  # a bfloat16 model's weights: bfloat16
+    assert torch.equal(in_bf16.dequantize(), oracle(kind, data).bfloat16().float())
 
 
 def test_16_bit_fused_parts_join_into_one_half_layer_without_native(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -165,6 +165,64 @@ def test_a_draft_whose_pool_is_full_proposes_nothing_and_release_frees_it(tiny: 
     assert len(draft.propose("b", [5, 6, 7], 2)) == 2
 
 
+def _counting(draft: DraftProposer) -> list[int]:
+    """Records how many tokens each of the draft's forward passes runs."""
+    ran: list[int] = []
+    forward = draft._forward
+
+    def counted(d: object, start: int, tokens: list[int]) -> torch.Tensor:
+        ran.append(len(tokens))
+        return forward(d, start, tokens)  # type: ignore[arg-type]
+
+    draft._forward = counted  # type: ignore[method-assign]
+    return ran
+
+
+def test_a_new_request_starts_from_a_copy_of_a_released_ones_kv_for_their_common_blocks(tiny: Path) -> None:
+    draft = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 16, BLOCK)
+    shared = prompts(1, 10, vocab=300, seed=4)[0]
+    draft.propose("a", [*shared, 5, 6], 2)
+    draft.release("a")
+    ran = _counting(draft)
+    got = draft.propose("b", [*shared, 7, 8, 9], 2)
+    assert ran[0] == 5  # the 10 shared tokens' two whole blocks (8 tokens) copied; the rest run
+    fresh = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 16, BLOCK)
+    assert got == fresh.propose("b", [*shared, 7, 8, 9], 2), "the copied KV differs from a fresh run's"
+
+
+def test_a_request_sharing_part_of_a_released_prompt_leaves_the_rest_for_a_later_one(tiny: Path) -> None:
+    draft = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 16, BLOCK)
+    system, first, second = [3, 4, 5, 6], list(range(20, 32)), list(range(40, 52))
+    draft.propose("a", [*system, *first], 1)
+    draft.release("a")
+    draft.propose("b", [*system, *second], 1)  # shares the first block only
+    draft.release("b")
+    ran = _counting(draft)
+    draft.propose("c", [*system, *first, 60], 1)  # a's prompt again, one token further
+    assert ran[0] == 1
+
+
+def test_a_released_draft_sharing_less_than_a_block_is_not_taken_over(tiny: Path) -> None:
+    draft = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 16, BLOCK)
+    draft.propose("a", [1, 2, 3, 9, 9, 9], 1)
+    draft.release("a")
+    ran = _counting(draft)
+    draft.propose("b", [1, 2, 3, 4, 5, 6], 1)  # 3 tokens shared: under a block of 4
+    assert ran[0] == 6 and len(draft._released) == 1
+
+
+def test_released_drafts_give_their_blocks_back_oldest_first_when_the_pool_needs_them(tiny: Path) -> None:
+    draft = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 4, BLOCK)
+    draft.propose("a", [10, 11, 12, 13], 1)  # 4 positions: 1 block
+    draft.propose("b", [20, 21, 22, 23], 1)
+    draft.release("a")
+    draft.release("b")
+    assert len(draft.propose("c", [30, 31, 32, 33, 34, 35], 3)) == 3  # 8 positions: 2 blocks, 2 free
+    assert [d.tokens[0] for d in draft._released.values()] == [10, 20]
+    assert len(draft.propose("d", [40, 41, 42, 43], 1)) == 1  # needs 1 more: the oldest, a's, goes
+    assert [d.tokens[0] for d in draft._released.values()] == [20]
+
+
 def test_accepted_counts_the_proposals_that_equal_the_token_sampled_before_them() -> None:
     assert accepted([5, 6, 7], [5, 6, 7, 8]) == 3
     assert accepted([5, 6, 7], [5, 9, 7, 8]) == 1

@@ -287,3 +287,57 @@ static inline v16 silu(v16 a) {
 
 #include "cpu_kernels_rowwise.h"
 #include "cpu_kernels_half.h"
+
+/* ---- bfloat16 weights times bfloat16 activations (a bfloat16 model's projections): VDPBF16PS ----
+
+   The same tiles as half_matmul (HN = 4 rows; chunk c of row j at HN c + 16 j), so one 64-byte load holds one
+   chunk of two rows: lanes 0-7 of a VDPBF16PS against the activations' chunk (its 16 values in both halves of the
+   register) sum row j's pairs, lanes 8-15 row j + 1's. The products of two bfloat16 values are exact in float32, as
+   in half_matmul, which widens both sides first; this reads the weights without widening them and does a pair of
+   products per lane, half the instructions (the AVX2 build has no such instruction: native.py widens the
+   activations there and calls half_matmul). Each lane's pairs go in k order and each row's lanes are reduced in a
+   fixed order at its end, whatever the batch or thread count: a row's result does not depend on its batch. */
+
+#define BM 8 /* activation rows per pass */
+
+static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *x, const uint16_t *tile, float *y,
+                                                            int64_t n, int64_t k, int64_t n0, int64_t m0, int mt) {
+    __m512 acc[BM][2];
+    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 16) {
+        __m512bh w01 = (__m512bh)_mm512_loadu_si512((const void *)(tile + HN * c));
+        __m512bh w23 = (__m512bh)_mm512_loadu_si512((const void *)(tile + HN * c + 32));
+        for (int i = 0; i < mt; i++) {
+            __m512bh xv = (__m512bh)_mm512_broadcast_i32x8(_mm256_loadu_si256((const __m256i *)(x + (m0 + i) * k + c)));
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w01);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w23);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < HN && n0 + j < n; j++)
+            y[(m0 + i) * n + n0 + j] = _mm512_mask_reduce_add_ps((__mmask16)(j % 2 ? 0xFF00 : 0x00FF), acc[i][j / 2]);
+}
+
+/* y (M x N float32) = x (M x K bfloat16) @ w^T, w bfloat16 in half_matmul's tiles. Returns 0, or 1 for what it
+   does not take (K % 16). */
+int bf16_matmul(const uint16_t *x, const uint16_t *w, float *y, int64_t m_rows, int64_t n, int64_t k, int threads) {
+    if (k % 16) return 1;
+    const int64_t tiles = (n + HN - 1) / HN;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < tiles; b++) {
+        const uint16_t *tile = w + b * HN * k;
+        int64_t m0 = 0;
+        for (; m0 + BM <= m_rows; m0 += BM) bf16_rows(x, tile, y, n, k, b * HN, m0, BM);
+        switch (m_rows - m0) {
+        case 7: bf16_rows(x, tile, y, n, k, b * HN, m0, 7); break;
+        case 6: bf16_rows(x, tile, y, n, k, b * HN, m0, 6); break;
+        case 5: bf16_rows(x, tile, y, n, k, b * HN, m0, 5); break;
+        case 4: bf16_rows(x, tile, y, n, k, b * HN, m0, 4); break;
+        case 3: bf16_rows(x, tile, y, n, k, b * HN, m0, 3); break;
+        case 2: bf16_rows(x, tile, y, n, k, b * HN, m0, 2); break;
+        case 1: bf16_rows(x, tile, y, n, k, b * HN, m0, 1); break;
+        default: break;
+        }
+    }
+    return 0;
+}

@@ -10,6 +10,14 @@ The typical draft is the target's own weights quantized (``EngineConfig.speculat
 drafting for a float32 or bfloat16 model give the full-precision tokens at a cost per accepted token close to the
 int4 model's, where a decode step is bound by reading the weights.
 
+A released request's KV stays in the draft's pool, unowned, until the pool needs its blocks (oldest first): a new
+request whose tokens begin as a released one's did (a chat template's system prompt, the same document asked
+again, the next turn of a conversation) gets a copy of the blocks that hold their common prefix and runs only what
+differs, as the target's prefix cache spares the target. A copy, not the blocks themselves: a request that shares
+only a system prompt must not take away the rest of a released prompt that a later request may ask again. Without
+it the draft ran every prompt whole: on ``tickloom bench speculative``'s prompts the draft's prefills cost about a
+sixth of a request's time.
+
 Proposals are greedy whatever the request's temperature (a proposal only decides how many tokens a step yields),
 and a function of the tokens and the draft's arithmetic, so a full replay with the same model, dtype and thread
 count proposes the same tokens.
@@ -17,8 +25,10 @@ count proposes the same tokens.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import count
 
 import torch
 
@@ -44,12 +54,16 @@ class DraftProposer:
         self.kv = model.new_kv_cache(num_blocks, block_size)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._drafts: dict[str, _Draft] = {}
+        self._released: OrderedDict[int, _Draft] = OrderedDict()  # released requests' KV, oldest first
+        self._release_ids = count()
         self._gqa = model.cfg.num_heads // model.cfg.num_kv_heads
 
     def propose(self, request_id: str, tokens: Sequence[int], most: int) -> list[int]:
         if most <= 0 or not tokens:
             return []
-        draft = self._drafts.setdefault(request_id, _Draft())
+        draft = self._drafts.get(request_id)
+        if draft is None:
+            draft = self._drafts[request_id] = self._start(tokens)
         keep = _common_prefix(draft.tokens, tokens)
         keep = min(keep, len(tokens) - 1)  # the last token is always run: its logits give the first proposal
         del draft.tokens[keep:]
@@ -68,12 +82,36 @@ class DraftProposer:
     def release(self, request_id: str) -> None:
         draft = self._drafts.pop(request_id, None)
         if draft is not None:
-            self._free.extend(reversed(draft.table))
+            self._released[next(self._release_ids)] = draft
 
-    def _grow(self, draft: _Draft, positions: int) -> bool:
+    def _start(self, tokens: Sequence[int]) -> _Draft:
+        """A new request's draft: holding a copy of the KV of the whole blocks it shares with the released draft
+        that shares the most (a block at least), else nothing."""
+        best: _Draft | None = None
+        shared = 0
+        for released in self._released.values():
+            n = _common_prefix(released.tokens, tokens) // self.block_size * self.block_size
+            if n > shared:
+                best, shared = released, n
+        draft = _Draft()
+        if best is None or not self._grow(draft, shared, spare=best):
+            return draft
+        src = torch.tensor(best.table[: len(draft.table)], device=self.model.device)
+        dst = torch.tensor(draft.table, device=self.model.device)
+        for layer in self.kv.kv:
+            layer.index_copy_(1, dst, layer.index_select(1, src))
+        draft.tokens = list(tokens[:shared])
+        return draft
+
+    def _grow(self, draft: _Draft, positions: int, spare: _Draft | None = None) -> bool:
+        """Blocks for ``positions`` in ``draft``'s table, from the free list, then from released drafts, oldest
+        first (but ``spare``); False, with nothing taken or dropped, if there are not enough."""
         need = -(-positions // self.block_size) - len(draft.table)
-        if need > len(self._free):
+        if need > len(self._free) + sum(len(d.table) for d in self._released.values() if d is not spare):
             return False
+        while need > len(self._free):
+            oldest = next(key for key, d in self._released.items() if d is not spare)
+            self._free.extend(reversed(self._released.pop(oldest).table))
         for _ in range(max(need, 0)):
             draft.table.append(self._free.pop())
         return True

@@ -24,6 +24,7 @@ from tickloom.engine.model.config import ModelConfig
 from tickloom.engine.model.head import head_linear
 from tickloom.engine.model.kv_cache import PagedKVCache
 from tickloom.engine.model.quant import (
+    DenseLinear,
     Embedding,
     Linear,
     RawBlocks,
@@ -285,7 +286,9 @@ class LlamaModel:
 
     def resident_bytes(self) -> int:
         """Bytes of all weights held (the head shares the embedding's storage when dense and tied)."""
-        shared = self.cfg.tie_word_embeddings and self.quant == "none" and self.embed.table is not None
+        # a dense head of tied weights is the embedding's tensor; a bfloat16 model's head on the kernels is a copy
+        shared = (self.cfg.tie_word_embeddings and isinstance(self.lm_head, DenseLinear)
+                  and self.embed.table is not None)
         return self.weight_bytes() + (0 if shared else self.embed.nbytes())
 
     def _decode_bias(self, mask: torch.Tensor, rows: int) -> torch.Tensor:

@@ -133,6 +133,10 @@ class _Kernel:
         self.half_matmul = lib.half_matmul
         self.half_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         self.half_matmul.restype = ctypes.c_int
+        self.bf16_matmul = getattr(lib, "bf16_matmul", None)  # the AVX512 build's alone
+        if self.bf16_matmul is not None:
+            self.bf16_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+            self.bf16_matmul.restype = ctypes.c_int
 
 
 def status() -> str:
@@ -415,6 +419,24 @@ def half_matmul(x: torch.Tensor, tiles: np.ndarray, n: int, kind: str) -> torch.
     if _kernel().half_matmul(x.data_ptr(), tiles.ctypes.data, y.data_ptr(), m, n, k, HALF_KINDS[kind],
                              torch.get_num_threads()):
         raise ValueError(f"half kernel: unsupported shape N={n}, K={k}")
+    return y
+
+
+def bf16_matmul(x: torch.Tensor, tiles: np.ndarray, n: int) -> torch.Tensor:
+    """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_half_tiles`` weight of ``n`` rows of BF16 bits, ``M x N``
+    float32: by bfloat16 pair products on the AVX512 build, by ``half_matmul`` of the widened activations on AVX2
+    (the same products, summed in another order)."""
+    kernel = _kernel()
+    m, k = x.shape
+    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or tiles.shape[1] * 16 != k or not tiles.flags.c_contiguous
+            or tiles.shape[0] * HALF_TILE_ROWS < n):
+        raise ValueError(f"bf16_matmul: x {tuple(x.shape)} {x.dtype}, tiles {tiles.shape}: wants bfloat16 M x K and "
+                         f"the tiles of N x K")
+    if kernel.bf16_matmul is None:
+        return half_matmul(x.float(), tiles, n, "BF16")
+    y = torch.empty(m, n, dtype=torch.float32)
+    if kernel.bf16_matmul(x.data_ptr(), tiles.ctypes.data, y.data_ptr(), m, n, k, torch.get_num_threads()):
+        raise ValueError(f"bf16 kernel: unsupported shape N={n}, K={k}")
     return y
 
 

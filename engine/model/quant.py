@@ -335,7 +335,8 @@ def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch
     keeps the file's integers where a layer takes them (``_block_form``: Q4_0/Q4_1/Q4_K as int4 under "int4";
     Q5_0/Q5_1/Q5_K/Q6_K as 5- and 6-bit layers on the kernels, else, and Q8_0, as grouped int8; no float detour, no
     second rounding); F16 and
-    BF16 under "none" in a float32 model stay 16-bit where the kernels run (``HalfLinear``); anything else is
+    BF16 under "none" in a float32 model stay 16-bit where the kernels run (``HalfLinear``), as does every weight
+    of a bfloat16 model under "none" there (its matmuls then row-invariant); anything else is
     dequantized and quantized. Int4 falls back to int8 where the group does not divide the input size or the output
     size is not a multiple of 16. ``act`` is the activation dtype (and, with ``"none"``, the weight dtype)."""
     bits, group = QUANT_SETTINGS[quant]
@@ -344,7 +345,15 @@ def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch
             return _blocks_linear([w], _block_form(w.kind, quant, w.shape[0], act), bias, quant, act)
         if w.kind in native.HALF_KINDS and act == torch.float32 and native.available() and w.shape[1] % 16 == 0:
             return HalfLinear(w.kind, w.data.view(np.uint16), bias)  # the file's 16 bits, not a float32 copy
+        if w.kind == "BF16" and act == torch.bfloat16 and native.available() and w.shape[1] % 16 == 0:
+            return HalfLinear("BF16", w.data.view(np.uint16), bias)
         w = w.dequantize()
+    if not bits and act == torch.bfloat16 and w.device.type == "cpu" and native.available() and w.shape[1] % 16 == 0:
+        # A bfloat16 model's projections on the kernels rather than torch's bfloat16 matmul, whose sums for a row
+        # depend on how many rows share the call (one row and five differ in the last bits, enough to change a
+        # token at a near-tie): the kernel's do not, so batching and speculation cannot change a token. Its
+        # float32 sums are rounded to bfloat16 once, as torch's are.
+        return HalfLinear("BF16", w.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16), bias)
     if bits == 4 and w.shape[0] % 16 == 0 and w.shape[1] % group == 0:  # the int4 pack wants rows in sixteens
         return Int4Linear.from_float(w, group, bias, act)
     if bits:

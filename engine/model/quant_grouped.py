@@ -214,7 +214,8 @@ class WideIntLinear:
 
 
 class HalfLinear:
-    """A GGUF F16 or BF16 matrix for a float32 model, as the file stores it: its 16-bit values, reordered once into
+    """A GGUF F16 or BF16 matrix for a float32 model (or any weight of a bfloat16 model, in bfloat16), as the file
+    stores it: its 16-bit values, reordered once into
     the kernel's 4-row tiles (``native.pack_half_tiles``: one stream per step, where the file's rows side by side
     were four; the same bytes as the file, and the file's pages are dropped after the load). ``native.half_matmul``
     widens each weight to float32 as it multiplies, so the products are the float32 model's, at half its memory and
@@ -231,11 +232,18 @@ class HalfLinear:
         self.bias = None if bias is None else bias.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
-        y = native.half_matmul(x2, self.tiles, self.out_features, self.kind)
+        return self.forward_f32(x).to(x.dtype)
+
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` before its rounding to ``x``'s dtype (for a float32 residual stream)."""
+        if x.dtype == torch.bfloat16 and self.kind == "BF16":  # a bfloat16 model: pair products on bfloat16
+            y = native.bf16_matmul(x.reshape(-1, self.in_features).contiguous(), self.tiles, self.out_features)
+        else:
+            y = native.half_matmul(x.reshape(-1, self.in_features).float().contiguous(), self.tiles,
+                                   self.out_features, self.kind)
         if self.bias is not None:
             y += self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         bits = native.unpack_half_tiles(self.tiles, self.out_features)
