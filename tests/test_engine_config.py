@@ -75,7 +75,7 @@ def test_the_core_gets_every_knob_as_given_and_only_the_derived_fields_from_the_
     knobs: dict[str, Any] = dict(block_size=8, max_batch_size=5, max_seq_len=100, max_prefill_tokens=33,
                                  max_batch_tokens=77, admit_watermark=3, pipeline_depth=1, preempt_immunity_tokens=9,
                                  prefix_caching=False, max_waiting=11, think_start_token=4, think_end_token=5,
-                                 speculative_tokens=3, speculative_max_running=2)
+                                 speculative_tokens=3, speculative_max_running=3)
     assert set(knobs) == set(KNOBS)
     defaults = EngineConfig()
     assert all(getattr(defaults, name) != value for name, value in knobs.items())

@@ -121,7 +121,7 @@ async def test_the_default_model_gives_the_same_tokens_with_speculation(tmp_path
     copying = [(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0)),
                (PROMPTS[4], SamplingParams(max_tokens=40, temperature=0.7, seed=seed))]
     jobs = copying + _random_jobs(rng, 4)
-    kw: dict[str, Any] = dict(max_batch_size=4, pipeline_depth=rng.choice([1, 2]))
+    kw: dict[str, Any] = dict(max_batch_size=4, pipeline_depth=rng.choice([1, 2]), speculative_max_running=4)
     if seed == 2:
         kw.update(num_blocks=14, host_spill_bytes=64 << 20, max_seq_len=200)
     plain_log, spec_log = tmp_path / "plain.tlog", tmp_path / "spec.tlog"

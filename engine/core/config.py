@@ -65,7 +65,8 @@ class SchedulingKnobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     speculative_max_running: Annotated[int, Meta(
         ge=1, le=65536, description="Decode rows get proposal slots only while at most this many sequences run: a "
                                     "larger batch already keeps the device busy, and verifying proposals then costs "
-                                    "more than it saves (vLLM's disable_by_batch_size).")] = 4
+                                    "more than it saves (vLLM's disable_by_batch_size). On a CPU a step of more "
+                                    "than a few rows is bound by arithmetic, so the default is small.")] = 2
     think_start_token: Annotated[TokenIdKnob | None, Meta(
         description="The token that opens a reasoning span (set with think_end_token); thinking_budget counts the "
                     "tokens inside.")] = None
