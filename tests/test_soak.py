@@ -182,7 +182,7 @@ async def test_soak_1000_requests_on_the_stub(tmp_path: Path, autojump_clock: tr
     # 24 blocks of 16 tokens hold about four long sequences: preemption and swapping never stop.
     config = stub_config(log, num_blocks=24, max_seq_len=128, max_batch_size=12, spill_dir=str(spill),
                          host_spill_bytes=2048, faults=faults, stub_step_time=0.01,
-                         speculative_tokens=speculative_tokens)
+                         speculative_tokens=speculative_tokens, speculative_max_running=12)
     seen = await _soak(config, plans, concurrency=48, pace=0.004)
     reasons = _check(log, plans, seen, faults)
     print(f"soak: {len(plans)} requests, finishes {dict(reasons)}")
@@ -217,7 +217,7 @@ async def test_soak_on_the_tiny_model(tiny_model: Path, tmp_path: Path, speculat
     log = tmp_path / "tiny.tlog"
     config = EngineConfig(model=str(tiny_model), dtype="float32", max_seq_len=96, num_blocks=12, max_batch_size=8,
                           log_path=str(log), spill_dir=str(tmp_path / "spill"), host_spill_bytes=4096,
-                          faults=faults, speculative_tokens=speculative_tokens)
+                          faults=faults, speculative_tokens=speculative_tokens, speculative_max_running=8)
     seen = await _soak(config, plans, concurrency=16, pace=0.002)
     reasons = _check(log, plans, seen, faults)
     print(f"tiny soak: {len(plans)} requests, finishes {dict(reasons)}")

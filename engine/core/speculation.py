@@ -30,8 +30,9 @@ batch 1 gained 1.39x instead of 2.0x.)
 
 **Only at small batches.** While more than ``speculative_max_running`` sequences run, no row gets slots: a step of
 many rows keeps the device busy anyway, and the rows a proposal adds cost compute that a batch no longer has to
-spare. (On the CPU kernels a step of more than about four rows is bound by arithmetic: with four sequences
-speculating, open-ended prompts ran at 0.84x of plain decoding, hence the default of 2.) (``running`` is pruned before the decode rows are planned, so the count is the running sequences'.)
+spare. On the CPU kernels a step of more than about four rows is bound by arithmetic: with four sequences
+speculating, open-ended prompts ran at 0.84x of plain decoding, hence the default of 2. (``running`` is pruned
+before the decode rows are planned, so the count is the running sequences'.)
 
 Requests whose tokens depend on more than the logits of their own position do not propose: a structured-output
 constraint (its forced tokens are extra tokens of their own), logprobs (extra tokens carry none) and a thinking

@@ -175,6 +175,7 @@ def engine_config(script: Script, log_path: Path) -> EngineConfig:
         max_waiting=s.max_waiting + s.max_batch_size, overload=s.overload,  # type: ignore[arg-type]
         host_spill_bytes=1 << 30 if s.spill else 0, spill_dir=None, prefix_caching=s.prefix_caching,
         preempt_immunity_tokens=s.immunity, speculative_tokens=s.speculative_tokens,
+        speculative_max_running=4,  # speculation among batch mixes, not only at a batch's tail
         snapshot_every=s.snapshot_every, stub_step_time=s.step_time, faults=plan,
     )
 
