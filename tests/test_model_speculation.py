@@ -223,6 +223,16 @@ def test_released_drafts_give_their_blocks_back_oldest_first_when_the_pool_needs
     assert [d.tokens[0] for d in draft._released.values()] == [20]
 
 
+def test_at_most_max_released_drafts_are_kept(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tickloom.engine.model.draft.MAX_RELEASED", 2)
+    draft = DraftProposer(make_executor(tiny, dtype="float64", num_blocks=1).model, 8, BLOCK)
+    for n, rid in enumerate("abc"):
+        draft.propose(rid, [10 * n + 3, 10 * n + 4, 10 * n + 5, 10 * n + 6], 1)
+        draft.release(rid)
+    assert [d.tokens[0] for d in draft._released.values()] == [13, 23]  # a's blocks went back to the free list
+    assert len(draft._free) == 8 - 2
+
+
 def test_accepted_counts_the_proposals_that_equal_the_token_sampled_before_them() -> None:
     assert accepted([5, 6, 7], [5, 6, 7, 8]) == 3
     assert accepted([5, 6, 7], [5, 9, 7, 8]) == 1

@@ -35,6 +35,9 @@ import torch
 from tickloom.engine.model.batch import RowSpec, build_step_batch
 from tickloom.engine.model.llama import LlamaModel
 
+MAX_RELEASED = 64
+"""Released requests whose KV the draft keeps at most (each new request compares its tokens with every one)."""
+
 
 @dataclass(slots=True)
 class _Draft:
@@ -83,6 +86,8 @@ class DraftProposer:
         draft = self._drafts.pop(request_id, None)
         if draft is not None:
             self._released[next(self._release_ids)] = draft
+            if len(self._released) > MAX_RELEASED:
+                self._free.extend(reversed(self._released.popitem(last=False)[1].table))
 
     def _start(self, tokens: Sequence[int]) -> _Draft:
         """A new request's draft: holding a copy of the KV of the whole blocks it shares with the released draft
