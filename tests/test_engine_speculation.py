@@ -115,15 +115,16 @@ async def test_the_default_model_gives_the_same_tokens_with_speculation(tmp_path
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """Two prompts whose outputs copy their input, and random prompts (copy-heavy and open-ended), seeds,
     temperatures, penalties and min_tokens, batched, with k and the pipeline depth at random; with few blocks and a
-    spill tier on seed 2, so that speculation meets preemption and swaps. Prompt lookup on seed 1; on seed 2 the
-    draft proposer, the model's own weights in int4 drafting for it in float32."""
+    spill tier on seed 2, so that speculation meets preemption and swaps. Prompt lookup on seed 1 (the default
+    model: bfloat16 activations, int4 weights); on seed 2 the draft proposer, the model's own weights in int4
+    drafting for the unquantized bfloat16 model (its projections on the kernels' bfloat16 matmul)."""
     rng = random.Random(seed)
     copying = [(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0)),
                (PROMPTS[4], SamplingParams(max_tokens=40, temperature=0.7, seed=seed))]
     jobs = copying + _random_jobs(rng, 4)
     kw: dict[str, Any] = dict(max_batch_size=4, pipeline_depth=rng.choice([1, 2]), speculative_max_running=4)
     if seed == 2:
-        kw.update(num_blocks=14, host_spill_bytes=64 << 20, max_seq_len=200)
+        kw.update(num_blocks=14, host_spill_bytes=64 << 20, max_seq_len=200, dtype="bfloat16", quant="none")
     plain_log, spec_log = tmp_path / "plain.tlog", tmp_path / "spec.tlog"
     plain = await _model_run(plain_log, 0, jobs, **kw)
     spec = await _model_run(spec_log, rng.choice([2, 4, 6]), jobs, speculative_proposer=proposer, **kw)
