@@ -89,3 +89,21 @@ def test_speculation_on_a_bfloat16_model_gives_the_plain_tokens(tiny32: Path, wr
     got, rows = speculate(ex, prompt, spec, 16, k=4)
     assert got == want
     assert sum(rows) > 0  # rows of five did run
+
+
+def test_a_tied_bfloat16_model_looks_its_embeddings_up_in_the_heads_tiles(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from tickloom.engine.model.loaders import load_model
+
+    path = write_tiny_model(tmp_path / "tied", seed=9, vocab_size=320, hidden_size=128, intermediate_size=256,
+                            num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
+    model = load_model(path, dtype="bfloat16").model
+    assert model.embed.table is None and model.embed.half is model.lm_head  # one copy of the tied weights
+    table = load_file(str(path / "model.safetensors"))["model.embed_tokens.weight"].bfloat16()
+    ids = torch.tensor([0, 1, 319, 7, 7, 128])
+    assert torch.equal(model.embed(ids), table[ids])
+    untied = load_model(write_tiny_model(tmp_path / "untied", seed=9, vocab_size=320, hidden_size=128,
+                                         intermediate_size=256, num_heads=4, num_kv_heads=2),
+                        dtype="bfloat16").model
+    assert untied.embed.table is not None  # an untied head is another matrix: the table stays

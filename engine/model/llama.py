@@ -168,6 +168,8 @@ class LlamaModel:
             ]
             self.lm_head: Linear = pending.result()
         self.embed.release_pages()  # packing read every page of the file; lookups need a few rows
+        if cfg.tie_word_embeddings:
+            self.embed.read_rows_from(self.lm_head)
         self.scale = opts.attn_scale
         self._q_size, self._kv_size, self._gqa = cfg.q_size, cfg.kv_size, cfg.num_heads // cfg.num_kv_heads
         self._rope_heads, self._kv_heads2 = cfg.num_heads + cfg.num_kv_heads, 2 * cfg.num_kv_heads

@@ -407,6 +407,13 @@ def unpack_half_tiles(tiles: np.ndarray, n: int) -> np.ndarray:
     return tiles.reshape(t, chunks, HALF_TILE_ROWS, 16).transpose(0, 2, 1, 3).reshape(t * HALF_TILE_ROWS, -1)[:n]
 
 
+def half_tile_rows(tiles: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` of a ``pack_half_tiles`` weight, ``len(rows) x K`` uint16 (an embedding lookup)."""
+    chunks = tiles.shape[1]
+    picked = tiles[rows // HALF_TILE_ROWS].reshape(len(rows), chunks, HALF_TILE_ROWS, 16)
+    return np.ascontiguousarray(picked[np.arange(len(rows)), :, rows % HALF_TILE_ROWS]).reshape(len(rows), -1)
+
+
 def half_matmul(x: torch.Tensor, tiles: np.ndarray, n: int, kind: str) -> torch.Tensor:
     """``x`` (``M x K`` float32, contiguous) times a ``pack_half_tiles`` weight of ``n`` rows of ``kind`` ("BF16" or
     "F16") bits, ``M x N`` float32."""
