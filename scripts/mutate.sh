@@ -80,31 +80,31 @@ engine.core.admission.x_admit__mutmut_4	>= becomes >: at a full batch the loop a
 engine.core.admission.x_admit__mutmut_46	make_room gets no ctx on the lone path: nothing is active, so there is no swap-out, its only use of ctx
 engine.core.admission.x_admit__mutmut_66	admission numbers step by 2: they are only compared with each other (victim and swap-out order)
 engine.core.admission.x_make_room__mutmut_5	> becomes >=: reclaim(0) frees nothing and the shortfall is recomputed the same
-engine.core.apply.x_commit_token__mutmut_61	the forced call passes None for think-end: its first test replaces any token but think-end by think-end, the budget being spent
+engine.core.settle.x_commit_token__mutmut_61	the forced call passes None for think-end: its first test replaces any token but think-end by think-end, the budget being spent
 engine.core.apply.x_shut_down__mutmut_20	dequeue=None for dequeue=False: both falsy
 engine.core.apply.x_shut_down__mutmut_26	dequeue left True: each parked request also leaves its queue one by one, which shutdown then empties anyway (only slower)
 engine.core.apply.x_shut_down__mutmut_31	dequeue=True: as mutant 26
 engine.core.apply.x_shut_down__mutmut_29	the shutdown error at index len+1, not len-1: the only reason that can follow it in the tick is the sweep's timeout at len-1, which wins either way; earlier reasons stand either way
 engine.core.apply.x_spill_done__mutmut_28	unblocked not set after a failed spill: it only matters with no step in flight, and then the requeued sequence resumes in this tick's resume phase, which sets it
 engine.core.apply.x_spill_done__mutmut_29	as mutant 28 (False for None)
-engine.core.apply.x_fail_step__mutmut_8	a failed step's samplers are all among its rows, which it ends: retired this tick, their in-flight count is never read again
-engine.core.apply.x_fail_step__mutmut_9	as mutant 8
-engine.core.apply.x_fail_step__mutmut_10	as mutant 8
-engine.core.apply.x_fail_step__mutmut_25	the error at len+1, not len-1: reasons after it in the tick (stop match, deadline sweep) come at len-1 or earlier and win either way, as they do over error, the lowest rank
-engine.core.apply.x_fail_step__mutmut_47	as mutant 25, for a request sharing the failed step's blocks
+engine.core.settle.x_fail_step__mutmut_8	a failed step's samplers are all among its rows, which it ends: retired this tick, their in-flight count is never read again
+engine.core.settle.x_fail_step__mutmut_9	as mutant 8
+engine.core.settle.x_fail_step__mutmut_10	as mutant 8
+engine.core.settle.x_fail_step__mutmut_25	the error at len+1, not len-1: reasons after it in the tick (stop match, deadline sweep) come at len-1 or earlier and win either way, as they do over error, the lowest rank
+engine.core.settle.x_fail_step__mutmut_47	as mutant 25, for a request sharing the failed step's blocks
 engine.core.apply.x_apply_inputs__mutmut_2	always sorted: sorting none or one input changes nothing (the guard only skips the call)
 engine.core.apply.x_apply_inputs__mutmut_4	as mutant 2: a single input is sorted too
 engine.core.apply.x_apply_inputs__mutmut_82	a DeadlineReached entry keyed -2 instead of -1: due at once either way, and ordered among such entries by arrival alike
 engine.core.apply.x__invalid_arrival__mutmut_12	the fast guard <= 0: a prompt with token 0 takes the per-token scan, which finds it valid
 engine.core.apply.x__invalid_arrival__mutmut_13	as mutant 12 (< 1)
-engine.core.apply.x__commit_in_bulk__mutmut_4	discarded = None: falsy like False
-engine.core.apply.x__commit_in_bulk__mutmut_5	discarded = True: every step takes the per-row emit path, which emits the same rows (only slower)
-engine.core.apply.x__commit_in_bulk__mutmut_8	zip without strict: settle_step has already refused a token count unlike the samplers
-engine.core.apply.x__commit_in_bulk__mutmut_11	as mutant 8
-engine.core.apply.x__commit_in_bulk__mutmut_12	as mutant 8
-engine.core.apply.x__settle_kv__mutmut_4	zip without strict: a step's rows and KV ends are built together, one each
-engine.core.apply.x__settle_kv__mutmut_7	as mutant 4
-engine.core.apply.x__settle_kv__mutmut_8	as mutant 4
+engine.core.settle.x__commit_in_bulk__mutmut_4	discarded = None: falsy like False
+engine.core.settle.x__commit_in_bulk__mutmut_5	discarded = True: every step takes the per-row emit path, which emits the same rows (only slower)
+engine.core.settle.x__commit_in_bulk__mutmut_8	zip without strict: settle_step has already refused a token count unlike the samplers
+engine.core.settle.x__commit_in_bulk__mutmut_11	as mutant 8
+engine.core.settle.x__commit_in_bulk__mutmut_12	as mutant 8
+engine.core.settle.x__settle_kv__mutmut_4	zip without strict: a step's rows and KV ends are built together, one each
+engine.core.settle.x__settle_kv__mutmut_7	as mutant 4
+engine.core.settle.x__settle_kv__mutmut_8	as mutant 4
 engine.core.planner.x_can_run_ahead__mutmut_1	> for >=: plan_step plans only with fewer than pipeline_depth steps in flight, so a sequence never has pipeline_depth rows in flight here
 engine.core.planner.x_can_run_ahead__mutmut_2	as mutant 1: the early return is never taken
 engine.core.planner.x__plan_decode__mutmut_22	looked_at_all = None for False: falsy alike

@@ -87,7 +87,7 @@ class Seq:
     finish_index: int = -1
     finish_error: str = ""
     _stop_rule: tuple[frozenset[int], int] | None = None
-    """Cache for ``apply.settle_step``: (stop token set, length limit), set on first use. Private, so snapshots
+    """Cache for ``settle.settle_step``: (stop token set, length limit), set on first use. Private, so snapshots
     (msgspec skips underscored attrs fields) do not hold it; a restored sequence recomputes it."""
     _run_order: int = -1
     """When it last joined ``running`` (``CoreState.next_run_order``), so ``lane`` can compare running order

@@ -46,6 +46,7 @@ from types import ModuleType
 import tickloom.engine.core.apply as apply_module
 import tickloom.engine.core.planner as planner_module
 import tickloom.engine.core.scheduler as scheduler_module
+import tickloom.engine.core.settle as settle_module
 import tickloom.engine.core.tick_end as tick_end_module
 from tickloom.engine.core.context import TickContext
 from tickloom.engine.core.finish import mark_finish
@@ -119,7 +120,7 @@ def reclaim_nothing(state: CoreState, candidates: list[Seq]) -> None:
 
 
 def commit_streaming_overruns(state: CoreState, ctx: TickContext, step: InflightStep, msg: StepDone) -> None:
-    """``apply._commit_in_bulk`` that streams every row's token, those of finished sequences (over-runs) too."""
+    """``settle._commit_in_bulk`` that streams every row's token, those of finished sequences (over-runs) too."""
     running = Status.RUNNING
     for seq, token in zip(step.samplers, msg.token_ids, strict=True):
         seq.inflight -= 1
@@ -134,7 +135,7 @@ def commit_streaming_overruns(state: CoreState, ctx: TickContext, step: Inflight
     for i in candidates:
         seq = step.samplers[i]
         if seq.status is running:
-            apply_module._apply_stop_rules(state, seq, msg.token_ids[i], step.sampler_indices[i])
+            settle_module._apply_stop_rules(state, seq, msg.token_ids[i], step.sampler_indices[i])
 
 
 def stop_matched_unless_finishing(state: CoreState, msg: StopMatched) -> None:
@@ -239,7 +240,7 @@ VARIANTS: dict[str, dict[str, Variant]] = {
         "preempt-unsettled": lambda: patched(planner_module, "ensure_blocks", ensure_blocks_any_victim),
         "swapped-deadline": lambda: patched(scheduler_module, "sweep_deadlines", sweep_deadlines_skipping_swapped),
         "swap-in-no-reclaim": lambda: patched(tick_end_module, "reclaim_for_swap_in", reclaim_nothing),
-        "stream-overrun": lambda: patched(apply_module, "_commit_in_bulk", commit_streaming_overruns),
+        "stream-overrun": lambda: patched(settle_module, "_commit_in_bulk", commit_streaming_overruns),
         "stop-loses": lambda: patched(apply_module, "stop_matched", stop_matched_unless_finishing),
     },
     "actors": {
