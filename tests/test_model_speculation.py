@@ -218,9 +218,9 @@ def test_released_drafts_give_their_blocks_back_oldest_first_when_the_pool_needs
     draft.release("a")
     draft.release("b")
     assert len(draft.propose("c", [30, 31, 32, 33, 34, 35], 3)) == 3  # 8 positions: 2 blocks, 2 free
-    assert [d.tokens[0] for d in draft._released.values()] == [10, 20]
+    assert [d.tokens[0] for d in draft._released] == [10, 20]
     assert len(draft.propose("d", [40, 41, 42, 43], 1)) == 1  # needs 1 more: the oldest, a's, goes
-    assert [d.tokens[0] for d in draft._released.values()] == [20]
+    assert [d.tokens[0] for d in draft._released] == [20]
 
 
 def test_at_most_max_released_drafts_are_kept(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -229,7 +229,7 @@ def test_at_most_max_released_drafts_are_kept(tiny: Path, monkeypatch: pytest.Mo
     for n, rid in enumerate("abc"):
         draft.propose(rid, [10 * n + 3, 10 * n + 4, 10 * n + 5, 10 * n + 6], 1)
         draft.release(rid)
-    assert [d.tokens[0] for d in draft._released.values()] == [13, 23]  # a's blocks went back to the free list
+    assert [d.tokens[0] for d in draft._released] == [13, 23]  # a's blocks went back to the free list
     assert len(draft._free) == 8 - 2
 
 

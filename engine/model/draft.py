@@ -25,10 +25,8 @@ count proposes the same tokens.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import count
 
 import torch
 
@@ -57,8 +55,7 @@ class DraftProposer:
         self.kv = model.new_kv_cache(num_blocks, block_size)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._drafts: dict[str, _Draft] = {}
-        self._released: OrderedDict[int, _Draft] = OrderedDict()  # released requests' KV, oldest first
-        self._release_ids = count()
+        self._released: list[_Draft] = []  # released requests' KV, oldest first
         self._gqa = model.cfg.num_heads // model.cfg.num_kv_heads
 
     def propose(self, request_id: str, tokens: Sequence[int], most: int) -> list[int]:
@@ -85,16 +82,16 @@ class DraftProposer:
     def release(self, request_id: str) -> None:
         draft = self._drafts.pop(request_id, None)
         if draft is not None:
-            self._released[next(self._release_ids)] = draft
+            self._released.append(draft)
             if len(self._released) > MAX_RELEASED:
-                self._free.extend(reversed(self._released.popitem(last=False)[1].table))
+                self._free.extend(reversed(self._released.pop(0).table))
 
     def _start(self, tokens: Sequence[int]) -> _Draft:
         """A new request's draft: holding a copy of the KV of the whole blocks it shares with the released draft
         that shares the most (a block at least), else nothing."""
         best: _Draft | None = None
         shared = 0
-        for released in self._released.values():
+        for released in self._released:
             n = _common_prefix(released.tokens, tokens) // self.block_size * self.block_size
             if n > shared:
                 best, shared = released, n
@@ -112,10 +109,10 @@ class DraftProposer:
         """Blocks for ``positions`` in ``draft``'s table, from the free list, then from released drafts, oldest
         first (but ``spare``); False, with nothing taken or dropped, if there are not enough."""
         need = -(-positions // self.block_size) - len(draft.table)
-        if need > len(self._free) + sum(len(d.table) for d in self._released.values() if d is not spare):
+        if need > len(self._free) + sum(len(d.table) for d in self._released if d is not spare):
             return False
         while need > len(self._free):
-            oldest = next(key for key, d in self._released.items() if d is not spare)
+            oldest = next(i for i, d in enumerate(self._released) if d is not spare)
             self._free.extend(reversed(self._released.pop(oldest).table))
         for _ in range(max(need, 0)):
             draft.table.append(self._free.pop())

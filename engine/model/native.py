@@ -408,42 +408,40 @@ def unpack_half_tiles(tiles: np.ndarray, n: int) -> np.ndarray:
 
 
 def half_tile_rows(tiles: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Rows ``rows`` of a ``pack_half_tiles`` weight, ``len(rows) x K`` uint16 (an embedding lookup)."""
-    chunks = tiles.shape[1]
-    picked = tiles[rows // HALF_TILE_ROWS].reshape(len(rows), chunks, HALF_TILE_ROWS, 16)
-    return np.ascontiguousarray(picked[np.arange(len(rows)), :, rows % HALF_TILE_ROWS]).reshape(len(rows), -1)
+    """Rows ``rows`` of a ``pack_half_tiles`` weight, ``len(rows) x K`` uint16 (an embedding lookup): their tiles
+    unpacked, then each row picked from its tile."""
+    picked = unpack_half_tiles(tiles[rows // HALF_TILE_ROWS], HALF_TILE_ROWS * len(rows))
+    return np.ascontiguousarray(picked.reshape(len(rows), HALF_TILE_ROWS, -1)[np.arange(len(rows)),
+                                                                              rows % HALF_TILE_ROWS])
 
 
 def half_matmul(x: torch.Tensor, tiles: np.ndarray, n: int, kind: str) -> torch.Tensor:
     """``x`` (``M x K`` float32, contiguous) times a ``pack_half_tiles`` weight of ``n`` rows of ``kind`` ("BF16" or
     "F16") bits, ``M x N`` float32."""
-    m, k = x.shape
-    if (x.dtype != torch.float32 or not x.is_contiguous() or tiles.shape[1] * 16 != k or not tiles.flags.c_contiguous
-            or tiles.shape[0] * HALF_TILE_ROWS < n):
-        raise ValueError(f"half_matmul: x {tuple(x.shape)} {x.dtype}, tiles {tiles.shape}: wants float32 M x K and "
-                         f"the tiles of N x K")
-    y = torch.empty(m, n, dtype=torch.float32)
-    if _kernel().half_matmul(x.data_ptr(), tiles.ctypes.data, y.data_ptr(), m, n, k, HALF_KINDS[kind],
-                             torch.get_num_threads()):
-        raise ValueError(f"half kernel: unsupported shape N={n}, K={k}")
-    return y
+    return _half_product("half_matmul", _kernel().half_matmul, x, torch.float32, tiles, n, HALF_KINDS[kind])
 
 
 def bf16_matmul(x: torch.Tensor, tiles: np.ndarray, n: int) -> torch.Tensor:
     """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_half_tiles`` weight of ``n`` rows of BF16 bits, ``M x N``
     float32: by bfloat16 pair products on the AVX512 build, by ``half_matmul`` of the widened activations on AVX2
     (the same products, summed in another order)."""
-    kernel = _kernel()
-    m, k = x.shape
-    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or tiles.shape[1] * 16 != k or not tiles.flags.c_contiguous
-            or tiles.shape[0] * HALF_TILE_ROWS < n):
-        raise ValueError(f"bf16_matmul: x {tuple(x.shape)} {x.dtype}, tiles {tiles.shape}: wants bfloat16 M x K and "
-                         f"the tiles of N x K")
-    if kernel.bf16_matmul is None:
+    fn = _kernel().bf16_matmul
+    if fn is None and x.dtype == torch.bfloat16:
         return half_matmul(x.float(), tiles, n, "BF16")
+    return _half_product("bf16_matmul", fn, x, torch.bfloat16, tiles, n)
+
+
+def _half_product(name: str, fn: Any, x: torch.Tensor, dtype: torch.dtype, tiles: np.ndarray, n: int,
+                  *args: int) -> torch.Tensor:
+    """``fn`` (a 16-bit-tile matmul of the kernels) on ``x`` of ``dtype``, checked: ``M x N`` float32."""
+    m, k = x.shape
+    if (x.dtype != dtype or not x.is_contiguous() or tiles.shape[1] * 16 != k or not tiles.flags.c_contiguous
+            or tiles.shape[0] * HALF_TILE_ROWS < n):
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype}, tiles {tiles.shape}: wants "
+                         f"{str(dtype).removeprefix('torch.')} M x K and the tiles of N x K")
     y = torch.empty(m, n, dtype=torch.float32)
-    if kernel.bf16_matmul(x.data_ptr(), tiles.ctypes.data, y.data_ptr(), m, n, k, torch.get_num_threads()):
-        raise ValueError(f"bf16 kernel: unsupported shape N={n}, K={k}")
+    if fn(x.data_ptr(), tiles.ctypes.data, y.data_ptr(), m, n, k, *args, torch.get_num_threads()):
+        raise ValueError(f"{name}: unsupported shape N={n}, K={k}")
     return y
 
 
