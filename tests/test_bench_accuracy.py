@@ -5,12 +5,25 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from tickloom.engine.model.loaders import load_model
 from tickloom.engine.model.tiny import write_tiny_model
-from tickloom.tools.bench.accuracy import mean_kl, score, tickloom_greedy, tickloom_logits, tokens_kept, top1_agreement
+from tickloom.tools.bench.accuracy import (
+    PROMPTS,
+    PathTally,
+    chat_prompts,
+    mean_kl,
+    measure,
+    paired_difference,
+    tickloom_greedy,
+    tickloom_greedy_batch,
+    tickloom_logits,
+    tokens_kept,
+    top1_agreement,
+)
 
 
 def test_identical_logits_agree_fully_with_zero_kl() -> None:
@@ -44,11 +57,17 @@ def test_tokens_kept_stops_at_the_first_difference() -> None:
     assert tokens_kept([1, 2, 3, 4], [7, 2, 3, 4]) == 0
 
 
-def test_score_averages_kept_over_prompts() -> None:
-    ref = [torch.eye(3), torch.eye(3)]
-    s = score(ref, [[1, 2, 3], [1, 2, 3]], ref, [[1, 2, 3], [1, 0, 3]])
-    assert s["top1"] == 1.0 and s["positions"] == 6
-    assert s["kept"] == 2.0
+def test_a_path_tally_averages_positions_across_prompts_and_kept_over_prompts() -> None:
+    t = PathTally()
+    t.add(torch.eye(3), torch.eye(3))
+    other = torch.eye(3)
+    other[0] = torch.tensor([0.0, 2.0, 0.0])  # one of the second prompt's three positions moves
+    t.add(torch.eye(3), other)
+    t.kept += [3, 1]
+    r = t.result()
+    assert r["positions"] == 6 and r["top1"] == pytest.approx(5 / 6)
+    assert r["kl"] == pytest.approx(mean_kl(torch.cat([torch.eye(3)] * 2), torch.cat([torch.eye(3), other])))
+    assert (r["kept"], r["kept_prompts"]) == (2.0, 2)
 
 
 def test_teacher_forced_logits_match_greedy_decoding(tmp_path: Path) -> None:
@@ -60,3 +79,57 @@ def test_teacher_forced_logits_match_greedy_decoding(tmp_path: Path) -> None:
     full = tickloom_logits(lm)(prompt + cont)
     assert full.shape[0] == len(prompt) + len(cont)
     assert full[len(prompt) - 1 : -1].argmax(-1).tolist() == cont
+
+
+def test_chat_prompts_start_with_the_hand_written_ones_and_are_all_different() -> None:
+    every = chat_prompts(320)
+    assert every[: len(PROMPTS)] == PROMPTS
+    assert len(set(every)) == 320
+    assert chat_prompts(25) == every[:25]  # a prefix, so a smaller run measures a subset of a larger one
+    # the first generated prompts mix templates and topics rather than running through one template
+    made = every[len(PROMPTS) : len(PROMPTS) + 10]
+    assert len({m.split()[0] for m in made}) > 3 and len({m.split()[-1] for m in made}) == 10
+    for bad in (0, 321):
+        with pytest.raises(ValueError, match=f"{bad} asked, 1 to 320"):
+            chat_prompts(bad)
+
+
+def test_paired_difference_counts_only_positions_where_the_paths_differ() -> None:
+    a = np.array([True] * 90 + [False] * 10)
+    b = np.array([True] * 88 + [False] * 12)
+    diff, half = paired_difference(a, b)
+    assert diff == pytest.approx(0.02)
+    d = np.array([0.0] * 88 + [1.0] * 2 + [0.0] * 10)
+    assert half == pytest.approx(1.96 * np.sqrt(d.var(ddof=1) / 100))
+    # four times the positions halve the interval
+    _, quarter = paired_difference(np.tile(a, 4), np.tile(b, 4))
+    assert quarter == pytest.approx(half / 2, rel=0.02)
+    # the same positions flipped both ways: no difference, but an interval that says the measure moves
+    diff, spread = paired_difference(np.array([True, False] * 50), np.array([False, True] * 50))
+    assert diff == 0.0 and spread > 0.15
+    # paths that agree everywhere: the difference is known exactly
+    assert paired_difference(a, a.copy()) == (0.0, 0.0)
+
+
+def test_batched_greedy_is_each_prompts_own_greedy(tmp_path: Path) -> None:
+    """Prompts of different lengths decoding side by side, across more than one batch of rows, give the tokens each
+    gives alone."""
+    lm = load_model(write_tiny_model(tmp_path / "tiny", "tiny-bench", seed=0), dtype="float32")
+    prompts = [[5, 9, 14], [3, 22, 7, 8, 1, 30, 2], [11], [40, 41, 42, 43, 44]]
+    together = tickloom_greedy_batch(lm, prompts, 6, rows=3)
+    assert together == [tickloom_greedy(lm, p, 6) for p in prompts]
+
+
+def test_measure_scores_every_position_and_keeps_greedy_to_the_first_prompts(tmp_path: Path) -> None:
+    model = str(write_tiny_model(tmp_path / "tiny", "tiny-bench", seed=0))
+    result = measure(model, new_tokens=4, prompts=chat_prompts(3), kept_prompts=2)
+    assert result["prompts"] == 3 and result["new_tokens"] == 4
+    rows = result["paths"]
+    ref = rows["tickloom default (float32+none) = reference"]  # a float32 checkpoint's default is the reference
+    assert (ref["top1"], ref["kl"], ref["positions"]) == (1.0, 0.0, 12)
+    (name,) = [n for n in rows if n.startswith("tickloom float32 act + int4")]
+    f32 = rows[name]
+    assert f32["positions"] == 12 and f32["kept_prompts"] == 2
+    assert 0.0 <= f32["top1"] <= 1.0 and f32["kl"] >= 0.0
+    assert "vs_f32_act" not in f32  # the base of the comparison is not compared with itself
+    assert any("llama.cpp skipped" in note for note in result["notes"])

@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "made once by llama.cpp's quantizer: bench/gguf_files)")
     p.add_argument("--accuracy", action="store_true",
                    help="instead: top-1 agreement and KL against the float32 model of the same file (bench/accuracy)")
+    p.add_argument("--accuracy-prompts", type=int, default=200, metavar="N",
+                   help="with --accuracy: chat prompts of 48 tokens each (1-320; default 200)")
 
 
 def _model_dir(name: str, tmp: Path) -> Path:
