@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,28 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads() -> None:
         assert torch.equal(native.matmul(x, tiles, 128), whole)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_scratch_buffer_is_kept_per_thread_and_grown_when_too_small() -> None:
+    """The kernels' scratch is reused between calls of one thread, grown when a call needs more, and never shared
+    by two threads (a draft model and its target may multiply at once)."""
+    first = native._scratch_at_least(1024)
+    assert native._scratch_at_least(512) == first  # kept
+    grown = native._scratch_at_least(1 << 24)
+    assert native._scratch_at_least(1 << 24) == grown
+    other: list[int] = []
+    worker = threading.Thread(target=lambda: other.append(native._scratch_at_least(1024)))
+    worker.start()
+    worker.join()
+    assert other[0] not in (first, grown)
+    # a large call after a small one, and a small one after it, give what fresh buffers give
+    nibbles, s, z, _ = _weights(32, 4096, seed=8)
+    tiles = native.pack_tiles(nibbles, s, z)
+    x = torch.randn(40, 4096, generator=torch.Generator().manual_seed(8)).bfloat16()
+    small = native.matmul(x[:1].contiguous(), tiles, 32)
+    big = native.matmul(x, tiles, 32)
+    assert torch.equal(native.matmul(x[:1].contiguous(), tiles, 32), small)
+    assert torch.equal(big[:1], small)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 9])

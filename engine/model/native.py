@@ -47,6 +47,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -322,10 +323,10 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_index: torch.Tenso
     if q.stride(1) != 1 or not kv.is_contiguous() or kv.dtype != torch.bfloat16 or q.dtype != torch.bfloat16:
         raise ValueError("decode_attention: bfloat16 inputs with contiguous rows")
     out = torch.empty(rows, q.shape[1], dtype=torch.bfloat16)
-    scratch = torch.empty(kernel.attention_scratch(rows, kv_heads, groups, per_row * block_size, head_dim))
+    scratch = _scratch_at_least(4 * kernel.attention_scratch(rows, kv_heads, groups, per_row * block_size, head_dim))
     rc = kernel.attention(q.data_ptr(), q.stride(0), kv.data_ptr(), num_blocks, block_size, block_index.data_ptr(),
                           per_row, lengths.data_ptr(), rows, kv_heads, groups, head_dim, scale, out.data_ptr(),
-                          scratch.data_ptr(), torch.get_num_threads())
+                          scratch, torch.get_num_threads())
     if rc:
         raise ValueError(f"decode_attention: head_dim {head_dim} (a multiple of 16, at most 256) or a context "
                          f"length outside 1..{per_row * block_size} (rc {rc})")
@@ -445,12 +446,27 @@ def _half_product(name: str, fn: Any, x: torch.Tensor, dtype: torch.dtype, tiles
     return y
 
 
+_scratch = threading.local()
+
+
+def _scratch_at_least(size: int) -> int:
+    """The address of this thread's scratch buffer (the integer kernels' rounded activations, attention's scores),
+    grown to ``size`` bytes. Kept between calls: a decode step makes five kernel calls a layer that want scratch,
+    and allocating it each time was a good part of a small model's step outside the kernels. One per thread, as
+    two threads (a draft model's and the target's) may multiply at once; a kernel's OpenMP threads share their
+    caller's."""
+    buf: torch.Tensor | None = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < size:
+        buf = torch.empty(max(size, 1 << 16), dtype=torch.uint8)
+        _scratch.buf = buf
+    return buf.data_ptr()
+
+
 def _matmul(fn: Any, scratch_bytes: Any, x: torch.Tensor, tiles: torch.Tensor, out_features: int,
             out_dtype: torch.dtype, name: str) -> torch.Tensor:
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=out_dtype)
-    scratch = torch.empty(scratch_bytes(m, k), dtype=torch.uint8)
-    if fn(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, out_features, k, scratch.data_ptr(),
+    if fn(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, out_features, k, _scratch_at_least(scratch_bytes(m, k)),
           torch.get_num_threads()):
         raise ValueError(f"{name} kernel: unsupported shape N={out_features}, K={k}")
     return y

@@ -99,11 +99,14 @@ class GroupedInt8Linear:
         return self._mm_float(x).to(self.act)
 
     def _mm_float(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
         m, g = x.shape[0], self.in_features // self.group
         if self.tiles is not None:
-            y = native.q8_matmul(x.to(torch.bfloat16).contiguous(), self.tiles, self.out_features).float()
-        elif m <= _BMM_ROWS:
+            y = native.q8_matmul(x.to(torch.bfloat16).contiguous(), self.tiles, self.out_features)
+            if self.z is not None:
+                y += x.float().view(m, g, self.group).sum(-1) @ self.z
+            return y
+        xf = x.float()
+        if m <= _BMM_ROWS:
             assert self.q is not None
             parts = torch.bmm(xf.view(m, g, self.group).transpose(0, 1), self.q.float())  # G x M x N
             y = (parts * self.s[:, None, :]).sum(0)
