@@ -167,6 +167,26 @@ def test_decode_attention_matches_softmax_attention(lengths: list[int], kv_heads
     assert float((got.float() - ref).abs().max()) < 2e-2  # bfloat16 output of values near 1
 
 
+@pytest.mark.parametrize(("lengths", "kv_heads", "groups", "head_dim"), [
+    ([1], 3, 3, 64),
+    ([200], 3, 3, 64),
+    ([5, 33, 100, 64], 2, 2, 128),
+])
+def test_decode_attention_of_a_float32_model_is_float32_throughout(lengths: list[int], kv_heads: int, groups: int,
+                                                                  head_dim: int) -> None:
+    """A float32 model's cache and queries: the same kernel reading float32, to float32's precision (the bfloat16
+    form's tolerance is 2e-2: its output is rounded to 8 bits)."""
+    qkv, kv, tables, lens, _ = _attention_case(lengths, kv_heads, groups, head_dim, 16, seed=len(lengths))
+    kv32 = kv.float() + torch.randn(kv.shape, generator=torch.Generator().manual_seed(1)) * 1e-3  # not bf16 values
+    q = (qkv.float() + 1e-3)[:, : kv_heads * groups * head_dim]
+    got = native.decode_attention(q, kv32, tables.reshape(-1), lens, groups, head_dim**-0.5)
+    ref = _reference(q, kv32, tables, lens, groups, head_dim**-0.5)
+    assert got.dtype == torch.float32
+    assert float((got - ref).abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="both the same"):
+        native.decode_attention(q, kv, tables.reshape(-1), lens, groups, head_dim**-0.5)
+
+
 def test_decode_attention_ignores_blocks_past_the_length() -> None:
     """Positions at or past a row's length must not count, whatever the cache holds there."""
     qkv, kv, tables, lens, _ = _attention_case([20], 2, 2, 32, 16, seed=7)
@@ -223,6 +243,20 @@ def test_add_rms_norm_on_a_float32_stream_adds_without_rounding() -> None:
         native.add_rms_norm(x, add.bfloat16(), w, 1e-5)
 
 
+def test_add_rms_norm_of_a_float32_model_returns_float32() -> None:
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    add = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    w = torch.rand(64) + 0.5
+    want_x = x + add
+    want = want_x * torch.rsqrt(want_x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    got = native.add_rms_norm(x, add, w, 1e-5, torch.float32)
+    assert torch.equal(x, want_x) and got.dtype == torch.float32
+    assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
+    assert torch.equal(native.add_rms_norm(x, None, w, 1e-5).float(), got.bfloat16().float())
+    with pytest.raises(ValueError, match="a float32 out from a float32 x"):
+        native.add_rms_norm(x.bfloat16(), None, w, 1e-5, torch.float32)
+
+
 def test_rope_and_store_rotates_q_and_k_and_stores_k_and_v() -> None:
     from tickloom.engine.model.kv_cache import PagedKVCache
     from tickloom.engine.model.llama import apply_rope, rope_tables
@@ -246,6 +280,40 @@ def test_rope_and_store_rotates_q_and_k_and_stores_k_and_v() -> None:
         assert torch.equal(flat[:, int(slots[r])], qkv[r, heads * d :].view(2 * kv_heads, d))
     untouched = [s for s in range(32) if s not in slots.tolist()]
     assert not flat[:, untouched].any()
+
+
+def test_rope_and_store_of_a_float32_model() -> None:
+    from tickloom.engine.model.kv_cache import PagedKVCache
+    from tickloom.engine.model.llama import apply_rope, rope_tables
+
+    heads, kv_heads, d = 4, 2, 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    cos, sin = rope_tables(inv_freq, 64, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(3))
+    positions, slots = torch.tensor([0, 7, 40]), torch.tensor([5, 17, 2])
+    rope_heads = heads + kv_heads
+    rot = apply_rope(qkv[:, : rope_heads * d].view(3, rope_heads, d).clone(), cos[positions].unsqueeze(1),
+                     sin[positions].unsqueeze(1))
+    v_before = qkv[:, rope_heads * d :].clone()
+    cache = PagedKVCache(1, 4, 8, kv_heads, d, torch.float32, torch.device("cpu"))
+    native.rope_and_store(qkv, positions, cos, sin, rope_heads, kv_heads, slots, cache.kv[0])
+    assert float((qkv[:, : rope_heads * d].view(3, rope_heads, d) - rot).abs().max()) < 1e-5
+    assert torch.equal(qkv[:, rope_heads * d :], v_before)
+    flat = cache.kv[0].view(2 * kv_heads, -1, d)
+    for r in range(3):  # the whole float32 heads, not half of their bytes
+        assert torch.equal(flat[:, int(slots[r])], qkv[r, heads * d :].view(2 * kv_heads, d))
+    with pytest.raises(ValueError, match="one dtype"):
+        native.rope_and_store(qkv, positions, cos.bfloat16(), sin, rope_heads, kv_heads, slots, cache.kv[0])
+
+
+def test_silu_mul_of_a_float32_model() -> None:
+    gate_up = torch.randn(2, 96, generator=torch.Generator().manual_seed(4)) * 4
+    got = native.silu_mul(gate_up)
+    want = torch.nn.functional.silu(gate_up[:, :48]) * gate_up[:, 48:]
+    assert got.dtype == torch.float32
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        native.silu_mul(gate_up.half())
 
 
 def test_silu_mul_matches_torch_and_saturates_cleanly() -> None:

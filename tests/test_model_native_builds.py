@@ -18,7 +18,8 @@ AVX2 = {"avx", "avx2", "fma", "f16c", "sse4_2"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16"}
 EXPORTS = ("q4_matmul", "q4_matmul_f32", "q5_matmul", "q5_matmul_f32", "q6_matmul", "q6_matmul_f32",
            "q4_scratch_bytes", "q8_matmul", "q8_scratch_bytes", "paged_decode_attention", "attn_scratch_floats",
-           "add_rms_norm", "add_rms_norm_f32", "rope_and_store", "silu_mul", "half_matmul")
+           "add_rms_norm", "add_rms_norm_f32", "rope_and_store", "silu_mul", "half_matmul",
+           "paged_decode_attention_f32", "add_rms_norm_f32_out", "rope_and_store_f32", "silu_mul_f32")
 
 
 def test_a_cpu_with_avx512_vnni_and_bf16_gets_the_avx512_build() -> None:

@@ -151,10 +151,12 @@ class LlamaModel:
             for k, v in tensors.items()
         }
         # tickloom's fused CPU kernels (engine.model.native) for the row-wise ops and decode attention; they
-        # implement Llama's forward only (no windows, soft-caps, extra norms or norm offsets)
-        self._native = (opts.plain and dtype == torch.bfloat16 and device.type == "cpu" and cfg.head_dim % 32 == 0
-                        and cfg.head_dim <= 256 and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0
-                        and native.available())
+        # implement Llama's forward only (no windows, soft-caps, extra norms or norm offsets), for a bfloat16 model
+        # (bfloat16 activations, float32 residual stream) or a float32 one with float32 weights or 16-bit ones on
+        # the kernels (an F16 or BF16 file: float32 throughout)
+        self._native = (opts.plain and (dtype == torch.bfloat16 or (dtype == torch.float32 and quant == "none"))
+                        and device.type == "cpu" and cfg.head_dim % 32 == 0 and cfg.head_dim <= 256
+                        and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0 and native.available())
         self.embed = Embedding(t["model.embed_tokens.weight"], dtype)
         self.norm = self._norm_weight(_dense(t["model.norm.weight"], dtype))
         head = self.embed.weight() if cfg.tie_word_embeddings else t["lm_head.weight"]
@@ -257,7 +259,7 @@ class LlamaModel:
         """``x += add`` (when given), then RMSNorm of ``x``."""
         eps = self.cfg.rms_norm_eps
         if self._native:
-            return native.add_rms_norm(x, add, weight, eps)
+            return native.add_rms_norm(x, add, weight, eps, self.dtype)
         if add is not None:
             x.add_(add)
         return rms_norm(x, weight, eps)

@@ -116,6 +116,8 @@ class _Kernel:
         self.attention.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ptr,
                                    ptr, ctypes.c_int]
         self.attention.restype = ctypes.c_int
+        self.attention_f32 = lib.paged_decode_attention_f32
+        self.attention_f32.argtypes, self.attention_f32.restype = self.attention.argtypes, ctypes.c_int
         self.attention_scratch = lib.attn_scratch_floats
         self.attention_scratch.argtypes = [i64] * 5
         self.attention_scratch.restype = i64
@@ -125,12 +127,18 @@ class _Kernel:
         self.add_rms_norm_f32 = lib.add_rms_norm_f32
         self.add_rms_norm_f32.argtypes = self.add_rms_norm.argtypes
         self.add_rms_norm_f32.restype = None
+        self.add_rms_norm_f32_out = lib.add_rms_norm_f32_out
+        self.add_rms_norm_f32_out.argtypes, self.add_rms_norm_f32_out.restype = self.add_rms_norm.argtypes, None
         self.rope_and_store = lib.rope_and_store
         self.rope_and_store.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64]
         self.rope_and_store.restype = None
+        self.rope_and_store_f32 = lib.rope_and_store_f32
+        self.rope_and_store_f32.argtypes, self.rope_and_store_f32.restype = self.rope_and_store.argtypes, None
         self.silu_mul = lib.silu_mul
         self.silu_mul.argtypes = [ptr, i64, i64, ptr]
         self.silu_mul.restype = None
+        self.silu_mul_f32 = lib.silu_mul_f32
+        self.silu_mul_f32.argtypes, self.silu_mul_f32.restype = self.silu_mul.argtypes, None
         self.half_matmul = lib.half_matmul
         self.half_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         self.half_matmul.restype = ctypes.c_int
@@ -312,35 +320,45 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_index: torch.Tenso
                      groups: int, scale: float) -> torch.Tensor:
     """Attention of ``rows`` decode queries over their cached context, read in place from the paged cache.
 
-    ``q``: ``rows x heads * head_dim`` bfloat16 with contiguous rows (it may be a column slice of the qkv output);
-    ``kv``: one layer of ``PagedKVCache`` (``2 * kv_heads x blocks x block_size x head_dim`` bfloat16, contiguous);
-    ``block_index``: ``rows * per_row`` int64 block ids; ``lengths``: ``rows`` int64 context lengths (the query's
-    own position included). Returns ``rows x heads * head_dim`` bfloat16."""
+    ``q``: ``rows x heads * head_dim`` with contiguous rows (it may be a column slice of the qkv output); ``kv``:
+    one layer of ``PagedKVCache`` (``2 * kv_heads x blocks x block_size x head_dim``, contiguous); both bfloat16 or
+    both float32; ``block_index``: ``rows * per_row`` int64 block ids; ``lengths``: ``rows`` int64 context lengths
+    (the query's own position included). Returns ``rows x heads * head_dim`` in q's dtype."""
     kernel = _kernel()
     rows = q.shape[0]
     kv_heads2, num_blocks, block_size, head_dim = kv.shape
     kv_heads, per_row = kv_heads2 // 2, block_index.numel() // max(rows, 1)
-    if q.stride(1) != 1 or not kv.is_contiguous() or kv.dtype != torch.bfloat16 or q.dtype != torch.bfloat16:
-        raise ValueError("decode_attention: bfloat16 inputs with contiguous rows")
-    out = torch.empty(rows, q.shape[1], dtype=torch.bfloat16)
+    if (q.stride(1) != 1 or not kv.is_contiguous() or kv.dtype != q.dtype
+            or q.dtype not in (torch.bfloat16, torch.float32)):
+        raise ValueError("decode_attention: bfloat16 or float32 inputs, both the same, with contiguous rows")
+    out = torch.empty(rows, q.shape[1], dtype=q.dtype)
     scratch = _scratch_at_least(4 * kernel.attention_scratch(rows, kv_heads, groups, per_row * block_size, head_dim))
-    rc = kernel.attention(q.data_ptr(), q.stride(0), kv.data_ptr(), num_blocks, block_size, block_index.data_ptr(),
-                          per_row, lengths.data_ptr(), rows, kv_heads, groups, head_dim, scale, out.data_ptr(),
-                          scratch, torch.get_num_threads())
+    fn = kernel.attention_f32 if q.dtype == torch.float32 else kernel.attention
+    rc = fn(q.data_ptr(), q.stride(0), kv.data_ptr(), num_blocks, block_size, block_index.data_ptr(), per_row,
+            lengths.data_ptr(), rows, kv_heads, groups, head_dim, scale, out.data_ptr(), scratch,
+            torch.get_num_threads())
     if rc:
         raise ValueError(f"decode_attention: head_dim {head_dim} (a multiple of 16, at most 256) or a context "
                          f"length outside 1..{per_row * block_size} (rc {rc})")
     return out
 
 
-def add_rms_norm(x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x += add`` in place (when given), then RMSNorm of ``x`` times ``weight`` (float32), as a new bfloat16
-    tensor. ``x``, ``add``: contiguous ``rows x hidden``, ``hidden`` a multiple of 16, both bfloat16 (the sum is
-    rounded to bfloat16) or both float32 (a float32 residual stream: no rounding)."""
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
+def add_rms_norm(x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x += add`` in place (when given), then RMSNorm of ``x`` times ``weight`` (float32), as a new tensor of
+    ``out_dtype``. ``x``, ``add``: contiguous ``rows x hidden``, ``hidden`` a multiple of 16, both bfloat16 (the sum
+    is rounded to bfloat16) or both float32 (a float32 residual stream: no rounding); a float32 out (a float32
+    model's) only from a float32 ``x``."""
+    out = torch.empty(x.shape, dtype=out_dtype)
     if add is not None and add.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: x is {x.dtype}, add {add.dtype}")
-    fn = _kernel().add_rms_norm_f32 if x.dtype == torch.float32 else _kernel().add_rms_norm
+    kernel = _kernel()
+    if out_dtype == torch.float32:
+        if x.dtype != torch.float32:
+            raise ValueError(f"add_rms_norm: a float32 out from a float32 x, not {x.dtype}")
+        fn = kernel.add_rms_norm_f32_out
+    else:
+        fn = kernel.add_rms_norm_f32 if x.dtype == torch.float32 else kernel.add_rms_norm
     fn(x.data_ptr(), 0 if add is None else add.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
        eps)
     return out
@@ -350,18 +368,27 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
                    rope_heads: int, kv_heads: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
     """Rotary embedding on the first ``rope_heads`` heads of each ``qkv`` row, in place, then the row's K and V
     heads stored at cache slot ``slots[r]`` of ``kv`` (one layer of ``PagedKVCache``). ``cos``/``sin_signed``:
-    ``positions x head_dim`` tables (``llama.rope_tables``); all bfloat16 and contiguous, head_dim a multiple of 32."""
+    ``positions x head_dim`` tables (``llama.rope_tables``); all bfloat16, or all float32, and contiguous, head_dim
+    a multiple of 32."""
     _, num_blocks, block_size, head_dim = kv.shape
-    _kernel().rope_and_store(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
-                             sin_signed.data_ptr(), rope_heads, kv_heads, head_dim, slots.data_ptr(), kv.data_ptr(),
-                             num_blocks * block_size)
+    if not qkv.dtype == cos.dtype == sin_signed.dtype == kv.dtype or qkv.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"rope_and_store: one dtype, bfloat16 or float32 (qkv {qkv.dtype}, cos {cos.dtype}, "
+                         f"sin {sin_signed.dtype}, kv {kv.dtype})")
+    kernel = _kernel()
+    fn = kernel.rope_and_store_f32 if qkv.dtype == torch.float32 else kernel.rope_and_store
+    fn(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+       rope_heads, kv_heads, head_dim, slots.data_ptr(), kv.data_ptr(), num_blocks * block_size)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for rows ``[gate, up]`` (contiguous bfloat16, each half a multiple of 16 wide)."""
+    """``silu(gate) * up`` for rows ``[gate, up]`` (contiguous bfloat16 or float32, each half a multiple of 16
+    wide), in gate_up's dtype."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inter, dtype=torch.bfloat16)
-    _kernel().silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr())
+    f32 = gate_up.dtype == torch.float32
+    if not f32 and gate_up.dtype != torch.bfloat16:
+        raise ValueError(f"silu_mul: bfloat16 or float32, not {gate_up.dtype}")
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    (_kernel().silu_mul_f32 if f32 else _kernel().silu_mul)(gate_up.data_ptr(), rows, inter, out.data_ptr())
     return out
 
 
