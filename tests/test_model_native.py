@@ -228,33 +228,24 @@ def test_add_rms_norm_adds_in_place_then_normalizes() -> None:
     assert torch.equal(x, want_x) and torch.equal(alone, got)
 
 
-def test_add_rms_norm_on_a_float32_stream_adds_without_rounding() -> None:
+@pytest.mark.parametrize(("out_dtype", "tolerance"), [(torch.bfloat16, 1e-2), (torch.float32, 1e-6)])
+def test_add_rms_norm_on_a_float32_stream_adds_without_rounding(out_dtype: torch.dtype, tolerance: float) -> None:
+    """The float32 residual stream of a bfloat16 model (a bfloat16 out) and of a float32 model (a float32 out)."""
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     add = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
     w = torch.rand(64) + 0.5
     want_x = x + add
     want = want_x * torch.rsqrt(want_x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-    got = native.add_rms_norm(x, add, w, 1e-5)
+    got = native.add_rms_norm(x, add, w, 1e-5, out_dtype)
     assert torch.equal(x, want_x), "x += add in float32, exactly"
-    assert got.dtype == torch.bfloat16
-    assert float((got.float() - want).abs().max()) <= 1e-2 * float(want.abs().max())
-    assert torch.equal(native.add_rms_norm(x, None, w, 1e-5), got) and torch.equal(x, want_x)
+    assert got.dtype == out_dtype
+    assert float((got.float() - want).abs().max()) <= tolerance * float(want.abs().max())
+    assert torch.equal(native.add_rms_norm(x, None, w, 1e-5, out_dtype), got) and torch.equal(x, want_x)
     with pytest.raises(ValueError, match=r"x is torch\.float32, add torch\.bfloat16"):
-        native.add_rms_norm(x, add.bfloat16(), w, 1e-5)
-
-
-def test_add_rms_norm_of_a_float32_model_returns_float32() -> None:
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
-    add = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
-    w = torch.rand(64) + 0.5
-    want_x = x + add
-    want = want_x * torch.rsqrt(want_x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-    got = native.add_rms_norm(x, add, w, 1e-5, torch.float32)
-    assert torch.equal(x, want_x) and got.dtype == torch.float32
-    assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
-    assert torch.equal(native.add_rms_norm(x, None, w, 1e-5).float(), got.bfloat16().float())
-    with pytest.raises(ValueError, match="a float32 out from a float32 x"):
-        native.add_rms_norm(x.bfloat16(), None, w, 1e-5, torch.float32)
+        native.add_rms_norm(x, add.bfloat16(), w, 1e-5, out_dtype)
+    if out_dtype == torch.float32:
+        with pytest.raises(ValueError, match="a float32 out from a float32 x"):
+            native.add_rms_norm(x.bfloat16(), None, w, 1e-5, torch.float32)
 
 
 def test_rope_and_store_rotates_q_and_k_and_stores_k_and_v() -> None:
