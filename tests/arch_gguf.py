@@ -59,7 +59,9 @@ def add_gpt2_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path) -> None:
     w.add_bos_token_id(0)
 
 
-def write_gguf(d: Path, model_type: str, out: Path, q8: bool = False) -> Path:
+def write_gguf(d: Path, model_type: str, out: Path, q8: bool = False, half: str | None = None) -> Path:
+    """A GGUF of checkpoint ``d``'s weights as llama.cpp's converter lays them out: float32, or the matrices as Q8_0
+    (``q8``) or ``half`` ("F16" or "BF16"), the token embedding as float32 either way."""
     from safetensors.torch import load_file
 
     cfg = json.loads((d / "config.json").read_text())
@@ -119,8 +121,8 @@ def write_gguf(d: Path, model_type: str, out: Path, q8: bool = False) -> Path:
         if model_type in GEMMA_TYPES and base.endswith("norm"):
             arr = arr + 1  # llama.cpp's Gemma converters store the norm weight as 1 + w
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if q8 and arr.ndim == 2 and "token_embd" not in gname:
-            qtype = gguf.GGMLQuantizationType.Q8_0
+        if (q8 or half) and arr.ndim == 2 and "token_embd" not in gname:
+            qtype = gguf.GGMLQuantizationType.Q8_0 if q8 else gguf.GGMLQuantizationType[half or ""]
             w.add_tensor(f"{gname}.{suffix}", gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(f"{gname}.{suffix}", arr)
