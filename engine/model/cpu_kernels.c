@@ -67,6 +67,17 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, fl
     }
 }
 
+/* Asks for the cache lines of [p, p + bytes) ahead of use: each row block's tiles, PREFETCH_TILES groups ahead.
+   The hardware prefetcher follows one stream well, but a step switches streams every row block and runs each for a
+   few kilobytes; measured on this project's AVX512 VM (2048 x 8192 matrices out of cache, one thread), asking 8
+   tiles ahead made the 5-bit kernel 1.6-2.0x faster at batch 1, every integer kernel 1.4-1.6x at batch 8 and
+   1.11-1.20x at batch 32; the 4- and 8-bit kernels at one row lost 4-5% with it, so they go without (mt and bits
+   are constants after inlining, so the test costs nothing). A prefetch past the weights' end reads nothing. */
+#define PREFETCH_TILES 8
+static inline __attribute__((always_inline)) void prefetch(const uint8_t *p, int bytes) {
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(p + line), _MM_HINT_T0);
+}
+
 /* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT and bits (4, 5 or 6) constants after
    inlining. 6-bit tiles keep the two halves of a group apart: each has its own scale and offset. */
 static inline __attribute__((always_inline)) void block_rows(
@@ -83,6 +94,7 @@ static inline __attribute__((always_inline)) void block_rows(
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     const uint8_t *tile = w + block * groups * tile_bytes;
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
+        if (mt > 1 || bits != 4) prefetch(tile + PREFETCH_TILES * tile_bytes, (int)tile_bytes);
         __m512i part[4 * MT];
         for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
         for (int t = 0; t < 4; t++) {
@@ -181,6 +193,7 @@ static inline __attribute__((always_inline)) void q8_block_rows(
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     const uint8_t *tile = w + block * groups * Q8_TILE_BYTES;
     for (int64_t g = 0; g < groups; g++, tile += Q8_TILE_BYTES) {
+        if (mt > 1) prefetch(tile + PREFETCH_TILES * Q8_TILE_BYTES, Q8_TILE_BYTES);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 512)));
         __m512i offset = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(tile + 544))), 7);
         for (int pass = 0; pass < 2; pass++) { /* the activations' 8-bit value, then its rounding residual */

@@ -31,6 +31,10 @@ static inline __attribute__((always_inline)) void half_rows(const float *x, cons
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < HN; j++) acc[i][j] = v16_zero();
     for (int64_t c = 0; c < k; c += 16) {
+        if (mt > 1) { /* 1.1-1.2x at batch 8, up to 1.07x at 32; at one row it cost 14%: that stream prefetches well */
+            _mm_prefetch((const char *)(tile + HN * c + 512), _MM_HINT_T0);
+            _mm_prefetch((const char *)(tile + HN * c + 544), _MM_HINT_T0);
+        }
         v16 wv[HN];
         for (int j = 0; j < HN; j++) wv[j] = load_half(tile + HN * c + 16 * j, kind);
         for (int i = 0; i < mt; i++) {
