@@ -133,3 +133,11 @@ def test_measure_scores_every_position_and_keeps_greedy_to_the_first_prompts(tmp
     assert 0.0 <= f32["top1"] <= 1.0 and f32["kl"] >= 0.0
     assert "vs_f32_act" not in f32  # the base of the comparison is not compared with itself
     assert any("llama.cpp skipped" in note for note in result["notes"])
+
+
+@pytest.mark.parametrize("n", ["0", "321"])
+def test_cli_refuses_a_prompt_count_it_cannot_give(n: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from tickloom.tools.cli import main
+
+    assert main(["bench", "model", "--accuracy", "--accuracy-prompts", n]) != 0
+    assert f"--accuracy-prompts: accuracy prompts: {n} asked, 1 to 320 available" in capsys.readouterr().err

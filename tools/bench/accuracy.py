@@ -349,11 +349,16 @@ def print_table(result: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Print each model's table; return one row per (model, path) (``--json`` prints them as JSON lines)."""
+    from tickloom.tools.cli import CliError
+
     models = [m for m in args.models if m != "tiny-bench"] or ["smollm2-135m"]
     rows: list[dict[str, Any]] = []
-    n = getattr(args, "accuracy_prompts", DEFAULT_PROMPTS)
+    try:
+        prompts = chat_prompts(getattr(args, "accuracy_prompts", DEFAULT_PROMPTS))
+    except ValueError as exc:
+        raise CliError(f"--accuracy-prompts: {exc}") from None
     for m in models:
-        result = measure(m, prompts=chat_prompts(n))
+        result = measure(m, prompts=prompts)
         print_table(result)
         rows += [{"model": m, "path": name, **r} for name, r in result["paths"].items()]
     return rows
