@@ -14,16 +14,26 @@ from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.tools.bench.accuracy import (
     PROMPTS,
     PathTally,
+    agrees,
     chat_prompts,
-    mean_kl,
+    kl_per_position,
     measure,
     paired_difference,
     tickloom_greedy,
     tickloom_greedy_batch,
     tickloom_logits,
     tokens_kept,
-    top1_agreement,
 )
+
+
+def top1_agreement(ref: torch.Tensor, other: torch.Tensor) -> float:
+    """The share of positions ``agrees`` marks (what a path's top-1 figure is)."""
+    return float(agrees(ref, other).float().mean())
+
+
+def mean_kl(ref: torch.Tensor, other: torch.Tensor) -> float:
+    """The mean of ``kl_per_position`` (what a path's KL figure is)."""
+    return float(kl_per_position(ref, other).mean())
 
 
 def test_identical_logits_agree_fully_with_zero_kl() -> None:

@@ -109,11 +109,12 @@ class DraftProposer:
         """Blocks for ``positions`` in ``draft``'s table, from the free list, then from released drafts, oldest
         first (but ``spare``); False, with nothing taken or dropped, if there are not enough."""
         need = -(-positions // self.block_size) - len(draft.table)
-        if need > len(self._free) + sum(len(d.table) for d in self._released if d is not spare):
-            return False
-        while need > len(self._free):
-            oldest = next(i for i, d in enumerate(self._released) if d is not spare)
-            self._free.extend(reversed(self._released.pop(oldest).table))
+        if need > len(self._free):  # rarely: the released drafts are counted only when the free list falls short
+            if need > len(self._free) + sum(len(d.table) for d in self._released if d is not spare):
+                return False
+            while need > len(self._free):
+                oldest = next(i for i, d in enumerate(self._released) if d is not spare)
+                self._free.extend(reversed(self._released.pop(oldest).table))
         for _ in range(max(need, 0)):
             draft.table.append(self._free.pop())
         return True

@@ -100,21 +100,11 @@ def agrees(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return ref.argmax(-1) == other.argmax(-1)
 
 
-def top1_agreement(ref: torch.Tensor, other: torch.Tensor) -> float:
-    """Fraction of positions (rows) where ``other``'s argmax is ``ref``'s."""
-    return float(agrees(ref, other).float().mean())
-
-
 def kl_per_position(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """KL(softmax(ref) || softmax(other)) of each position (row), in nats, computed in float64."""
     lp = torch.log_softmax(ref.double(), -1)
     lq = torch.log_softmax(other.double(), -1)
     return (lp.exp() * (lp - lq)).sum(-1)
-
-
-def mean_kl(ref: torch.Tensor, other: torch.Tensor) -> float:
-    """Mean over positions of ``kl_per_position``."""
-    return float(kl_per_position(ref, other).mean())
 
 
 def tokens_kept(ref: list[int], other: list[int]) -> int:
@@ -256,8 +246,12 @@ class PathTally:
         self.agree.append(agrees(ref, other).numpy())
         self.kl.append(kl_per_position(ref, other).numpy())
 
+    def agreement(self) -> np.ndarray:
+        """Every position's agreement, in prompt order."""
+        return np.concatenate(self.agree)
+
     def result(self) -> dict[str, Any]:
-        agree = np.concatenate(self.agree)
+        agree = self.agreement()
         return {"positions": int(agree.size), "top1": float(agree.mean()), "kl": float(np.concatenate(self.kl).mean()),
                 "kept": sum(self.kept) / max(len(self.kept), 1), "kept_prompts": len(self.kept)}
 
@@ -326,7 +320,7 @@ def measure(model: str = "smollm2-135m", new_tokens: int = NEW_TOKENS, prompts: 
     for name, t in tallies.items():
         rows[name] = t.result()
         if base is not None and t is not base:
-            diff, half = paired_difference(np.concatenate(t.agree), np.concatenate(base.agree))
+            diff, half = paired_difference(t.agreement(), base.agreement())
             rows[name] |= {"vs_f32_act": diff, "vs_f32_act_95": half}
     return {"model": model, "gguf": str(source) if source else None, "prompts": len(ids), "new_tokens": new_tokens,
             "paths": rows, "notes": notes}
