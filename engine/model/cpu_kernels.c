@@ -354,3 +354,6 @@ int bf16_matmul(const uint16_t *x, const uint16_t *w, float *y, int64_t m_rows, 
     }
     return 0;
 }
+
+#define HAVE_BF16_MATMUL
+#include "cpu_kernels_layers.h"

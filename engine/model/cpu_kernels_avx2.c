@@ -333,3 +333,5 @@ static inline v16 silu(v16 a) { return (v16){silu8(a.lo), silu8(a.hi)}; }
 
 #include "cpu_kernels_rowwise.h"
 #include "cpu_kernels_half.h"
+
+#include "cpu_kernels_layers.h"

@@ -21,6 +21,7 @@ from tickloom.engine.model import native
 from tickloom.engine.model.arch import ArchOptions, arch_options, expected_shapes
 from tickloom.engine.model.batch import AttnGroup, StepBatch
 from tickloom.engine.model.config import ModelConfig
+from tickloom.engine.model.fused import FusedLayers
 from tickloom.engine.model.head import head_linear
 from tickloom.engine.model.kv_cache import PagedKVCache
 from tickloom.engine.model.quant import (
@@ -177,6 +178,8 @@ class LlamaModel:
         self._rope_heads, self._kv_heads2 = cfg.num_heads + cfg.num_kv_heads, 2 * cfg.num_kv_heads
         self._ropes: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._grow_rope(max(min(cfg.max_position_embeddings, 2048), 1))
+        # every layer in one kernel call where the kernels take them all (fused.py); None keeps the loop below
+        self._fused = FusedLayers.build(self) if self._native else None
 
     @property
     def _cos(self) -> torch.Tensor:
@@ -200,10 +203,6 @@ class LlamaModel:
         max_pos = batch.max_position
         if max_pos >= self._cos.shape[0]:
             self._grow_rope(max(2 * self._cos.shape[0], max_pos + 1))
-        ropes = [None if self._native else (cos.index_select(0, batch.positions).unsqueeze(1),
-                                            sin.index_select(0, batch.positions).unsqueeze(1))
-                 for cos, sin in self._ropes]
-        masks = {w: self._step_masks(batch, w) for w in set(opts.layer_window)}
         x = self.embed(batch.input_ids)
         if self._native:
             x = x.float()  # the residual stream (see ``_project``)
@@ -211,7 +210,16 @@ class LlamaModel:
             # the scale rounded to the activations' dtype first, as the reference does
             x.mul_(torch.tensor(opts.embed_scale, dtype=x.dtype))
         y: torch.Tensor | None = None  # the last sublayer's output, not yet added to the residual stream x
-        for n, layer in enumerate(self.layers):
+        if self._fused is not None:
+            y = self._fused.run(x, batch, kv, self._cos, self._sin, self.cfg.rms_norm_eps, self.scale)
+            layers = []
+        else:
+            layers = self.layers
+            ropes = [None if self._native else (cos.index_select(0, batch.positions).unsqueeze(1),
+                                                sin.index_select(0, batch.positions).unsqueeze(1))
+                     for cos, sin in self._ropes]
+            masks = {w: self._step_masks(batch, w) for w in set(opts.layer_window)}
+        for n, layer in enumerate(layers):
             y = self._attention(n, layer, self._add_norm(x, y, layer.attn_norm), ropes[opts.layer_rope[n]], batch,
                                 masks[opts.layer_window[n]], kv)
             if layer.post_attn_norm is not None:

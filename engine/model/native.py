@@ -62,7 +62,7 @@ WIDE_TILE_BYTES = {5: 384, 6: 448}
 Q8_TILE_BYTES = 576
 GROUP = 32
 _HERE = Path(__file__).parent
-_HEADERS = tuple(_HERE / f"cpu_kernels_{h}.h" for h in ("common", "rowwise", "half"))  # included by both sources
+_HEADERS = tuple(_HERE / f"cpu_kernels_{h}.h" for h in ("common", "rowwise", "half", "layers"))  # in both builds
 _COMMON = ["-O3", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -88,7 +88,7 @@ _BUILDS = (
 
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
-        self.variant = variant
+        self.lib, self.variant = lib, variant  # the library for fused.py's bindings
         self.matmul = lib.q4_matmul
         self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
