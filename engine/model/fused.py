@@ -66,7 +66,7 @@ def _kind(linear: Any, act: torch.dtype, has_bf16: bool) -> int | None:
 def _proj(linear: Any, act: torch.dtype, has_bf16: bool, rounded: bool) -> _Proj | None:
     """``linear``'s parts as ``run_layers`` reads them. A ``SplitLinear`` joins its parts' rounded outputs, which
     is what the loop adds to the residual stream for o and down, not their float32 sums: there it stays."""
-    parts = linear.parts if isinstance(linear, SplitLinear) else [linear]
+    parts: list[Any] = list(linear.parts) if isinstance(linear, SplitLinear) else [linear]
     if len(parts) > _PARTS or (len(parts) > 1 and (linear.bias is not None or not rounded)):
         return None
     proj = _Proj()
