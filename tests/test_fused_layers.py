@@ -4,6 +4,9 @@ not take; each token's attention table."""
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -92,6 +95,28 @@ def test_a_16_bit_file_as_a_float32_model_fuses_to_the_bit(half: str, tiny_256: 
 def test_a_bfloat16_model_fuses_to_the_bit(tiny_256: Path) -> None:
     lm = load_model(tiny_256, dtype="bfloat16", quant="none")
     assert isinstance(lm.model.layers[0].qkv, HalfLinear)
+    _assert_fused_is_the_loop(lm.model)
+
+
+@pytest.fixture(scope="module")
+def avx2_kernel(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The AVX2 build, compiled beside the running one (this CPU runs AVX2 code whichever build it loaded)."""
+    build = next(b for b in native._BUILDS if b.name == "avx2")
+    if not build.cpu_flags or not all(f in (native._cpu_flags() or set()) for f in build.cpu_flags):
+        pytest.skip("this CPU lacks AVX2")
+    out = tmp_path_factory.mktemp("avx2") / "avx2.so"
+    subprocess.run([shutil.which("cc") or "cc", *build.flags, "-o", str(out), str(build.source)], check=True,
+                   capture_output=True, text=True)
+    return native._Kernel(ctypes.CDLL(str(out)), "avx2")
+
+
+@pytest.mark.parametrize("name", ("Q8_0", "Q4_K_M", "three parts"))
+def test_the_avx2_build_fuses_to_the_bit(name: str, avx2_kernel: Any, tiny_256: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_load", lambda: (avx2_kernel, "ready"))
+    types, default = FILES[name]
+    lm = load_model(write_k_gguf(tiny_256, tmp_path / "m.gguf", dict(types), default=default), quant="int4")
+    assert native.variant() == "avx2"
     _assert_fused_is_the_loop(lm.model)
 
 

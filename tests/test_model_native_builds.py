@@ -19,7 +19,8 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "
 EXPORTS = ("q4_matmul", "q4_matmul_f32", "q5_matmul", "q5_matmul_f32", "q6_matmul", "q6_matmul_f32",
            "q4_scratch_bytes", "q8_matmul", "q8_scratch_bytes", "paged_decode_attention", "attn_scratch_floats",
            "add_rms_norm", "add_rms_norm_f32", "rope_and_store", "silu_mul", "half_matmul",
-           "paged_decode_attention_f32", "add_rms_norm_f32_out", "rope_and_store_f32", "silu_mul_f32")
+           "paged_decode_attention_f32", "add_rms_norm_f32_out", "rope_and_store_f32", "silu_mul_f32",
+           "run_layers", "layers_work_bytes")
 
 
 def test_a_cpu_with_avx512_vnni_and_bf16_gets_the_avx512_build() -> None:
@@ -65,7 +66,7 @@ def _cpu_has_avx2() -> bool:
 def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
     """Run the AVX2 build beside the one this CPU loaded (on an AVX512 CPU, the other source): the 4-, 5- and 6-bit
     matmuls give the same bits (exact integer sums, then the same float operations in the same order); the 16-bit
-    one the same sums to float32 rounding (its lanes are reduced in another order)."""
+    one the same sums to float32 rounding; the 8-bit one the same bits (its lanes are reduced in another order)."""
     import numpy as np
     import torch
 
@@ -90,6 +91,15 @@ def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
             scratch = torch.empty(avx2.scratch_bytes(rows, k), dtype=torch.uint8)
             assert fn(xs.data_ptr(), tiles.data_ptr(), theirs.data_ptr(), rows, n, k, scratch.data_ptr(), 1) == 0
             assert torch.equal(native.matmul(xs, tiles, n, torch.float32, bits=bits), theirs), (bits, rows)
+    q8 = rng.integers(-128, 128, (n, k), dtype=np.int8)  # -128 too: a byte GGUF's Q8_0 could hold
+    tiles8 = native.pack_q8_tiles(q8, (rng.random((n, k // 32)) * 0.02).astype(np.float32))
+    for rows in (1, 2, m):
+        xs = x[:rows].contiguous()
+        theirs = torch.empty(rows, n)
+        scratch = torch.empty(avx2.q8_scratch_bytes(rows, k), dtype=torch.uint8)
+        assert avx2.q8_matmul(xs.data_ptr(), tiles8.data_ptr(), theirs.data_ptr(), rows, n, k, scratch.data_ptr(),
+                              1) == 0
+        assert torch.equal(native.q8_matmul(xs, tiles8, n), theirs), ("q8", rows)
     half = torch.randn(n, k).half()
     tiles16 = native.pack_half_tiles(half.view(torch.int16).numpy().view(np.uint16))
     xf = torch.randn(m, k)

@@ -171,11 +171,9 @@ class Q8Linear:
 
     def dequantize(self) -> torch.Tensor:
         t = self.tiles.numpy()
-        b, g, _ = t.shape
-        q = t[..., :512].view(np.int8).reshape(b, g, 8, 16, 4).transpose(0, 3, 1, 2, 4).reshape(b * 16, g, 32)
-        d = np.ascontiguousarray(t[..., 512:544]).view(np.float16).astype(np.float32)
-        d = np.ascontiguousarray(d.transpose(0, 2, 1)).reshape(b * 16, g)
-        return torch.from_numpy((q.astype(np.float32) * d[..., None]).reshape(b * 16, -1))
+        q = native.q8_tile_integers(t)
+        d = native.q8_tile_scales(t)
+        return torch.from_numpy((q.astype(np.float32) * d[..., None]).reshape(q.shape[0], -1))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = tuple(x.shape[:-1])

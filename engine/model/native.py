@@ -59,7 +59,7 @@ from tickloom.engine.model.registry import cache_dir
 TILE_ROWS = 16
 TILE_BYTES = 320
 WIDE_TILE_BYTES = {5: 384, 6: 448}
-Q8_TILE_BYTES = 576
+Q8_TILE_BYTES = 544
 GROUP = 32
 _HERE = Path(__file__).parent
 _HEADERS = tuple(_HERE / f"cpu_kernels_{h}.h" for h in ("common", "rowwise", "half", "layers"))  # in both builds
@@ -283,17 +283,30 @@ def unpack_wide_tiles(tiles: torch.Tensor, bits: int) -> tuple[np.ndarray, np.nd
 
 def pack_q8_tiles(q: np.ndarray, d: np.ndarray) -> torch.Tensor:
     """The 8-bit kernel's weight: ``q`` ``N x K`` int8 and ``d`` ``N x K/32`` (``w = d * q`` per group of 32, GGUF
-    Q8_0's form; ``d`` kept as float16). ``N % 16 == 0``. Returns ``N / 16 x K/32 x 576`` bytes."""
+    Q8_0's form; ``d`` kept as float16). ``N % 16 == 0``. Returns ``N / 16 x K/32 x 544`` bytes: ``q + 128``, then
+    ``d`` (layout: ``cpu_kernels.c``)."""
     n, k = q.shape
     b, g = n // TILE_ROWS, k // GROUP
     out = np.empty((b, g, Q8_TILE_BYTES), dtype=np.uint8)
     qg = q.reshape(b, TILE_ROWS, g, 8, 4)
-    out[..., :512] = qg.transpose(0, 2, 3, 1, 4).reshape(b, g, 512).view(np.uint8)
-    out[..., 512:544] = np.ascontiguousarray(d.astype(np.float16).reshape(b, TILE_ROWS, g).transpose(0, 2, 1)).view(
+    out[..., :512] = qg.transpose(0, 2, 3, 1, 4).reshape(b, g, 512).view(np.uint8) ^ 0x80
+    out[..., 512:] = np.ascontiguousarray(d.astype(np.float16).reshape(b, TILE_ROWS, g).transpose(0, 2, 1)).view(
         np.uint8)
-    sums = q.reshape(n, g, GROUP).sum(axis=-1, dtype=np.int32).astype(np.int16)  # |sum| <= 32 * 128
-    out[..., 544:] = np.ascontiguousarray(sums.reshape(b, TILE_ROWS, g).transpose(0, 2, 1)).view(np.uint8)
     return torch.from_numpy(out)
+
+
+def q8_tile_integers(tiles: np.ndarray) -> np.ndarray:
+    """``pack_q8_tiles``' ``q`` back, ``N x K/32 x 32`` int8."""
+    b, g, _ = tiles.shape
+    q = (tiles[..., :512] ^ 0x80).view(np.int8)
+    return q.reshape(b, g, 8, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(b * TILE_ROWS, g, GROUP)
+
+
+def q8_tile_scales(tiles: np.ndarray) -> np.ndarray:
+    """``pack_q8_tiles``' ``d`` back (as float16 held it), ``N x K/32`` float32."""
+    b, g, _ = tiles.shape
+    d = np.ascontiguousarray(tiles[..., 512:]).view(np.float16).astype(np.float32)
+    return np.ascontiguousarray(d.transpose(0, 2, 1)).reshape(b * TILE_ROWS, g)
 
 
 def unpack_tiles(tiles: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

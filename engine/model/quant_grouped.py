@@ -58,7 +58,9 @@ class GroupedInt8Linear:
         self.tiles = native.pack_q8_tiles(np.ascontiguousarray(q), s) if use_native else None
         self.q = None if use_native else torch.from_numpy(
             np.ascontiguousarray(q.reshape(n, k // group, group).transpose(1, 2, 0)))
-        self.s = torch.from_numpy(np.ascontiguousarray(s.T, dtype=np.float32))
+        # the kernel's tiles hold the scales (as float16): a float32 copy beside them would be 12% of a Q8_0
+        # layer's memory, read by nothing
+        self.s = None if use_native else torch.from_numpy(np.ascontiguousarray(s.T, dtype=np.float32))
         self.z = None if z is None else torch.from_numpy(np.ascontiguousarray(z.T, dtype=np.float32))
 
     @classmethod
@@ -72,9 +74,11 @@ class GroupedInt8Linear:
         ``gguf_quants.dequantize`` computes them (``s * q + z``)."""
         if self.q is None:
             assert self.tiles is not None
-            s16 = self.s[:, lo:hi].half().float().repeat_interleave(self.group, dim=0)  # what the kernel holds
+            s16 = torch.from_numpy(native.q8_tile_scales(self.tiles.numpy())[lo:hi].T).repeat_interleave(self.group,
+                                                                                                          dim=0)
             w = _q8_tiles_rows(self.tiles, self.out_features)[lo:hi].t() * s16
             return w if self.z is None else w + self.z[:, lo:hi].repeat_interleave(self.group, dim=0)
+        assert self.s is not None
         w = self.s[:, None, lo:hi] * self.q[:, :, lo:hi].float()
         if self.z is not None:
             w += self.z[:, None, lo:hi]
@@ -107,7 +111,7 @@ class GroupedInt8Linear:
             return y
         xf = x.float()
         if m <= _BMM_ROWS:
-            assert self.q is not None
+            assert self.q is not None and self.s is not None
             parts = torch.bmm(xf.view(m, g, self.group).transpose(0, 1), self.q.float())  # G x M x N
             y = (parts * self.s[:, None, :]).sum(0)
         else:
@@ -135,10 +139,7 @@ _SLICE_ELEMENTS = 1 << 21
 
 def _q8_tiles_rows(tiles: torch.Tensor, n: int) -> torch.Tensor:
     """``native.pack_q8_tiles``' integers back as float32 ``N x K``."""
-    t = tiles.numpy()
-    b, g, _ = t.shape
-    q = t[..., :512].view(np.int8).reshape(b, g, 8, 16, 4).transpose(0, 3, 1, 2, 4).reshape(n, g * 32)
-    return torch.from_numpy(q.astype(np.float32))
+    return torch.from_numpy(native.q8_tile_integers(tiles.numpy()).reshape(n, -1).astype(np.float32))
 
 
 class WideIntLinear:
