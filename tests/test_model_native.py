@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tickloom.engine.model import native
+from tickloom.engine.model import native, packing
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
@@ -35,9 +35,9 @@ def _weights(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def test_pack_and_unpack_are_inverse() -> None:
     nibbles, s, z, _ = _weights(48, 96, seed=1)
-    tiles = native.pack_tiles(nibbles, s, z)
-    assert tiles.shape == (3, 3, native.TILE_BYTES)
-    back = native.unpack_tiles(tiles)
+    tiles = packing.pack_tiles(nibbles, s, z)
+    assert tiles.shape == (3, 3, packing.TILE_BYTES)
+    back = packing.unpack_tiles(tiles)
     assert np.array_equal(back[0], nibbles) and np.array_equal(back[1], s) and np.array_equal(back[2], z)
 
 
@@ -46,7 +46,7 @@ def test_matmul_matches_the_dequantized_weight_at_every_tile_remainder(m: int) -
     """Rows go through the kernel 8 at a time and the rest 1..7 at a time, each count its own code path."""
     nibbles, s, z, w = _weights(64, 160, seed=m)
     x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).bfloat16()
-    y = native.matmul(x, native.pack_tiles(nibbles, s, z), 64)
+    y = native.matmul(x, packing.pack_tiles(nibbles, s, z), 64)
     ref = x.float() @ w.t()
     assert y.dtype == torch.bfloat16 and y.shape == (m, 64)
     # int8 activations per group of 32 (rounding error up to 1/254 of the group's largest value), bfloat16 out
@@ -56,14 +56,14 @@ def test_matmul_matches_the_dequantized_weight_at_every_tile_remainder(m: int) -
 def test_matmul_of_zero_activations_is_exactly_zero() -> None:
     """A group of zeros has no scale to divide by; it must contribute nothing (not NaN)."""
     nibbles, s, z, _ = _weights(16, 64, seed=3)
-    y = native.matmul(torch.zeros(2, 64, dtype=torch.bfloat16), native.pack_tiles(nibbles, s, z), 16)
+    y = native.matmul(torch.zeros(2, 64, dtype=torch.bfloat16), packing.pack_tiles(nibbles, s, z), 16)
     assert torch.equal(y, torch.zeros(2, 16, dtype=torch.bfloat16))
 
 
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads() -> None:
     """Replay and preemption re-run rows in other batches: the kernel must give the same bits."""
     nibbles, s, z, _ = _weights(128, 256, seed=4)
-    tiles = native.pack_tiles(nibbles, s, z)
+    tiles = packing.pack_tiles(nibbles, s, z)
     x = torch.randn(11, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     whole = native.matmul(x, tiles, 128)
     for i in range(11):
@@ -90,7 +90,7 @@ def test_the_scratch_buffer_is_kept_per_thread_and_grown_when_too_small() -> Non
     assert other[0] not in (first, grown)
     # a large call after a small one, and a small one after it, give what fresh buffers give
     nibbles, s, z, _ = _weights(32, 4096, seed=8)
-    tiles = native.pack_tiles(nibbles, s, z)
+    tiles = packing.pack_tiles(nibbles, s, z)
     x = torch.randn(40, 4096, generator=torch.Generator().manual_seed(8)).bfloat16()
     small = native.matmul(x[:1].contiguous(), tiles, 32)
     big = native.matmul(x, tiles, 32)
@@ -103,7 +103,7 @@ def test_the_float32_output_is_the_same_sums_unrounded(m: int) -> None:
     """``q4_matmul_f32`` (the o and down projections, added to the float32 residual stream): the very sums the
     bfloat16 output rounds to nearest even, on both row paths (one or two rows a pass, and more), batch-invariant."""
     nibbles, s, z, _ = _weights(64, 160, seed=10 + m)
-    tiles = native.pack_tiles(nibbles, s, z)
+    tiles = packing.pack_tiles(nibbles, s, z)
     x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).bfloat16()
     y32 = native.matmul(x, tiles, 64, torch.float32)
     assert y32.dtype == torch.float32 and y32.shape == (m, 64)
@@ -115,7 +115,7 @@ def test_the_float32_output_is_the_same_sums_unrounded(m: int) -> None:
 def test_matmul_rejects_shapes_it_cannot_tile() -> None:
     nibbles, s, z, _ = _weights(16, 64, seed=5)
     with pytest.raises(ValueError, match="N=8"):
-        native.matmul(torch.zeros(1, 64, dtype=torch.bfloat16), native.pack_tiles(nibbles, s, z), 8)
+        native.matmul(torch.zeros(1, 64, dtype=torch.bfloat16), packing.pack_tiles(nibbles, s, z), 8)
 
 
 def _attention_case(lengths: list[int], kv_heads: int, groups: int, head_dim: int, block_size: int, seed: int
@@ -408,7 +408,7 @@ def test_matmul_sums_a_groups_largest_products_without_overflow() -> None:
     nibbles = np.full((n, k // 32, 16), 0xFF, dtype=np.uint8)
     s, z = np.ones((n, k // 32), np.float32), np.zeros((n, k // 32), np.float32)
     x = torch.tensor([[1.0] * k, [-1.0] * k]).bfloat16()
-    y = native.matmul(x, native.pack_tiles(nibbles, s, z), n)
+    y = native.matmul(x, packing.pack_tiles(nibbles, s, z), n)
     assert torch.equal(y.float(), torch.tensor([[15.0 * k] * n, [-15.0 * k] * n]))
 
 
@@ -466,15 +466,15 @@ def _half_weight(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torc
     """Random ``kind`` bits ``N x K`` in the kernel's tiles, and the float32 weight they encode."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     half = w.half() if kind == "F16" else w.bfloat16()
-    return native.pack_half_tiles(half.view(torch.int16).numpy().view(np.uint16)), half.float()
+    return packing.pack_half_tiles(half.view(torch.int16).numpy().view(np.uint16)), half.float()
 
 
 def test_half_tiles_hold_the_files_values_in_fours_of_rows() -> None:
     bits = np.arange(7 * 32, dtype=np.uint16).reshape(7, 32)
-    tiles = native.pack_half_tiles(bits)
+    tiles = packing.pack_half_tiles(bits)
     assert tiles.shape == (2, 2, 64)  # rows 4..6 and a zero row; 16 columns of 4 rows a chunk
     assert np.array_equal(tiles[0, 1, 16:32], bits[1, 16:32]) and not tiles[1, 0, 48:].any()
-    assert np.array_equal(native.unpack_half_tiles(tiles, 7), bits)
+    assert np.array_equal(packing.unpack_half_tiles(tiles, 7), bits)
 
 
 @pytest.mark.parametrize("kind", ["F16", "BF16"])

@@ -13,7 +13,7 @@ import torch
 from model_fixtures import Driver, Spec, make_executor, prompts
 from test_model_speculation import AnswerKey, speculate
 
-from tickloom.engine.model import native
+from tickloom.engine.model import native, packing
 from tickloom.engine.model.quant import DenseLinear, quantize_linear
 from tickloom.engine.model.quant_grouped import HalfLinear
 from tickloom.engine.model.tiny import write_tiny_model
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels:
 
 
 def _tiles(w: torch.Tensor) -> np.ndarray:
-    return native.pack_half_tiles(w.view(torch.int16).numpy().view(np.uint16))
+    return packing.pack_half_tiles(w.view(torch.int16).numpy().view(np.uint16))
 
 
 @pytest.mark.parametrize(("n", "k"), [(64, 576), (50, 64), (7, 32), (1, 16)])

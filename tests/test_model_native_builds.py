@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tickloom.engine.model import native
+from tickloom.engine.model import native, packing
 
 AVX2 = {"avx", "avx2", "fma", "f16c", "sse4_2"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16"}
@@ -82,8 +82,8 @@ def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
         s = (rng.random((n, k // (16 if bits == 6 else 32))) * 0.02).astype(np.float16).astype(np.float32)
         z = None if bits == 6 else (-16 * s).astype(np.float32)
         low = (q & 15).reshape(n, -1, 32)
-        tiles = (native.pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, -16 * s) if bits == 4
-                 else native.pack_wide_tiles(q, s, z, bits))
+        tiles = (packing.pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, -16 * s) if bits == 4
+                 else packing.pack_wide_tiles(q, s, z, bits))
         for rows in (1, 2, m):
             xs = x[:rows].contiguous()
             theirs = torch.empty(rows, n)
@@ -92,7 +92,7 @@ def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
             assert fn(xs.data_ptr(), tiles.data_ptr(), theirs.data_ptr(), rows, n, k, scratch.data_ptr(), 1) == 0
             assert torch.equal(native.matmul(xs, tiles, n, torch.float32, bits=bits), theirs), (bits, rows)
     q8 = rng.integers(-128, 128, (n, k), dtype=np.int8)  # -128 too: a byte GGUF's Q8_0 could hold
-    tiles8 = native.pack_q8_tiles(q8, (rng.random((n, k // 32)) * 0.02).astype(np.float32))
+    tiles8 = packing.pack_q8_tiles(q8, (rng.random((n, k // 32)) * 0.02).astype(np.float32))
     for rows in (1, 2, m):
         xs = x[:rows].contiguous()
         theirs = torch.empty(rows, n)
@@ -101,7 +101,7 @@ def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
                               1) == 0
         assert torch.equal(native.q8_matmul(xs, tiles8, n), theirs), ("q8", rows)
     half = torch.randn(n, k).half()
-    tiles16 = native.pack_half_tiles(half.view(torch.int16).numpy().view(np.uint16))
+    tiles16 = packing.pack_half_tiles(half.view(torch.int16).numpy().view(np.uint16))
     xf = torch.randn(m, k)
     theirs = torch.empty(m, n)
     assert avx2.half_matmul(xf.data_ptr(), tiles16.ctypes.data, theirs.data_ptr(), m, n, k, 1, 1) == 0

@@ -1,4 +1,4 @@
-"""The 5- and 6-bit kernels (GGUF Q5_0, Q5_1, Q5_K and Q6_K as the file has them: ``native.pack_wide_tiles``,
+"""The 5- and 6-bit kernels (GGUF Q5_0, Q5_1, Q5_K and Q6_K as the file has them: ``packing.pack_wide_tiles``,
 ``matmul(bits=...)``, ``WideIntLinear``): their tiles hold every value, their sums are exact integer sums of the
 weights' values times the int8 activations (with a scale and offset per 32, or per 16 for 6 bits), a row's result
 does not depend on its batch, and the layer is chosen for those types only."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_model_gguf_types import k_blocks
 
-from tickloom.engine.model import gguf_quants, native
+from tickloom.engine.model import gguf_quants, native, packing
 from tickloom.engine.model.quant import GroupedInt8Linear, Int4Linear, RawBlocks, join_linear, quantize_linear
 from tickloom.engine.model.quant_grouped import SplitLinear, WideIntLinear
 
@@ -62,9 +62,9 @@ def _activations(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("bits", [5, 6])
 def test_wide_tiles_hold_every_value(bits: int) -> None:
     q, s, z = _weights(48, 96, seed=1, bits=bits)
-    tiles = native.pack_wide_tiles(q, s, z, bits)
-    assert tiles.shape == (3, 3, native.WIDE_TILE_BYTES[bits])
-    back = native.unpack_wide_tiles(tiles, bits)
+    tiles = packing.pack_wide_tiles(q, s, z, bits)
+    assert tiles.shape == (3, 3, packing.WIDE_TILE_BYTES[bits])
+    back = packing.unpack_wide_tiles(tiles, bits)
     assert np.array_equal(back[0], q) and np.array_equal(back[1], s)
     assert back[2] is None if z is None else np.array_equal(back[2], z)
 
@@ -78,7 +78,7 @@ def test_wide_matmul_is_the_exact_integer_sum_at_every_row_tile(m: int, bits: in
     x = _activations(m, 160, seed=m)
     top = 2**bits - 1
     for values in (q, np.where(q >= 16, q, top).astype(np.uint8)):  # wrong high bits would show in the second
-        y = native.matmul(x, native.pack_wide_tiles(values, s, z, bits), 64, torch.float32, bits=bits)
+        y = native.matmul(x, packing.pack_wide_tiles(values, s, z, bits), 64, torch.float32, bits=bits)
         ref = _reference(x, values, s, z)
         torch.testing.assert_close(y.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
 
@@ -86,7 +86,7 @@ def test_wide_matmul_is_the_exact_integer_sum_at_every_row_tile(m: int, bits: in
 @pytest.mark.parametrize("bits", [5, 6])
 def test_wide_rows_do_not_depend_on_their_batch_or_the_threads_and_bf16_rounds_the_float32_sums(bits: int) -> None:
     q, s, z = _weights(128, 256, seed=4, bits=bits)
-    tiles = native.pack_wide_tiles(q, s, z, bits)
+    tiles = packing.pack_wide_tiles(q, s, z, bits)
     x = torch.randn(11, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     whole = native.matmul(x, tiles, 128, torch.float32, bits=bits)
     for i in range(11):
@@ -119,7 +119,7 @@ def test_5_and_6_bit_gguf_types_become_wide_layers_with_the_files_values(kind: s
     lin = quantize_linear(RawBlocks(kind, data, (48, 512)), None, "int4", torch.bfloat16)
     bits = 6 if kind == "Q6_K" else 5
     assert isinstance(lin, WideIntLinear) and lin.bits == bits
-    assert lin.nbytes() == 48 * 512 * native.WIDE_TILE_BYTES[bits] // 512
+    assert lin.nbytes() == 48 * 512 * packing.WIDE_TILE_BYTES[bits] // 512
     want = torch.from_numpy(gguf_quants.dequantize(kind, data))
     got = lin.dequantize()
     if kind in ("Q5_K", "Q6_K"):  # d * sc (and dmin * m) rounded to float16, as the int4 path does for Q4_K

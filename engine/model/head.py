@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tickloom.engine.model import gguf_quants, native
+from tickloom.engine.model import gguf_quants, native, packing
 from tickloom.engine.model.quant import (
     Int8Linear,
     Linear,
@@ -140,7 +140,7 @@ class Q8Linear:
 
     def __init__(self, q: np.ndarray, d: np.ndarray) -> None:
         self.out_features, self.in_features = q.shape
-        self.tiles = native.pack_q8_tiles(q, d)
+        self.tiles = packing.pack_q8_tiles(q, d)
 
     @classmethod
     def from_weight(cls, w: Weight, chunk: int = 4096) -> Q8Linear:
@@ -171,8 +171,8 @@ class Q8Linear:
 
     def dequantize(self) -> torch.Tensor:
         t = self.tiles.numpy()
-        q = native.q8_tile_integers(t)
-        d = native.q8_tile_scales(t)
+        q = packing.q8_tile_integers(t)
+        d = packing.q8_tile_scales(t)
         return torch.from_numpy((q.astype(np.float32) * d[..., None]).reshape(q.shape[0], -1))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

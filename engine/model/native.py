@@ -54,13 +54,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tickloom.engine.model.packing import HALF_KINDS, HALF_TILE_ROWS
 from tickloom.engine.model.registry import cache_dir
 
-TILE_ROWS = 16
-TILE_BYTES = 320
-WIDE_TILE_BYTES = {5: 384, 6: 448}
-Q8_TILE_BYTES = 544
-GROUP = 32
 _HERE = Path(__file__).parent
 _HEADERS = tuple(_HERE / f"cpu_kernels_{h}.h" for h in ("common", "rowwise", "half", "layers"))  # in both builds
 _COMMON = ["-O3", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -223,104 +219,6 @@ def _build(cc: str, build: _Build) -> Path:
     return out
 
 
-def pack_tiles(nibbles: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tensor:
-    """The kernel's weight: ``nibbles`` ``N x G x 16`` bytes in GGUF Q4 order (byte ``j`` of group ``g`` holds
-    inputs ``32 g + j`` low and ``32 g + 16 + j`` high), ``s`` and ``z`` ``N x G`` (``w = s * q + z``), rounded to
-    float16 as GGUF stores them. ``N % 16 == 0``. Returns ``N / 16 x G x 320`` bytes (layout: ``cpu_kernels.c``)."""
-    n, g, _ = nibbles.shape
-    b = n // TILE_ROWS
-    out = np.empty((b, g, TILE_BYTES), dtype=np.uint8)
-    out[..., :256] = nibbles.reshape(b, TILE_ROWS, g, 4, 4).transpose(0, 2, 3, 1, 4).reshape(b, g, 256)
-    for at, v in ((256, s), (288, z)):
-        half = np.ascontiguousarray(v.astype(np.float16).reshape(b, TILE_ROWS, g).transpose(0, 2, 1))
-        out[..., at : at + 32] = half.view(np.uint8)
-    return torch.from_numpy(out)
-
-
-def pack_wide_tiles(q: np.ndarray, s: np.ndarray, z: np.ndarray | None, bits: int) -> torch.Tensor:
-    """The 5- and 6-bit kernels' weight: ``q`` ``N x K`` integers below ``2 ** bits``. 5 bits: ``w = s * q + z``
-    per group of 32 (GGUF Q5_0/Q5_1/Q5_K; ``s``, ``z`` ``N x K/32``). 6 bits: ``w = s * (q - 32)`` per group of 16
-    (Q6_K; ``s`` ``N x K/16``, ``z`` None: the kernel makes the offset). ``pack_tiles``' tile for the low four bits
-    and the scales, then per chunk the higher bits (layout: ``cpu_kernels.c``). Returns ``N / 16 x K/32
-    x 384`` (or ``448``) bytes."""
-    n, k = q.shape
-    b, g = n // TILE_ROWS, k // GROUP
-    fits = {5: s.shape == (n, g) and z is not None and z.shape == s.shape, 6: s.shape == (n, 2 * g) and z is None}
-    if not fits.get(bits, False):
-        raise ValueError(f"wide tiles: bits {bits}, q {q.shape}, s {s.shape}, z {None if z is None else z.shape}")
-    qg = q.reshape(n, g, GROUP).astype(np.uint8)
-    low = qg & 0x0F
-    first, second = (s[:, 0::2], s[:, 1::2]) if z is None else (s, z)  # 6 bits: the halves' scales at s and z
-    base = pack_tiles(low[..., :16] | (low[..., 16:] << 4), first, second).numpy()
-    # element 16 h + 4 t + c of a group sits in chunk t, byte 4 r + c (r: the row in its block), nibble h
-    high = (qg >> 4).reshape(b, TILE_ROWS, g, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5).reshape(b, g, 4, 2, 64)
-    if bits == 5:  # per chunk, a 64-bit mask for each nibble
-        extra = np.packbits(high, axis=-1, bitorder="little").reshape(b, g, 64)
-    else:  # per chunk, 32 bytes: byte i holds the low and high nibbles' two bits of byte i, then of byte 32 + i
-        extra = (high[..., 0, :32] | high[..., 1, :32] << 2 | high[..., 0, 32:] << 4 | high[..., 1, 32:] << 6
-                 ).astype(np.uint8).reshape(b, g, 128)
-    return torch.from_numpy(np.concatenate([base, extra], axis=-1))
-
-
-def unpack_wide_tiles(tiles: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """``pack_wide_tiles``' inverse: (q ``N x K`` uint8, s float32, z float32 or None)."""
-    t = tiles.numpy()
-    b, g, _ = t.shape
-    nibbles, s, z = unpack_tiles(torch.from_numpy(np.ascontiguousarray(t[..., :TILE_BYTES])))
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-    if bits == 5:
-        high = np.unpackbits(t[..., TILE_BYTES:].reshape(b, g, 4, 2, 8), axis=-1, bitorder="little")
-    else:
-        packed = t[..., TILE_BYTES:].reshape(b, g, 4, 32)
-        high = np.stack([np.concatenate([packed & 3, packed >> 4 & 3], axis=-1),
-                         np.concatenate([packed >> 2 & 3, packed >> 6], axis=-1)], axis=3)  # b, g, t, h, 64
-    q |= high.reshape(b, g, 4, 2, TILE_ROWS, 4).transpose(0, 4, 1, 3, 2, 5).reshape(b * TILE_ROWS, g, GROUP) << 4
-    q = q.reshape(b * TILE_ROWS, g * GROUP)
-    if bits == 6:
-        return q, np.stack([s, z], axis=-1).reshape(b * TILE_ROWS, 2 * g), None
-    return q, s, z
-
-
-def pack_q8_tiles(q: np.ndarray, d: np.ndarray) -> torch.Tensor:
-    """The 8-bit kernel's weight: ``q`` ``N x K`` int8 and ``d`` ``N x K/32`` (``w = d * q`` per group of 32, GGUF
-    Q8_0's form; ``d`` kept as float16). ``N % 16 == 0``. Returns ``N / 16 x K/32 x 544`` bytes: ``q + 128``, then
-    ``d`` (layout: ``cpu_kernels.c``)."""
-    n, k = q.shape
-    b, g = n // TILE_ROWS, k // GROUP
-    out = np.empty((b, g, Q8_TILE_BYTES), dtype=np.uint8)
-    qg = q.reshape(b, TILE_ROWS, g, 8, 4)
-    out[..., :512] = qg.transpose(0, 2, 3, 1, 4).reshape(b, g, 512).view(np.uint8) ^ 0x80
-    out[..., 512:] = np.ascontiguousarray(d.astype(np.float16).reshape(b, TILE_ROWS, g).transpose(0, 2, 1)).view(
-        np.uint8)
-    return torch.from_numpy(out)
-
-
-def q8_tile_integers(tiles: np.ndarray) -> np.ndarray:
-    """``pack_q8_tiles``' ``q`` back, ``N x K/32 x 32`` int8."""
-    b, g, _ = tiles.shape
-    q = (tiles[..., :512] ^ 0x80).view(np.int8)
-    return q.reshape(b, g, 8, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(b * TILE_ROWS, g, GROUP)
-
-
-def q8_tile_scales(tiles: np.ndarray) -> np.ndarray:
-    """``pack_q8_tiles``' ``d`` back (as float16 held it), ``N x K/32`` float32."""
-    b, g, _ = tiles.shape
-    d = np.ascontiguousarray(tiles[..., 512:]).view(np.float16).astype(np.float32)
-    return np.ascontiguousarray(d.transpose(0, 2, 1)).reshape(b * TILE_ROWS, g)
-
-
-def unpack_tiles(tiles: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``pack_tiles``' inverse: (nibbles ``N x G x 16``, s, z as float32 ``N x G``)."""
-    t = tiles.numpy()
-    b, g, _ = t.shape
-    nibbles = t[..., :256].reshape(b, g, 4, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(b * TILE_ROWS, g, 16)
-
-    def halves(at: int) -> np.ndarray:
-        v = np.ascontiguousarray(t[..., at : at + 32]).view(np.float16).astype(np.float32)
-        return np.ascontiguousarray(v.transpose(0, 2, 1)).reshape(b * TILE_ROWS, g)
-
-    return np.ascontiguousarray(nibbles), halves(256), halves(288)
-
 
 def _kernel() -> _Kernel:
     kernel = _load()[0]
@@ -420,40 +318,6 @@ def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int,
     fn = (kernel.matmul_f32 if f32 else kernel.matmul) if bits == 4 else kernel.wide[bits, f32]
     return _matmul(fn, kernel.scratch_bytes, x, tiles, out_features, out_dtype, f"q{bits}")
 
-
-HALF_KINDS = {"BF16": 0, "F16": 1}
-"""The 16-bit weight types ``half_matmul`` reads, and the kernel's code for each."""
-HALF_TILE_ROWS = 4
-
-
-def pack_half_tiles(bits: np.ndarray) -> np.ndarray:
-    """The 16-bit kernel's weight: ``bits`` ``N x K`` uint16 (F16 or BF16) reordered into tiles of 4 rows (zero rows
-    past N), each chunk of 16 columns of the tile's rows side by side (layout: ``cpu_kernels_half.h``). Returns
-    ``ceil(N / 4) x K/16 x 64`` uint16: the same values, reordered."""
-    n, k = bits.shape
-    tiles = -(-n // HALF_TILE_ROWS)
-    if n % HALF_TILE_ROWS:
-        padded = np.zeros((tiles * HALF_TILE_ROWS, k), np.uint16)
-        padded[:n] = bits
-        bits = padded
-    # moved as 32-byte items (a chunk of 16 values each): one pass over the weights, 10x numpy's element-wise copy
-    chunks = np.ascontiguousarray(bits).view(np.dtype("V32")).reshape(tiles, HALF_TILE_ROWS, k // 16)
-    out = np.ascontiguousarray(chunks.transpose(0, 2, 1))
-    return out.view(np.uint16).reshape(tiles, k // 16, 16 * HALF_TILE_ROWS)
-
-
-def unpack_half_tiles(tiles: np.ndarray, n: int) -> np.ndarray:
-    """``pack_half_tiles``' inverse: ``N x K`` uint16."""
-    t, chunks, _ = tiles.shape
-    return tiles.reshape(t, chunks, HALF_TILE_ROWS, 16).transpose(0, 2, 1, 3).reshape(t * HALF_TILE_ROWS, -1)[:n]
-
-
-def half_tile_rows(tiles: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Rows ``rows`` of a ``pack_half_tiles`` weight, ``len(rows) x K`` uint16 (an embedding lookup): their tiles
-    unpacked, then each row picked from its tile."""
-    picked = unpack_half_tiles(tiles[rows // HALF_TILE_ROWS], HALF_TILE_ROWS * len(rows))
-    return np.ascontiguousarray(picked.reshape(len(rows), HALF_TILE_ROWS, -1)[np.arange(len(rows)),
-                                                                              rows % HALF_TILE_ROWS])
 
 
 def half_matmul(x: torch.Tensor, tiles: np.ndarray, n: int, kind: str) -> torch.Tensor:

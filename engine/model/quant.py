@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tickloom.engine.model import gguf_quants, int4pack, native
+from tickloom.engine.model import gguf_quants, int4pack, native, packing
 from tickloom.engine.model.quant_grouped import GroupedInt8Linear, HalfLinear, SplitLinear, WideIntLinear
 
 QUANT_SETTINGS: dict[str, tuple[int, int]] = {
@@ -159,14 +159,14 @@ class Int4Linear:
         self.tiles: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.scales_zeros: torch.Tensor | None = None
-        can = group == native.GROUP and act == torch.bfloat16 and n % native.TILE_ROWS == 0
+        can = group == packing.GROUP and act == torch.bfloat16 and n % packing.TILE_ROWS == 0
         if use_native is None:
             use_native = can and native.available()
         if use_native:
             if not can:
                 raise ValueError(f"the native int4 kernel takes groups of 32, bfloat16 and rows in 16s "
                                  f"(group {group}, {act}, {n} rows)")
-            self.tiles = native.pack_tiles(nibbles, s, z)
+            self.tiles = packing.pack_tiles(nibbles, s, z)
         else:  # torch's form: w = (q - 8) * scale + zero, as K/group x N x 2 (built in numpy: 4x torch's stack)
             stacked = np.empty((k // group, n, 2), dtype=np.float32)
             stacked[..., 0] = s.T
@@ -196,7 +196,7 @@ class Int4Linear:
     def dequantize(self) -> torch.Tensor:
         """The float32 ``N x K`` weight this layer multiplies by."""
         if self.tiles is not None:
-            nibbles, s, z = native.unpack_tiles(self.tiles)
+            nibbles, s, z = packing.unpack_tiles(self.tiles)
             q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.float32)  # N x G x 32
             return torch.from_numpy((q * s[..., None] + z[..., None]).reshape(self.out_features, -1))
         assert self.packed is not None and self.scales_zeros is not None
@@ -344,7 +344,7 @@ def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch
         if bits:
             return _blocks_linear([w], _block_form(w.kind, quant, w.shape[0], act), bias, quant, act)
         takes = act == torch.float32 or (act == torch.bfloat16 and w.kind == "BF16")
-        if w.kind in native.HALF_KINDS and takes and native.available() and w.shape[1] % 16 == 0:
+        if w.kind in packing.HALF_KINDS and takes and native.available() and w.shape[1] % 16 == 0:
             return HalfLinear(w.kind, w.data.view(np.uint16), bias)  # the file's 16 bits, not a float32 copy
         w = w.dequantize()
     if not bits and act == torch.bfloat16 and w.device.type == "cpu" and native.available() and w.shape[1] % 16 == 0:
@@ -400,7 +400,7 @@ class Embedding:
         self.table: torch.Tensor | None = None
         self.blocks: RawBlocks | None = None
         self.half: HalfLinear | None = None  # a tied head's bfloat16 tiles, when the rows are read from them
-        if isinstance(w, RawBlocks) and (w.kind in gguf_quants.INT_KINDS or w.kind in native.HALF_KINDS):
+        if isinstance(w, RawBlocks) and (w.kind in gguf_quants.INT_KINDS or w.kind in packing.HALF_KINDS):
             self.blocks = w
         else:
             self.table = (w.dequantize() if isinstance(w, RawBlocks) else w).to(dtype)
@@ -410,7 +410,7 @@ class Embedding:
         if self.table is not None:
             return F.embedding(ids, self.table)
         if self.half is not None:
-            bits = native.half_tile_rows(self.half.tiles, ids.cpu().numpy())
+            bits = packing.half_tile_rows(self.half.tiles, ids.cpu().numpy())
             return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(device=ids.device,
                                                                                   dtype=self.dtype)
         assert self.blocks is not None

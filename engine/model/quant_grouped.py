@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tickloom.engine.model import gguf_quants, native
+from tickloom.engine.model import gguf_quants, native, packing
 
 
 class Layer(Protocol):
@@ -50,12 +50,12 @@ class GroupedInt8Linear:
             raise ValueError(f"grouped int8: bad shapes q {q.shape}, s {s.shape}, group {group}")
         self.out_features, self.in_features, self.group, self.act = n, k, group, act
         self.bias = None if bias is None else bias.to(act)
-        can = group == native.GROUP and n % native.TILE_ROWS == 0
+        can = group == packing.GROUP and n % packing.TILE_ROWS == 0
         if use_native is None:
             use_native = can and native.available()
         if use_native and not can:
             raise ValueError(f"the native 8-bit kernel takes groups of 32 and rows in 16s (group {group}, {n} rows)")
-        self.tiles = native.pack_q8_tiles(np.ascontiguousarray(q), s) if use_native else None
+        self.tiles = packing.pack_q8_tiles(np.ascontiguousarray(q), s) if use_native else None
         self.q = None if use_native else torch.from_numpy(
             np.ascontiguousarray(q.reshape(n, k // group, group).transpose(1, 2, 0)))
         # the kernel's tiles hold the scales (as float16): a float32 copy beside them would be 12% of a Q8_0
@@ -67,14 +67,14 @@ class GroupedInt8Linear:
     def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None,
                          act: torch.dtype = torch.bfloat16, use_native: bool | None = None) -> GroupedInt8Linear:
         q, s, z, group = gguf_quants.int8_fields(kind, blocks)
-        return cls(q, s, z, group, bias, act, False if group != native.GROUP else use_native)
+        return cls(q, s, z, group, bias, act, False if group != packing.GROUP else use_native)
 
     def _columns(self, lo: int, hi: int) -> torch.Tensor:
         """Output rows ``lo:hi`` of the float32 weight as ``K x (hi - lo)``, computed as
         ``gguf_quants.dequantize`` computes them (``s * q + z``)."""
         if self.q is None:
             assert self.tiles is not None
-            s16 = torch.from_numpy(native.q8_tile_scales(self.tiles.numpy())[lo:hi].T).repeat_interleave(self.group,
+            s16 = torch.from_numpy(packing.q8_tile_scales(self.tiles.numpy())[lo:hi].T).repeat_interleave(self.group,
                                                                                                           dim=0)
             w = _q8_tiles_rows(self.tiles, self.out_features)[lo:hi].t() * s16
             return w if self.z is None else w + self.z[:, lo:hi].repeat_interleave(self.group, dim=0)
@@ -138,8 +138,8 @@ _SLICE_ELEMENTS = 1 << 21
 
 
 def _q8_tiles_rows(tiles: torch.Tensor, n: int) -> torch.Tensor:
-    """``native.pack_q8_tiles``' integers back as float32 ``N x K``."""
-    return torch.from_numpy(native.q8_tile_integers(tiles.numpy()).reshape(n, -1).astype(np.float32))
+    """``packing.pack_q8_tiles``' integers back as float32 ``N x K``."""
+    return torch.from_numpy(packing.q8_tile_integers(tiles.numpy()).reshape(n, -1).astype(np.float32))
 
 
 class WideIntLinear:
@@ -158,13 +158,13 @@ class WideIntLinear:
         """``q``: ``N x K`` integers below ``2 ** bits``; 5 bits: ``s``, ``z`` ``N x K/32``; 6 bits: ``s`` ``N x
         K/16`` and ``z`` None (the offset is ``-32 s``)."""
         n, k = q.shape
-        if n % native.TILE_ROWS or k % native.GROUP:
+        if n % packing.TILE_ROWS or k % packing.GROUP:
             raise ValueError(f"int{bits}: q {q.shape} must have rows in 16s and groups of 32")
         if act != torch.bfloat16:
             raise ValueError(f"the {bits}-bit kernel takes bfloat16 activations, not {act}")
         self.out_features, self.in_features, self.bits, self.act = n, k, bits, act
         self.bias = None if bias is None else bias.to(act)
-        self.tiles = native.pack_wide_tiles(q, s, z, bits)
+        self.tiles = packing.pack_wide_tiles(q, s, z, bits)
 
     @classmethod
     def from_gguf(cls, parts: list[tuple[str, np.ndarray]], bias: torch.Tensor | None, act: torch.dtype
@@ -205,7 +205,7 @@ class WideIntLinear:
         return self._mm(x, torch.float32)
 
     def dequantize(self) -> torch.Tensor:
-        q, s, z = native.unpack_wide_tiles(self.tiles, self.bits)
+        q, s, z = packing.unpack_wide_tiles(self.tiles, self.bits)
         n, k = q.shape
         group = k // s.shape[1]
         if z is None:
@@ -220,7 +220,7 @@ class WideIntLinear:
 class HalfLinear:
     """A GGUF F16 or BF16 matrix for a float32 model (or any weight of a bfloat16 model, in bfloat16), as the file
     stores it: its 16-bit values, reordered once into
-    the kernel's 4-row tiles (``native.pack_half_tiles``: one stream per step, where the file's rows side by side
+    the kernel's 4-row tiles (``packing.pack_half_tiles``: one stream per step, where the file's rows side by side
     were four; the same bytes as the file, and the file's pages are dropped after the load). ``native.half_matmul``
     widens each weight to float32 as it multiplies, so the products are the float32 model's, at half its memory and
     half its bytes read per token. Built only where tickloom's kernels run (``quant.quantize_linear``)."""
@@ -228,10 +228,10 @@ class HalfLinear:
     __slots__ = ("bias", "in_features", "kind", "out_features", "tiles")
 
     def __init__(self, kind: str, w: np.ndarray, bias: torch.Tensor | None) -> None:
-        if kind not in native.HALF_KINDS or w.dtype != np.uint16 or w.ndim != 2 or w.shape[1] % 16:
+        if kind not in packing.HALF_KINDS or w.dtype != np.uint16 or w.ndim != 2 or w.shape[1] % 16:
             raise ValueError(f"HalfLinear takes F16 or BF16 bits N x K, K a multiple of 16 (got {kind}, {w.dtype}, "
                              f"{w.shape})")
-        self.kind, self.tiles = kind, native.pack_half_tiles(w)
+        self.kind, self.tiles = kind, packing.pack_half_tiles(w)
         self.out_features, self.in_features = w.shape
         self.bias = None if bias is None else bias.float()
 
@@ -250,7 +250,7 @@ class HalfLinear:
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        bits = native.unpack_half_tiles(self.tiles, self.out_features)
+        bits = packing.unpack_half_tiles(self.tiles, self.out_features)
         return torch.from_numpy(gguf_quants.dequantize(self.kind, np.ascontiguousarray(bits).view(np.uint8)))
 
     def nbytes(self) -> int:
