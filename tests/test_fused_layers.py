@@ -18,10 +18,12 @@ from test_model_gguf_sources import write_k_gguf
 from tickloom.engine.model import native
 from tickloom.engine.model.batch import RowSpec, build_step_batch
 from tickloom.engine.model.fused import FusedLayers, _kind, _proj, token_tables
+from tickloom.engine.model.llama import LlamaModel
 from tickloom.engine.model.loaders import load_model
 from tickloom.engine.model.quant import Int4Linear
 from tickloom.engine.model.quant_grouped import GroupedInt8Linear, HalfLinear, SplitLinear
 from tickloom.engine.model.tiny import write_tiny_model
+from tickloom.engine.model.tp import AllReduced, shard_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"tickloom's CPU kernels: {native.status()}")
 
@@ -167,3 +169,20 @@ def test_a_length_past_the_table_is_refused(tiny_256: Path, tmp_path: Path) -> N
     batch.groups[0].lengths.fill_(17)  # one block of 16 holds no 17th position
     with pytest.raises(ValueError, match="run_layers: a kernel refused the step"):
         model.forward(batch, model.new_kv_cache(4, 16))
+
+
+def test_a_tensor_parallel_rank_keeps_the_loop_for_its_all_reduces(tiny_256: Path, tmp_path: Path) -> None:
+    """``tp.py`` wraps o and down after the model is built; a fused call would go around the all-reduce."""
+    seen: dict[str, Any] = {}
+
+    def build(cfg: Any, tensors: Mapping[str, Any], dtype: torch.dtype, device: torch.device, quant: str) -> Any:
+        seen.update(cfg=cfg, tensors=dict(tensors), dtype=dtype, device=device)
+        return LlamaModel(cfg, tensors, dtype, device, quant)
+
+    alone = load_model(write_k_gguf(tiny_256, tmp_path / "m.gguf", {}, default="Q4_0"), quant="int4", build=build)
+    assert alone.model._fused is not None
+    rank = shard_model(seen["cfg"], seen["tensors"], seen["dtype"], seen["device"], "int4", rank=0, world=2)
+    assert isinstance(rank.layers[0].wo, AllReduced)
+    assert rank._native and rank._fused is None
+    one = shard_model(seen["cfg"], seen["tensors"], seen["dtype"], seen["device"], "int4", rank=0, world=1)
+    assert one._fused is not None  # one rank: nothing wrapped

@@ -235,6 +235,11 @@ class LlamaModel:
             logits = _softcap(logits, opts.final_softcap)
         return logits
 
+    def layers_changed(self) -> None:
+        """Say that a layer's projections were replaced after the model was built (``tp.py`` wraps o and down):
+        the fused tables point at the old ones, so they are built again, or dropped for what they cannot run."""
+        self._fused = FusedLayers.build(self) if self._native else None
+
     def _step_masks(self, batch: StepBatch, window: int | None) -> list[torch.Tensor]:
         """Each group's mask for layers with ``window`` (None: causal only); a batched decode group's as an
         additive bias (``_decode_bias``). A window adds ``key position > query position - window`` to the causal

@@ -126,6 +126,7 @@ def shard_model(cfg: ModelConfig, tensors: Mapping[str, Weight], dtype: torch.dt
         for layer in model.layers:
             layer.wo = AllReduced(layer.wo, group)
             layer.w2 = AllReduced(layer.w2, group)
+        model.layers_changed()  # the all-reduces run in the layer loop: no fused call may go around them
     return model
 
 
