@@ -12,8 +12,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-_GGUF_ARCH = {"qwen3": "QWEN3", "mistral": "LLAMA", "llama": "LLAMA", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3",
-              "phi3": "PHI3"}
+_GGUF_ARCH = {"qwen2": "QWEN2", "qwen3": "QWEN3", "mistral": "LLAMA", "llama": "LLAMA", "gemma2": "GEMMA2",
+              "gemma3_text": "GEMMA3", "phi3": "PHI3"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

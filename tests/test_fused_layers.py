@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from arch_gguf import write_gguf
 from test_model_gguf_sources import write_k_gguf
 
 from tickloom.engine.model import native
@@ -131,7 +132,6 @@ def test_the_loop_stays_for_what_the_kernels_do_not_take(tiny_256: Path, tmp_pat
     layer = model.layers[0]
     assert _kind(layer.wo, torch.bfloat16, True) == 4
     with_bias = Int4Linear.from_float(torch.randn(32, 256), 32, bias=torch.zeros(32))
-    assert _kind(with_bias, torch.bfloat16, True) is None
     assert _kind(layer.wo, torch.float32, True) is None  # 4-bit tiles take bfloat16 activations only
     offsets = GroupedInt8Linear.__new__(GroupedInt8Linear)
     offsets.bias, offsets.out_features, offsets.tiles, offsets.z = None, 32, torch.zeros(1), torch.zeros(1)
@@ -141,9 +141,11 @@ def test_the_loop_stays_for_what_the_kernels_do_not_take(tiny_256: Path, tmp_pat
     assert _kind(bf16, torch.bfloat16, True) == 18 and _kind(bf16, torch.bfloat16, False) is None
     assert _kind(bf16, torch.float32, False) == 16
     split = SplitLinear([layer.wo, layer.wo], None)
-    assert _proj(split, torch.bfloat16, True, rounded=True) is not None
-    assert _proj(split, torch.bfloat16, True, rounded=False) is None  # o, down: the loop adds rounded parts
-    assert _proj(SplitLinear([layer.wo] * 4, None), torch.bfloat16, True, rounded=True) is None
+    assert _proj(split, torch.bfloat16, True, True, []) is not None
+    assert _proj(split, torch.bfloat16, True, False, []) is None  # o, down: the loop adds rounded parts
+    assert _proj(SplitLinear([layer.wo] * 4, None), torch.bfloat16, True, True, []) is None
+    assert _proj(with_bias, torch.bfloat16, True, True, []) is not None  # q/k/v: Qwen2's
+    assert _proj(with_bias, torch.bfloat16, True, False, []) is None  # o, down: their rounded output, again
     model._native = False
     assert FusedLayers.build(model) is None
 
@@ -186,3 +188,43 @@ def test_a_tensor_parallel_rank_keeps_the_loop_for_its_all_reduces(tiny_256: Pat
     assert rank._native and rank._fused is None
     one = shard_model(seen["cfg"], seen["tensors"], seen["dtype"], seen["device"], "int4", rank=0, world=1)
     assert one._fused is not None  # one rank: nothing wrapped
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2: Llama's layer with biases on q, k and v."""
+    return write_tiny_model(tmp_path_factory.mktemp("qwen2") / "qwen2", architecture="qwen2", hidden_size=256,
+                            intermediate_size=512, num_heads=4, num_kv_heads=2, seed=13)
+
+
+@pytest.mark.parametrize(("quant", "dtype", "form"), [("int4", "bfloat16", Int4Linear),  # bias on the rounded out
+                                                      ("none", "bfloat16", HalfLinear),  # on the float32 sums
+                                                      ("none", "float32", HalfLinear)])
+def test_q_k_v_biases_fuse_to_the_bit(quant: str, dtype: str, form: type, qwen2: Path, tmp_path: Path) -> None:
+    if dtype == "float32":  # a float32 model takes 16-bit weights on the kernels: an F16 file's
+        source: Path = write_gguf(qwen2, "qwen2", tmp_path / "q.gguf", half="F16")
+    else:
+        source = qwen2
+    if form is HalfLinear and dtype == "bfloat16" and native._kernel().bf16_matmul is None:
+        pytest.skip("bfloat16 pair products: the AVX512 build's")
+    model = load_model(source, dtype=dtype, quant=quant).model
+    assert isinstance(model.layers[0].qkv, form) and model.layers[0].qkv.bias is not None
+    _assert_fused_is_the_loop(model)
+
+
+def test_a_q8_file_with_biases_fuses_to_the_bit(qwen2: Path, tmp_path: Path) -> None:
+    model = load_model(write_gguf(qwen2, "qwen2", tmp_path / "q8.gguf", q8=True), quant="int4").model
+    assert isinstance(model.layers[0].qkv, GroupedInt8Linear) and model.layers[0].qkv.bias is not None
+    _assert_fused_is_the_loop(model)
+
+
+def test_a_split_projections_bias_fuses_to_the_bit(qwen2: Path) -> None:
+    """A split q/k/v adds its bias, rounded to bfloat16, to the joined rounded outputs."""
+    model = load_model(qwen2, quant="int4").model
+    q_rows = model.cfg.q_size
+    for layer in model.layers:
+        w, bias = layer.qkv.dequantize(), layer.qkv.bias
+        layer.qkv = SplitLinear([Int4Linear.from_float(w[:q_rows], 32), Int4Linear.from_float(w[q_rows:], 32)],
+                                bias.float() + 1e-3)  # not a bfloat16 value: its rounding shows
+    model.layers_changed()
+    _assert_fused_is_the_loop(model)

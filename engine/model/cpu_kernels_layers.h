@@ -7,8 +7,9 @@
    layers, about 2.5 ms of an 8 ms step on the bundled model. One call a step leaves that to the kernels.
 
    What it takes (engine/model/fused.py checks before it builds the tables): every projection on a kernel of its
-   own (4-, 5-, 6- or 8-bit tiles, or 16-bit ones), no biases, Llama's layer (one norm before each sublayer, silu,
-   one rope table, no windows or soft-caps). Anything else runs the layer loop in llama.py.
+   own (4-, 5-, 6- or 8-bit tiles, or 16-bit ones), biases only where the output is rounded (q/k/v: Qwen2),
+   Llama's layer (one norm before each sublayer, silu, one rope table, no windows or soft-caps). Anything else runs
+   the layer loop in llama.py.
 
    Every token of the step is a row of its own for attention, with its block table and context length: a decode
    row's, or a prompt query's (the chunk's table, its position + 1). The kernel's result for a row depends on
@@ -29,10 +30,15 @@ typedef struct {
 } tl_linear;
 
 /* A projection in up to PARTS parts side by side along its output (a file's q/k/v in two types: Q4_K_M keeps
-   some attn_v in Q6_K), each part's output rounded, then joined; unused parts have n = 0. */
+   some attn_v in Q6_K), each part's output rounded, then joined; unused parts have n = 0. bias (float32, or NULL)
+   is added where the layer's class adds it: to the float32 sums before they are rounded (bias_after 0: 16-bit
+   layers), or to the rounded output, rounded again (bias_after 1: the integer layers, and a split projection's
+   joined output). */
 #define PARTS 3
 typedef struct {
     tl_linear part[PARTS];
+    const float *bias;
+    int64_t bias_after;
 } tl_proj;
 
 /* One layer: its four projections (qkv, o, gate/up, down) and its two norms' float32 weights. */
@@ -73,10 +79,21 @@ int64_t layers_work_bytes(const tl_model *m, const tl_layer *layers, int64_t n_l
            4 * rows * wide + scratch;
 }
 
+/* out[r, :] += bias, rows x n (a multiple of 16), float32 (f32) or bfloat16 (the sum rounded to nearest even). */
+static void add_bias(void *out, int64_t rows, int64_t n, const float *bias, int f32) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < n; j += 16) {
+            float *of = (float *)out + r * n + j;
+            uint16_t *ob = (uint16_t *)out + r * n + j;
+            if (f32) v16_storeu(of, v16_add(v16_loadu(of), v16_loadu(bias + j)));
+            else store_bf16(ob, v16_add(load_bf16(ob), v16_loadu(bias + j)));
+        }
+}
+
 /* out = x @ l^T: float32 when out_f32 (or a float32 model), else bfloat16 (rounded once, to nearest even).
    f32tmp holds the float32 sums of kernels that give only those. */
 static int project(const tl_model *m, const tl_linear *l, const void *x, int64_t rows, void *out, int out_f32,
-                   float *f32tmp, void *scratch, int threads) {
+                   float *f32tmp, void *scratch, int threads, const float *bias) {
     const int to_bf16 = !out_f32 && !m->f32;
     float *sums = to_bf16 ? f32tmp : (float *)out;
     int rc;
@@ -84,6 +101,7 @@ static int project(const tl_model *m, const tl_linear *l, const void *x, int64_t
     case LIN_Q4:
     case LIN_Q5:
     case LIN_Q6:
+        if (bias) return 3; /* their bias goes on the rounded output (bias_after) */
         return q4_matmul_to((const uint16_t *)x, (const uint8_t *)l->w, to_bf16 ? (uint16_t *)out : NULL,
                             to_bf16 ? NULL : (float *)out, rows, l->n, l->k, scratch, threads, (int)l->kind);
     case LIN_Q8:
@@ -102,7 +120,9 @@ static int project(const tl_model *m, const tl_linear *l, const void *x, int64_t
     default:
         return 3;
     }
-    if (rc || !to_bf16) return rc;
+    if (rc) return rc;
+    if (bias) add_bias(sums, rows, l->n, bias, 1);
+    if (!to_bf16) return 0;
     const int64_t total = rows * l->n; /* n is a multiple of 16 here (fused.py checks) */
     for (int64_t i = 0; i < total; i += 16) store_bf16((uint16_t *)out + i, v16_loadu(sums + i));
     return 0;
@@ -112,20 +132,26 @@ static int project(const tl_model *m, const tl_linear *l, const void *x, int64_t
    through `parts` first, to be copied into its columns. */
 static int project_parts(const tl_model *m, const tl_proj *p, const void *x, int64_t rows, void *out, int out_f32,
                          float *f32tmp, void *parts, void *scratch, int threads) {
-    if (p->part[1].n == 0) return project(m, &p->part[0], x, rows, out, out_f32, f32tmp, scratch, threads);
     const int64_t size = out_f32 || m->f32 ? 4 : 2;
     int64_t total = 0, at = 0;
+    if (p->part[1].n == 0) {
+        int rc = project(m, &p->part[0], x, rows, out, out_f32, f32tmp, scratch, threads,
+                         p->bias_after ? NULL : p->bias);
+        if (!rc && p->bias && p->bias_after) add_bias(out, rows, p->part[0].n, p->bias, size == 4);
+        return rc;
+    }
     for (int i = 0; i < PARTS; i++) total += p->part[i].n;
     for (int i = 0; i < PARTS && p->part[i].n; i++) {
         const int64_t n = p->part[i].n;
         int rc = project(m, &p->part[i], x, rows, rows == 1 ? (char *)out + at * size : parts, out_f32, f32tmp,
-                         scratch, threads);
+                         scratch, threads, NULL);
         if (rc) return rc;
         if (rows > 1)
             for (int64_t r = 0; r < rows; r++)
                 memcpy((char *)out + (r * total + at) * size, (char *)parts + r * n * size, (size_t)(n * size));
         at += n;
     }
+    if (p->bias) add_bias(out, rows, total, p->bias, size == 4);
     return 0;
 }
 
@@ -141,7 +167,7 @@ static char *carve(char **at, int64_t bytes) {
    each token's blocks and context length. kv: the paged cache's layers one after another, each 2 * kv_heads x
    num_blocks x block_size x head_dim. work: layers_work_bytes(rows, per_row *
    block_size), 64-byte aligned. Returns 0, or the first kernel's nonzero code (1, 2: shapes or lengths it does not
-   take; 3: a projection kind this build lacks). */
+   take; 3: a projection kind this build lacks, or a bias before rounding on integer tiles). */
 int run_layers(const tl_model *m, const tl_layer *layers, int64_t n_layers, float *x, float *y, int64_t rows,
                const int64_t *positions, const int64_t *slots, const int64_t *tables, int64_t per_row,
                const int64_t *lengths, const void *cos, const void *sin_signed, void *kv, int64_t num_blocks,

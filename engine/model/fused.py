@@ -3,8 +3,8 @@ layer they take: the same kernels ``LlamaModel``'s layer loop calls, in the same
 loop's to the bit (``tests/test_fused_layers.py``).
 
 Why: at batch 1 the loop's Python was a third of a small model's step (14 kernel calls a layer, each about 2 us of
-ctypes and as much again of wrapper). The layer loop stays for everything else: biases, projections split over
-kernels, extra norms, gelu, windows, soft-caps, dense float32 weights.
+ctypes and as much again of wrapper). The layer loop stays for everything else: biases on o or down, o or down
+split over kernels, extra norms, gelu, windows, soft-caps, dense float32 weights.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ _PARTS = 3
 
 
 class _Proj(ctypes.Structure):
-    _fields_ = [("part", _Linear * _PARTS)]
+    _fields_ = [("part", _Linear * _PARTS), ("bias", _ptr), ("bias_after", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -46,9 +46,9 @@ class _Model(ctypes.Structure):
 
 
 def _kind(linear: Any, act: torch.dtype, has_bf16: bool) -> int | None:
-    """The kernel kind that computes ``linear`` as its class does, or None where none does (a bias, a split
+    """The kernel kind that computes ``linear`` (bias aside) as its class does, or None where none does (a split
     projection, dense weights, Q8 offsets, a width the bfloat16 rounding loop does not take)."""
-    if getattr(linear, "bias", None) is not None or linear.out_features % 16:
+    if linear.out_features % 16:
         return None
     if isinstance(linear, Int4Linear) and linear.tiles is not None and act == torch.bfloat16:
         return 4
@@ -63,16 +63,26 @@ def _kind(linear: Any, act: torch.dtype, has_bf16: bool) -> int | None:
     return None
 
 
-def _proj(linear: Any, act: torch.dtype, has_bf16: bool, rounded: bool) -> _Proj | None:
-    """``linear``'s parts as ``run_layers`` reads them. A ``SplitLinear`` joins its parts' rounded outputs, which
-    is what the loop adds to the residual stream for o and down, not their float32 sums: there it stays."""
-    parts: list[Any] = list(linear.parts) if isinstance(linear, SplitLinear) else [linear]
-    if len(parts) > _PARTS or (len(parts) > 1 and (linear.bias is not None or not rounded)):
+def _proj(linear: Any, act: torch.dtype, has_bf16: bool, rounded: bool, keep: list[torch.Tensor]) -> _Proj | None:
+    """``linear``'s parts and bias as ``run_layers`` reads them (the bias's float32 copy goes to ``keep``). A
+    ``SplitLinear`` joins its parts' rounded outputs, and a layer with a bias adds it to its rounded output, which is
+    what the loop adds to the residual stream for o and down, not their float32 sums: there it stays."""
+    split = isinstance(linear, SplitLinear)
+    parts: list[Any] = list(linear.parts) if split else [linear]
+    bias = getattr(linear, "bias", None)  # (a wrapper of tp.py's has none: it is refused below)
+    if len(parts) > _PARTS or ((split or bias is not None) and not rounded):
         return None
     proj = _Proj()
+    if bias is not None:
+        # where each class adds it: a split layer and the integer layers to their rounded output (the split
+        # layer's rounded to the activations' dtype first), the 16-bit layers to the float32 sums
+        after = not isinstance(linear, HalfLinear)
+        held = (bias.to(act) if split else bias).float().contiguous()
+        keep.append(held)
+        proj.bias, proj.bias_after = held.data_ptr(), int(after)
     for i, part in enumerate(parts):
         kind = _kind(part, act, has_bf16)
-        if kind is None:
+        if kind is None or (split and part.bias is not None):
             return None
         tiles = part.tiles
         address = tiles.data_ptr() if isinstance(tiles, torch.Tensor) else tiles.ctypes.data
@@ -86,7 +96,7 @@ class FusedLayers:
 
     def __init__(self, model: _Model, layers: Any, keep: list[torch.Tensor], lib: Any) -> None:
         self._model, self._layers, self._count = model, layers, len(layers)
-        self._keep = keep  # the norm weights the tables point into
+        self._keep = keep  # the norm weights and biases the tables point into
         self._run, self._work_bytes = lib.run_layers, lib.layers_work_bytes
 
     @classmethod
@@ -106,7 +116,7 @@ class FusedLayers:
             if (layer.q_norm is not None or layer.post_attn_norm is not None or layer.post_mlp_norm is not None):
                 return None
             for name in ("qkv", "wo", "w13", "w2"):
-                proj = _proj(getattr(layer, name), act, has_bf16, rounded=name in ("qkv", "w13"))
+                proj = _proj(getattr(layer, name), act, has_bf16, name in ("qkv", "w13"), keep)
                 if proj is None:
                     return None
                 setattr(spec, name, proj)
