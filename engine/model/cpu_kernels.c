@@ -177,19 +177,17 @@ static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, co
 
 /* ---- The 8-bit matmul (the LM head, from GGUF Q8_0) ----
 
-   Weights: w[n, k] = d[n, g] * q[n, k], q int8, g = k / 32 (GGUF Q8_0 exactly). Tiles of 544 bytes, one per (16
-   output rows, group of 32 inputs): 8 chunks of 64 bytes (chunk t, byte 4r + c: q[16b + r, 32g + 4t + c] + 128,
-   the bytes xor 0x80), then d for the 16 rows (float16): 34 bytes per 32 weights, as the file has them.
-   VPDPBUSD wants one side unsigned: the weights are, so each row's sum is sum q qx + 128 sum qx, and 128 sum qx
-   (one number per activation row and group, from prepare_two_pass) comes off once per group. The tiles were 576
-   bytes before, with the activations as the unsigned side (an XOR per row and chunk) and each row's sum of q
-   stored for the correction: at batch 1, where a step is the time the weights take to read, 6% more bytes. The
-   integers summed are the same, so the results are too. The output is float32 (logits). */
+   Weights: w[n, k] = d[n, g] * q[n, k], q int8, g = k / 32 (GGUF Q8_0 exactly). Tiles of 576 bytes, one per (16
+   output rows, group of 32 inputs): 8 chunks of 64 bytes (chunk t, byte 4r + c: q[16b + r, 32g + 4t + c]), then d
+   for the 16 rows (float16), then sum_k q[n, k] over the group for the 16 rows (int16). VPDPBUSD wants one side
+   unsigned: the activations go in as qx + 128 (bytes xor 0x80), and 128 * sum q comes off once per group. The
+   output is float32 (logits). */
 
 static inline __attribute__((always_inline)) void q8_block_rows(
-    const uint8_t *w, const int8_t *qx, const float *dx, const int32_t *sx, float *y, int64_t m_rows, int64_t n,
-    int64_t k, int64_t block, int64_t m0, int mt) {
+    const uint8_t *w, const int8_t *qx, const float *dx, float *y, int64_t m_rows, int64_t n, int64_t k,
+    int64_t block, int64_t m0, int mt) {
     const int64_t groups = k / 32;
+    const __m512i flip = _mm512_set1_epi32((int)0x80808080u);
     const int chains = mt >= 4 ? 1 : (mt == 1 ? 4 : 2);
     __m512 acc[MT];
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
@@ -197,24 +195,25 @@ static inline __attribute__((always_inline)) void q8_block_rows(
     for (int64_t g = 0; g < groups; g++, tile += Q8_TILE_BYTES) {
         if (mt > 1) prefetch(tile + PREFETCH_TILES * Q8_TILE_BYTES, Q8_TILE_BYTES);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 512)));
+        __m512i offset = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(tile + 544))), 7);
         for (int pass = 0; pass < 2; pass++) { /* the activations' 8-bit value, then its rounding residual */
             const int8_t *xp = qx + pass * m_rows * k;
             const float *dp = dx + pass * m_rows * groups;
-            const int32_t *sp = sx + pass * m_rows * groups;
             __m512i part[MT];
             for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
             for (int t = 0; t < 8; t++) {
-                __m512i wu = _mm512_loadu_si512((const void *)(tile + 64 * t));
+                __m512i wq = _mm512_loadu_si512((const void *)(tile + 64 * t));
                 for (int i = 0; i < mt; i++) {
                     const int8_t *xq = xp + (m0 + i) * k + 32 * g + 4 * t;
+                    __m512i xu = _mm512_xor_si512(_mm512_set1_epi32(*(const int32_t *)xq), flip);
                     int c = i * chains + t % chains;
-                    part[c] = _mm512_dpbusd_epi32(part[c], wu, _mm512_set1_epi32(*(const int32_t *)xq));
+                    part[c] = _mm512_dpbusd_epi32(part[c], xu, wq);
                 }
             }
             for (int i = 0; i < mt; i++) {
                 __m512i sum = part[i * chains];
                 for (int c = 1; c < chains; c++) sum = _mm512_add_epi32(sum, part[i * chains + c]);
-                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * sp[(m0 + i) * groups + g]));
+                sum = _mm512_sub_epi32(sum, offset);
                 __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dp[(m0 + i) * groups + g]));
                 acc[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[i]);
             }
@@ -230,12 +229,11 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + 2 * m_rows * k) + 63) & ~(uintptr_t)63);
-    int32_t *sx = (int32_t *)(dx + 2 * m_rows * (k / 32));
-    prepare_two_pass(x, m_rows, k, qx, dx, sx);
+    prepare_two_pass(x, m_rows, k, qx, dx);
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-#define Q8_ROWS(mt) q8_block_rows(w, qx, dx, sx, y, m_rows, n, k, b, m0, mt)
+#define Q8_ROWS(mt) q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, mt)
         FOR_ROW_TILES(m_rows, Q8_ROWS);
 #undef Q8_ROWS
     }

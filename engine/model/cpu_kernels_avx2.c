@@ -258,9 +258,7 @@ static inline __attribute__((always_inline)) void q8_block_rows(
             for (int i = 0; i < mt; i++) part[i][0] = part[i][1] = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
                 for (int half = 0; half < 2; half++) {
-                    /* the tiles hold q + 128 (the AVX512 kernel's unsigned side): xor gives q back */
-                    __m256i wq = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * half)),
-                                                  _mm256_set1_epi8((char)0x80));
+                    __m256i wq = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * half));
                     __m256i wabs = _mm256_sign_epi8(wq, wq); /* -128 stays 0x80: 128 read unsigned */
                     for (int i = 0; i < mt; i++) {
                         __m256i xq = _mm256_set1_epi32(*(const int32_t *)(xp + (m0 + i) * k + 32 * g + 4 * t));
@@ -283,7 +281,7 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + 2 * m_rows * k) + 63) & ~(uintptr_t)63);
-    prepare_two_pass(x, m_rows, k, qx, dx, (int32_t *)(dx + 2 * m_rows * (k / 32)));
+    prepare_two_pass(x, m_rows, k, qx, dx);
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {

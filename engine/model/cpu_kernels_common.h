@@ -33,14 +33,13 @@
         }                                                                                                          \
     } while (0)
 
-#define Q8_TILE_BYTES 544
+#define Q8_TILE_BYTES 576
 
 /* Two 8-bit passes per activation: x ~ dx * qx + dx2 * qx2, where qx2 quantizes the residual x - dx * qx on its
    own scale (about 15 bits in all). Why: the LM head's input has a few channels 15-20 times the row's rms, so one
    8-bit step per group leaves the other channels few bits, and the argmax moves (greedy agreement with float32
-   fell by half a point); the second pass costs little, as the weights are read once for both. sx: each pass's
-   sum of qx per row and group (the 8-bit kernel's weights are offset by 128, cpu_kernels.c says why). */
-static void prepare_two_pass(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, float *dx, int32_t *sx) {
+   fell by half a point); the second pass costs little, as the weights are read once for both. */
+static void prepare_two_pass(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, float *dx) {
     const int64_t groups = k / 32;
     for (int64_t m = 0; m < m_rows; m++) {
         for (int64_t g = 0; g < groups; g++) {
@@ -60,16 +59,9 @@ static void prepare_two_pass(const uint16_t *x, int64_t m_rows, int64_t k, int8_
                 ramax = fmaxf(ramax, fabsf(r[j]));
             }
             float d2 = ramax / 127.0f, inv2 = ramax > 0.0f ? 127.0f / ramax : 0.0f;
-            int32_t sum_hi = 0, sum_lo = 0;
-            for (int j = 0; j < 32; j++) {
-                lo[j] = (int8_t)nearbyintf(r[j] * inv2);
-                sum_hi += hi[j];
-                sum_lo += lo[j];
-            }
+            for (int j = 0; j < 32; j++) lo[j] = (int8_t)nearbyintf(r[j] * inv2);
             dx[m * groups + g] = d;
             dx[(m_rows + m) * groups + g] = d2;
-            sx[m * groups + g] = sum_hi;
-            sx[(m_rows + m) * groups + g] = sum_lo;
         }
     }
 }
@@ -125,7 +117,7 @@ MATMUL_EXPORTS(q6_matmul, 6)
 #undef MATMUL_EXPORTS
 
 int64_t q4_scratch_bytes(int64_t m_rows, int64_t k) { return m_rows * k + 4 * m_rows * (k / 32) * 4 + 64; }
-int64_t q8_scratch_bytes(int64_t m_rows, int64_t k) { return 2 * m_rows * k + 4 * m_rows * (k / 32) * 4 + 64; }
+int64_t q8_scratch_bytes(int64_t m_rows, int64_t k) { return 2 * m_rows * k + 2 * m_rows * (k / 32) * 4 + 64; }
 int64_t attn_scratch_floats(int64_t rows, int64_t kv_heads, int64_t groups, int64_t max_len, int64_t head_dim) {
     return rows * kv_heads * groups * (max_len + 16 + head_dim);
 }

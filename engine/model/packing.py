@@ -10,7 +10,7 @@ import torch
 TILE_ROWS = 16
 TILE_BYTES = 320
 WIDE_TILE_BYTES = {5: 384, 6: 448}
-Q8_TILE_BYTES = 544
+Q8_TILE_BYTES = 576
 GROUP = 32
 HALF_KINDS = {"BF16": 0, "F16": 1}
 """The 16-bit weight types ``half_matmul`` reads, and the kernel's code for each."""
@@ -77,29 +77,31 @@ def unpack_wide_tiles(tiles: torch.Tensor, bits: int) -> tuple[np.ndarray, np.nd
 
 def pack_q8_tiles(q: np.ndarray, d: np.ndarray) -> torch.Tensor:
     """The 8-bit kernel's weight: ``q`` ``N x K`` int8 and ``d`` ``N x K/32`` (``w = d * q`` per group of 32, GGUF
-    Q8_0's form; ``d`` kept as float16). ``N % 16 == 0``. Returns ``N / 16 x K/32 x 544`` bytes: ``q + 128``, then
-    ``d`` (layout: ``cpu_kernels.c``)."""
+    Q8_0's form; ``d`` kept as float16). ``N % 16 == 0``. Returns ``N / 16 x K/32 x 576`` bytes: ``q``, ``d``, and
+    each row's sum of ``q`` per group (layout: ``cpu_kernels.c``)."""
     n, k = q.shape
     b, g = n // TILE_ROWS, k // GROUP
     out = np.empty((b, g, Q8_TILE_BYTES), dtype=np.uint8)
     qg = q.reshape(b, TILE_ROWS, g, 8, 4)
-    out[..., :512] = qg.transpose(0, 2, 3, 1, 4).reshape(b, g, 512).view(np.uint8) ^ 0x80
-    out[..., 512:] = np.ascontiguousarray(d.astype(np.float16).reshape(b, TILE_ROWS, g).transpose(0, 2, 1)).view(
+    out[..., :512] = qg.transpose(0, 2, 3, 1, 4).reshape(b, g, 512).view(np.uint8)
+    out[..., 512:544] = np.ascontiguousarray(d.astype(np.float16).reshape(b, TILE_ROWS, g).transpose(0, 2, 1)).view(
         np.uint8)
+    sums = q.reshape(n, g, GROUP).sum(axis=-1, dtype=np.int32).astype(np.int16)  # |sum| <= 32 * 128
+    out[..., 544:] = np.ascontiguousarray(sums.reshape(b, TILE_ROWS, g).transpose(0, 2, 1)).view(np.uint8)
     return torch.from_numpy(out)
 
 
 def q8_tile_integers(tiles: np.ndarray) -> np.ndarray:
     """``pack_q8_tiles``' ``q`` back, ``N x K/32 x 32`` int8."""
     b, g, _ = tiles.shape
-    q = (tiles[..., :512] ^ 0x80).view(np.int8)
+    q = tiles[..., :512].view(np.int8)
     return q.reshape(b, g, 8, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(b * TILE_ROWS, g, GROUP)
 
 
 def q8_tile_scales(tiles: np.ndarray) -> np.ndarray:
     """``pack_q8_tiles``' ``d`` back (as float16 held it), ``N x K/32`` float32."""
     b, g, _ = tiles.shape
-    d = np.ascontiguousarray(tiles[..., 512:]).view(np.float16).astype(np.float32)
+    d = np.ascontiguousarray(tiles[..., 512:544]).view(np.float16).astype(np.float32)
     return np.ascontiguousarray(d.transpose(0, 2, 1)).reshape(b * TILE_ROWS, g)
 
 
