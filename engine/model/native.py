@@ -10,6 +10,8 @@ the system C compiler at first use, cached, and called through ctypes (which let
 - ``add_rms_norm``, ``rope_and_store``, ``silu_mul``: a decoder layer's row-wise ops, fused, so that a layer is
   a few calls instead of about twenty torch ops (each costs microseconds before it touches data, which at batch
   1 was a third of the step).
+- ``run_layers`` (``cpu_kernels_layers.h``, bound in ``fused.py``): all of a step's layers in one call, the same
+  kernels in the same order, for the models whose every layer they take.
 
 Why kernels of our own: a decode step at batch 1 multiplies one activation row by every weight once, so its speed
 is how fast weights become products. torch's ``_weight_int4pack_mm_for_cpu`` turns every 4-bit weight into a float
