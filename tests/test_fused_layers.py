@@ -228,3 +228,14 @@ def test_a_split_projections_bias_fuses_to_the_bit(qwen2: Path) -> None:
                                 bias.float() + 1e-3)  # not a bfloat16 value: its rounding shows
     model.layers_changed()
     _assert_fused_is_the_loop(model)
+
+
+def test_a_cache_run_layers_cannot_walk_is_refused(tiny_256: Path, tmp_path: Path) -> None:
+    """``run_layers`` finds layer ``n`` at ``n`` layers past the first: a cache laid out otherwise is refused, not
+    read out of bounds."""
+    model = load_model(write_k_gguf(tiny_256, tmp_path / "m.gguf", {}, default="Q4_0"), quant="int4").model
+    kv = model.new_kv_cache(4, 16)
+    kv.kv = [kv.kv[0], *(t.clone() for t in kv.kv[1:])]  # the second layer elsewhere than after the first
+    batch = build_step_batch([RowSpec(0, 1, [0], True)], [1], 16, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="layers one after another"):
+        model.forward(batch, kv)

@@ -141,6 +141,11 @@ class FusedLayers:
         """Every layer on ``x`` (``tokens x hidden`` float32, the embeddings; it becomes the residual stream):
         returns the last layer's down projection, not yet added to ``x`` (the loop's ``y``)."""
         rows = x.shape[0]
+        layer = kv.kv[0]
+        if (layer.dtype != x.dtype if self._model.f32 else layer.dtype != torch.bfloat16) or (
+                self._count > 1 and kv.kv[1].data_ptr() - layer.data_ptr() != layer.numel() * layer.element_size()):
+            raise ValueError(f"run_layers: wants the cache's layers one after another in the activations' dtype "
+                             f"({layer.dtype}, {x.dtype} activations)")
         tables, lengths = token_tables(batch, rows)
         per_row = tables.shape[1]
         y = torch.empty_like(x)
