@@ -94,10 +94,10 @@ class FusedLayers:
     """The tables ``run_layers`` reads (each layer's weights' addresses and kinds), built once for a model, and the
     per-step call. ``build`` returns None for a model it cannot run; the model then keeps its loop."""
 
-    def __init__(self, model: _Model, layers: Any, keep: list[torch.Tensor], lib: Any) -> None:
+    def __init__(self, model: _Model, layers: Any, keep: list[torch.Tensor], kernel: Any) -> None:
         self._model, self._layers, self._count = model, layers, len(layers)
         self._keep = keep  # the norm weights and biases the tables point into
-        self._run, self._work_bytes = lib.run_layers, lib.layers_work_bytes
+        self._run, self._work_bytes = kernel.run_layers, kernel.layers_work_bytes
 
     @classmethod
     def build(cls, model: Any) -> FusedLayers | None:
@@ -107,7 +107,6 @@ class FusedLayers:
                 or set(opts.layer_window) != {None} or opts.norm_offset):
             return None
         kernel = native._kernel()
-        lib = kernel.lib
         act = model.dtype
         has_bf16 = kernel.bf16_matmul is not None
         layers = (_Layer * len(model.layers))()
@@ -129,12 +128,7 @@ class FusedLayers:
         sizes = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.q_size + 2 * cfg.kv_size,
                        cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads,
                        cfg.head_dim, int(act == torch.float32))
-        lib.run_layers.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr,
-                                   _i64, _i64, ctypes.c_float, ctypes.c_float, _ptr, ctypes.c_int]
-        lib.run_layers.restype = ctypes.c_int
-        lib.layers_work_bytes.argtypes = [_ptr, _ptr, _i64, _i64, _i64]
-        lib.layers_work_bytes.restype = _i64
-        return cls(sizes, layers, keep, lib)
+        return cls(sizes, layers, keep, kernel)
 
     def run(self, x: torch.Tensor, batch: StepBatch, kv: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor,
             eps: float, scale: float) -> torch.Tensor:

@@ -209,24 +209,12 @@ class LlamaModel:
         if opts.embed_scale is not None:
             # the scale rounded to the activations' dtype first, as the reference does
             x.mul_(torch.tensor(opts.embed_scale, dtype=x.dtype))
-        y: torch.Tensor | None = None  # the last sublayer's output, not yet added to the residual stream x
+        # the last sublayer's output, not yet added to the residual stream x
+        y: torch.Tensor | None
         if self._fused is not None:
             y = self._fused.run(x, batch, kv, self._cos, self._sin, self.cfg.rms_norm_eps, self.scale)
-            layers = []
         else:
-            layers = self.layers
-            ropes = [None if self._native else (cos.index_select(0, batch.positions).unsqueeze(1),
-                                                sin.index_select(0, batch.positions).unsqueeze(1))
-                     for cos, sin in self._ropes]
-            masks = {w: self._step_masks(batch, w) for w in set(opts.layer_window)}
-        for n, layer in enumerate(layers):
-            y = self._attention(n, layer, self._add_norm(x, y, layer.attn_norm), ropes[opts.layer_rope[n]], batch,
-                                masks[opts.layer_window[n]], kv)
-            if layer.post_attn_norm is not None:
-                y = rms_norm(y, layer.post_attn_norm, self.cfg.rms_norm_eps)
-            y = self._project(layer.w2, self._act_mul(layer.w13(self._add_norm(x, y, layer.mlp_norm))))
-            if layer.post_mlp_norm is not None:
-                y = rms_norm(y, layer.post_mlp_norm, self.cfg.rms_norm_eps)
+            y = self._layer_loop(x, batch, kv)
         if y is not None:
             x.add_(y)
         h = x if batch.logit_index is None else x.index_select(0, batch.logit_index)
@@ -234,6 +222,25 @@ class LlamaModel:
         if opts.final_softcap is not None:
             logits = _softcap(logits, opts.final_softcap)
         return logits
+
+    def _layer_loop(self, x: torch.Tensor, batch: StepBatch, kv: PagedKVCache) -> torch.Tensor | None:
+        """The layers one by one on the residual stream ``x``; returns the last sublayer's output, not yet added to
+        ``x`` (None for a model of no layers)."""
+        opts = self.opts
+        ropes = [None if self._native else (cos.index_select(0, batch.positions).unsqueeze(1),
+                                            sin.index_select(0, batch.positions).unsqueeze(1))
+                 for cos, sin in self._ropes]
+        masks = {w: self._step_masks(batch, w) for w in set(opts.layer_window)}
+        y: torch.Tensor | None = None
+        for n, layer in enumerate(self.layers):
+            y = self._attention(n, layer, self._add_norm(x, y, layer.attn_norm), ropes[opts.layer_rope[n]], batch,
+                                masks[opts.layer_window[n]], kv)
+            if layer.post_attn_norm is not None:
+                y = rms_norm(y, layer.post_attn_norm, self.cfg.rms_norm_eps)
+            y = self._project(layer.w2, self._act_mul(layer.w13(self._add_norm(x, y, layer.mlp_norm))))
+            if layer.post_mlp_norm is not None:
+                y = rms_norm(y, layer.post_mlp_norm, self.cfg.rms_norm_eps)
+        return y
 
     def layers_changed(self) -> None:
         """Say that a layer's projections were replaced after the model was built (``tp.py`` wraps o and down):

@@ -86,7 +86,7 @@ _BUILDS = (
 
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
-        self.lib, self.variant = lib, variant  # the library for fused.py's bindings
+        self.variant = variant
         self.matmul = lib.q4_matmul
         self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -144,6 +144,14 @@ class _Kernel:
         if self.bf16_matmul is not None:
             self.bf16_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
             self.bf16_matmul.restype = ctypes.c_int
+        # fused.py's whole-step call: the model's and layers' tables (ctypes structures there) by pointer
+        self.run_layers = lib.run_layers
+        self.run_layers.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
+                                    ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int]
+        self.run_layers.restype = ctypes.c_int
+        self.layers_work_bytes = lib.layers_work_bytes
+        self.layers_work_bytes.argtypes = [ptr, ptr, i64, i64, i64]
+        self.layers_work_bytes.restype = i64
 
 
 def status() -> str:

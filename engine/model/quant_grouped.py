@@ -76,7 +76,8 @@ class GroupedInt8Linear:
             assert self.tiles is not None
             s16 = torch.from_numpy(packing.q8_tile_scales(self.tiles.numpy())[lo:hi].T).repeat_interleave(self.group,
                                                                                                           dim=0)
-            w = _q8_tiles_rows(self.tiles, self.out_features)[lo:hi].t() * s16
+            q = packing.q8_tile_integers(self.tiles.numpy()).reshape(self.out_features, -1)[lo:hi]
+            w = torch.from_numpy(q.astype(np.float32)).t() * s16
             return w if self.z is None else w + self.z[:, lo:hi].repeat_interleave(self.group, dim=0)
         assert self.s is not None
         w = self.s[:, None, lo:hi] * self.q[:, :, lo:hi].float()
@@ -135,11 +136,6 @@ a 2816 x 1024 weight; 20x slower at 64 rows, where the dequantized weight's matm
 
 _SLICE_ELEMENTS = 1 << 21
 """``GroupedInt8Linear``'s float32 temporary when it dequantizes: 8 MB at most."""
-
-
-def _q8_tiles_rows(tiles: torch.Tensor, n: int) -> torch.Tensor:
-    """``packing.pack_q8_tiles``' integers back as float32 ``N x K``."""
-    return torch.from_numpy(packing.q8_tile_integers(tiles.numpy()).reshape(n, -1).astype(np.float32))
 
 
 class WideIntLinear:
