@@ -5,6 +5,7 @@ a CPU without AVX512, so compiling it is what CI can check of it there."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import platform
 import shutil
 import subprocess
@@ -16,8 +17,8 @@ from tickloom.engine.model import native, packing
 
 AVX2 = {"avx", "avx2", "fma", "f16c", "sse4_2"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16"}
-EXPORTS = ("q4_matmul", "q4_matmul_f32", "q5_matmul", "q5_matmul_f32", "q6_matmul", "q6_matmul_f32",
-           "q4_scratch_bytes", "q8_matmul", "q8_scratch_bytes", "paged_decode_attention", "attn_scratch_floats",
+EXPORTS = ("int_matmul", "int_scratch_bytes", "q8_matmul", "q8_scratch_bytes", "paged_decode_attention",
+           "attn_scratch_floats",
            "add_rms_norm", "add_rms_norm_f32", "rope_and_store", "silu_mul", "half_matmul",
            "paged_decode_attention_f32", "add_rms_norm_f32_out", "rope_and_store_f32", "silu_mul_f32",
            "run_layers", "layers_work_bytes")
@@ -76,7 +77,7 @@ def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
     avx2 = native._Kernel(ctypes.CDLL(str(out)), "avx2")
     rng = np.random.default_rng(0)
     n, k, m = 48, 160, 5
-    x = torch.randn(m, k).bfloat16()
+    x = torch.randn(9, k).bfloat16()
     for bits in (4, 5, 6):
         q = rng.integers(0, 2**bits, (n, k), dtype=np.uint8)
         s = (rng.random((n, k // (16 if bits == 6 else 32))) * 0.02).astype(np.float16).astype(np.float32)
@@ -84,13 +85,14 @@ def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
         low = (q & 15).reshape(n, -1, 32)
         tiles = (packing.pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, -16 * s) if bits == 4
                  else packing.pack_wide_tiles(q, s, z, bits))
-        for rows in (1, 2, m):
+        for rows, passes in itertools.product((1, 2, m, 9), (1, 2)):
             xs = x[:rows].contiguous()
             theirs = torch.empty(rows, n)
-            fn = avx2.matmul_f32 if bits == 4 else avx2.wide[bits, True]
-            scratch = torch.empty(avx2.scratch_bytes(rows, k), dtype=torch.uint8)
-            assert fn(xs.data_ptr(), tiles.data_ptr(), theirs.data_ptr(), rows, n, k, scratch.data_ptr(), 1) == 0
-            assert torch.equal(native.matmul(xs, tiles, n, torch.float32, bits=bits), theirs), (bits, rows)
+            scratch = torch.empty(avx2.int_scratch_bytes(rows, k, passes), dtype=torch.uint8)
+            assert avx2.int_matmul(xs.data_ptr(), tiles.data_ptr(), theirs.data_ptr(), rows, n, k, scratch.data_ptr(),
+                                   1, bits, passes, 1) == 0
+            mine = native.matmul(xs, tiles, n, torch.float32, bits=bits, passes=passes)
+            assert torch.equal(mine, theirs), (bits, rows, passes)
     q8 = rng.integers(-128, 128, (n, k), dtype=np.int8)  # -128 too: a byte GGUF's Q8_0 could hold
     tiles8 = packing.pack_q8_tiles(q8, (rng.random((n, k // 32)) * 0.02).astype(np.float32))
     for rows in (1, 2, m):

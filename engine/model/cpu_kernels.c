@@ -82,7 +82,7 @@ static inline __attribute__((always_inline)) void prefetch(const uint8_t *p, int
    inlining. 6-bit tiles keep the two halves of a group apart: each has its own scale and offset. */
 static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, uint16_t *y,
-    float *yf, int64_t n, int64_t k, int64_t block, int64_t m0, int mt, int bits) {
+    float *yf, int64_t m_rows, int64_t n, int64_t k, int64_t block, int64_t m0, int mt, int bits, int passes) {
     const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
     const int split = bits == 6;
     const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
@@ -95,52 +95,59 @@ static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *tile = w + block * groups * tile_bytes;
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
         if (mt > 1 || bits != 4) prefetch(tile + PREFETCH_TILES * tile_bytes, (int)tile_bytes);
-        __m512i part[4 * MT];
-        for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
-        for (int t = 0; t < 4; t++) {
-            __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * t));
-            __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-            if (bits == 5) { /* each byte's fifth bit from the masks: 64 bits for the low nibbles, 64 for the high */
-                uint64_t m[2];
-                memcpy(m, tile + TILE_BYTES + 16 * t, 16);
-                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)m[0], bit4));
-                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)m[1], bit4));
-            } else if (bits == 6) { /* two high bits a value, four values a byte: the upper half's in bits 4-7 */
-                __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t)));
-                h = _mm512_srlv_epi64(h, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
-                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
-                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
-            }
-            for (int i = 0; i < mt; i++) {
-                const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
-                int c0 = i * chains + (2 * t) % chains, c1 = i * chains + (2 * t + 1) % chains;
-                part[c0] = _mm512_dpbusd_epi32(part[c0], lo, _mm512_set1_epi32(*(const int32_t *)xq));
-                part[c1] = _mm512_dpbusd_epi32(part[c1], hi, _mm512_set1_epi32(*(const int32_t *)(xq + 16)));
-            }
-        }
         __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
         __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
         /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
-        const __m512 s1 = z, z0 = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f)), z1 = _mm512_mul_ps(z, _mm512_set1_ps(-32.0f));
-        for (int i = 0; i < mt; i++) {
-            int64_t at = (m0 + i) * groups + g;
-            __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[at]));
-            if (split) {
-                __m512i first = part[i * chains], second = part[i * chains + 1];
-                for (int c = 2; c < chains; c += 2) {
-                    first = _mm512_add_epi32(first, part[i * chains + c]);
-                    second = _mm512_add_epi32(second, part[i * chains + c + 1]);
+        const __m512 s1 = z, z0 = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
+        const __m512 z1 = _mm512_mul_ps(z, _mm512_set1_ps(-32.0f));
+        /* two passes (TWO_PASS_ROWS): the tile, in L1 by now, is unpacked again for the residual's rows */
+        for (int p = 0; p < passes; p++) {
+            const int64_t r0 = p * m_rows + m0; /* this pass's first activation row */
+            __m512i part[4 * MT];
+            for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * t));
+                __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+                if (bits == 5) { /* each byte's fifth bit from the masks: 64 for the low nibbles, 64 for the high */
+                    uint64_t m[2];
+                    memcpy(m, tile + TILE_BYTES + 16 * t, 16);
+                    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)m[0], bit4));
+                    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)m[1], bit4));
+                } else if (bits == 6) { /* two high bits a value, four values a byte: the upper half's in bits 4-7 */
+                    __m512i h =
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t)));
+                    h = _mm512_srlv_epi64(h, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
                 }
-                acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(first), acc[i]);
-                acc[i] = _mm512_fmadd_ps(z0, _mm512_set1_ps(dxs16[2 * at]), acc[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s1, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(second), acc[i]);
-                acc[i] = _mm512_fmadd_ps(z1, _mm512_set1_ps(dxs16[2 * at + 1]), acc[i]);
-                continue;
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *xq = qx + (r0 + i) * k + 32 * g + 4 * t;
+                    int c0 = i * chains + (2 * t) % chains, c1 = i * chains + (2 * t + 1) % chains;
+                    part[c0] = _mm512_dpbusd_epi32(part[c0], lo, _mm512_set1_epi32(*(const int32_t *)xq));
+                    part[c1] = _mm512_dpbusd_epi32(part[c1], hi, _mm512_set1_epi32(*(const int32_t *)(xq + 16)));
+                }
             }
-            __m512i sum = part[i * chains];
-            for (int c = 1; c < chains; c++) sum = _mm512_add_epi32(sum, part[i * chains + c]);
-            acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(sum), acc[i]);
-            acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs[at]), acc[i]);
+            for (int i = 0; i < mt; i++) {
+                int64_t at = (r0 + i) * groups + g;
+                __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[at]));
+                if (split) {
+                    __m512i first = part[i * chains], second = part[i * chains + 1];
+                    for (int c = 2; c < chains; c += 2) {
+                        first = _mm512_add_epi32(first, part[i * chains + c]);
+                        second = _mm512_add_epi32(second, part[i * chains + c + 1]);
+                    }
+                    acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(first), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(z0, _mm512_set1_ps(dxs16[2 * at]), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s1, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(second),
+                                             acc[i]);
+                    acc[i] = _mm512_fmadd_ps(z1, _mm512_set1_ps(dxs16[2 * at + 1]), acc[i]);
+                    continue;
+                }
+                __m512i sum = part[i * chains];
+                for (int c = 1; c < chains; c++) sum = _mm512_add_epi32(sum, part[i * chains + c]);
+                acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(sum), acc[i]);
+                acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs[at]), acc[i]);
+            }
         }
     }
     for (int i = 0; i < mt; i++) {
@@ -150,28 +157,37 @@ static inline __attribute__((always_inline)) void block_rows(
     }
 }
 
-/* y (M x N bfloat16, or float32 into yf when that is given) = x (M x K bfloat16) @ w^T. N % 16 == 0, K % 32 ==
-   0. `scratch` holds at least q4_scratch_bytes(M, K) bytes. Returns 0, or 1 for shapes it does not take.
-   The float32 form serves the projections whose output is added to the float32 residual stream (o and down). */
-
 static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, const int8_t *qx, const float *dx,
                                                              const float *dxs, const float *dxs16, uint16_t *y,
                                                              float *yf, int64_t m_rows, int64_t n, int64_t k,
-                                                             int bits, int threads) {
+                                                             int bits, int passes, int threads) {
     const int64_t blocks = n / 16;
-    /* `bits` is a literal in each call below: OpenMP outlines the loop body into a function of its own, where a
-       variable would reach block_rows unknown and its loops would not unroll (three times slower at batch 8) */
+    /* `bits` and `passes` are literals in each call below: OpenMP outlines the loop body into a function of its
+       own, where a variable would reach block_rows unknown and its loops would not unroll (three times slower at
+       batch 8) */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, b, m0, mt, 4)
-#define Q5_ROWS(mt) block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, b, m0, mt, 5)
-#define Q6_ROWS(mt) block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, b, m0, mt, 6)
-        if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS);
+#define ROWS_OF(mt, bits_, passes_) block_rows(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, b, m0, mt, bits_, passes_)
+#define Q4_ROWS(mt) ROWS_OF(mt, 4, 1)
+#define Q5_ROWS(mt) ROWS_OF(mt, 5, 1)
+#define Q6_ROWS(mt) ROWS_OF(mt, 6, 1)
+#define Q4_ROWS2(mt) ROWS_OF(mt, 4, 2)
+#define Q5_ROWS2(mt) ROWS_OF(mt, 5, 2)
+#define Q6_ROWS2(mt) ROWS_OF(mt, 6, 2)
+        if (passes == 2) {
+            if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS2);
+            else if (bits == 5) FOR_ROW_TILES(m_rows, Q5_ROWS2);
+            else FOR_ROW_TILES(m_rows, Q4_ROWS2);
+        } else if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS);
         else if (bits == 5) FOR_ROW_TILES(m_rows, Q5_ROWS);
         else FOR_ROW_TILES(m_rows, Q4_ROWS);
+#undef ROWS_OF
 #undef Q4_ROWS
 #undef Q5_ROWS
 #undef Q6_ROWS
+#undef Q4_ROWS2
+#undef Q5_ROWS2
+#undef Q6_ROWS2
     }
 }
 

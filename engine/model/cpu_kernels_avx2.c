@@ -131,7 +131,8 @@ static inline __m256i fifth_bits(uint32_t m) {
    Either way a lane's arithmetic is the same, so a row's result does not depend on which pass it took. */
 static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, uint16_t *y,
-    float *yf, int64_t n, int64_t k, int64_t block, int half0, int nhalf, int64_t m0, int mt, int bits) {
+    float *yf, int64_t m_rows, int64_t n, int64_t k, int64_t block, int half0, int nhalf, int64_t m0, int mt,
+    int bits, int passes) {
     const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
     const int split = bits == 6;
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -141,60 +142,70 @@ static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *tile = w + block * groups * tile_bytes;
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
         prefetch(tile + 8 * tile_bytes, (int)tile_bytes);
-        /* 4-bit: 16-bit pair sums, widened once a group. 5- and 6-bit values' pairs could overflow 16 bits over
-           four chunks, so those widen each chunk; 6-bit tiles sum a group's halves apart (part, part2). The sums
-           are exact integers either way, as VPDPBUSD's are. */
-        __m256i part[2][MT], part2[2][MT];
-        for (int h = 0; h < nhalf; h++)
-            for (int i = 0; i < mt; i++) part[h][i] = part2[h][i] = _mm256_setzero_si256();
-        for (int t = 0; t < 4; t++) {
-            /* 5 bits: per mask, rows 0-7 then 8-15; the low nibbles' fifth bits, then the high ones'. 6 bits: the
-               two high bits of 4 values a byte (cpu_kernels.c), a half's in bits 4h .. 4h + 3 */
-            uint32_t m[4] = {0, 0, 0, 0};
-            if (bits == 5) memcpy(m, tile + TILE_BYTES + 16 * t, 16);
-            __m256i high = bits == 6 ? _mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t))
-                                     : _mm256_setzero_si256();
-            for (int i = 0; i < mt; i++) {
-                const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
-                __m256i xl = _mm256_set1_epi32(*(const int32_t *)xq), xh = _mm256_set1_epi32(*(const int32_t *)(xq + 16));
-                for (int h = 0; h < nhalf; h++) {
-                    __m256i bytes = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * (half0 + h)));
-                    __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-                    if (bits == 4) {
-                        part[h][i] = _mm256_add_epi16(part[h][i], _mm256_add_epi16(pairs(lo, xl), pairs(hi, xh)));
-                        continue;
-                    }
-                    if (split) {
-                        __m256i v = half0 + h ? _mm256_srli_epi16(high, 4) : high;
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(v, 4), _mm256_set1_epi8(0x30)));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(v, 2), _mm256_set1_epi8(0x30)));
-                        part[h][i] = _mm256_add_epi32(part[h][i], widen(pairs(lo, xl)));
-                        part2[h][i] = _mm256_add_epi32(part2[h][i], widen(pairs(hi, xh)));
-                    } else {
-                        lo = _mm256_or_si256(lo, fifth_bits(m[half0 + h]));
-                        hi = _mm256_or_si256(hi, fifth_bits(m[2 + half0 + h]));
-                        part[h][i] = _mm256_add_epi32(part[h][i], widen(_mm256_add_epi16(pairs(lo, xl), pairs(hi, xh))));
+        /* two passes (int_matmul): the tile, in L1 by now, is read again for the residual's rows */
+        for (int p = 0; p < passes; p++) {
+            const int64_t r0 = p * m_rows + m0; /* this pass's first activation row */
+            /* 4-bit: 16-bit pair sums, widened once a group. 5- and 6-bit values' pairs could overflow 16 bits
+               over four chunks, so those widen each chunk; 6-bit tiles sum a group's halves apart (part, part2).
+               The sums are exact integers either way, as VPDPBUSD's are. */
+            __m256i part[2][MT], part2[2][MT];
+            for (int h = 0; h < nhalf; h++)
+                for (int i = 0; i < mt; i++) part[h][i] = part2[h][i] = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {
+                /* 5 bits: per mask, rows 0-7 then 8-15; the low nibbles' fifth bits, then the high ones'. 6 bits:
+                   the two high bits of 4 values a byte (cpu_kernels.c), a half's in bits 4h .. 4h + 3 */
+                uint32_t m[4] = {0, 0, 0, 0};
+                if (bits == 5) memcpy(m, tile + TILE_BYTES + 16 * t, 16);
+                __m256i high = bits == 6 ? _mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t))
+                                         : _mm256_setzero_si256();
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *xq = qx + (r0 + i) * k + 32 * g + 4 * t;
+                    __m256i xl = _mm256_set1_epi32(*(const int32_t *)xq);
+                    __m256i xh = _mm256_set1_epi32(*(const int32_t *)(xq + 16));
+                    for (int h = 0; h < nhalf; h++) {
+                        __m256i bytes = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * (half0 + h)));
+                        __m256i lo = _mm256_and_si256(bytes, low);
+                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+                        if (bits == 4) {
+                            part[h][i] =
+                                _mm256_add_epi16(part[h][i], _mm256_add_epi16(pairs(lo, xl), pairs(hi, xh)));
+                            continue;
+                        }
+                        if (split) {
+                            __m256i v = half0 + h ? _mm256_srli_epi16(high, 4) : high;
+                            const __m256i bits45 = _mm256_set1_epi8(0x30);
+                            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(v, 4), bits45));
+                            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(v, 2), bits45));
+                            part[h][i] = _mm256_add_epi32(part[h][i], widen(pairs(lo, xl)));
+                            part2[h][i] = _mm256_add_epi32(part2[h][i], widen(pairs(hi, xh)));
+                        } else {
+                            lo = _mm256_or_si256(lo, fifth_bits(m[half0 + h]));
+                            hi = _mm256_or_si256(hi, fifth_bits(m[2 + half0 + h]));
+                            part[h][i] =
+                                _mm256_add_epi32(part[h][i], widen(_mm256_add_epi16(pairs(lo, xl), pairs(hi, xh))));
+                        }
                     }
                 }
             }
-        }
-        for (int h = 0; h < nhalf; h++) {
-            __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * (half0 + h))));
-            __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * (half0 + h))));
-            /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
-            __m256 s1 = z, z0 = _mm256_mul_ps(s, _mm256_set1_ps(-32.0f)), z1 = _mm256_mul_ps(z, _mm256_set1_ps(-32.0f));
-            for (int i = 0; i < mt; i++) {
-                int64_t at = (m0 + i) * groups + g;
-                __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[at]));
-                __m256i sum = bits == 4 ? widen(part[h][i]) : part[h][i];
-                acc[h][i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(sum), acc[h][i]);
-                if (split) {
-                    acc[h][i] = _mm256_fmadd_ps(z0, _mm256_set1_ps(dxs16[2 * at]), acc[h][i]);
-                    acc[h][i] = _mm256_fmadd_ps(_mm256_mul_ps(s1, _mm256_set1_ps(dx[at])),
-                                                _mm256_cvtepi32_ps(part2[h][i]), acc[h][i]);
-                    acc[h][i] = _mm256_fmadd_ps(z1, _mm256_set1_ps(dxs16[2 * at + 1]), acc[h][i]);
-                } else {
-                    acc[h][i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc[h][i]);
+            for (int h = 0; h < nhalf; h++) {
+                __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * (half0 + h))));
+                __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * (half0 + h))));
+                /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
+                __m256 s1 = z, z0 = _mm256_mul_ps(s, _mm256_set1_ps(-32.0f));
+                __m256 z1 = _mm256_mul_ps(z, _mm256_set1_ps(-32.0f));
+                for (int i = 0; i < mt; i++) {
+                    int64_t at = (r0 + i) * groups + g;
+                    __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[at]));
+                    __m256i sum = bits == 4 ? widen(part[h][i]) : part[h][i];
+                    acc[h][i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(sum), acc[h][i]);
+                    if (split) {
+                        acc[h][i] = _mm256_fmadd_ps(z0, _mm256_set1_ps(dxs16[2 * at]), acc[h][i]);
+                        acc[h][i] = _mm256_fmadd_ps(_mm256_mul_ps(s1, _mm256_set1_ps(dx[at])),
+                                                    _mm256_cvtepi32_ps(part2[h][i]), acc[h][i]);
+                        acc[h][i] = _mm256_fmadd_ps(z1, _mm256_set1_ps(dxs16[2 * at + 1]), acc[h][i]);
+                    } else {
+                        acc[h][i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc[h][i]);
+                    }
                 }
             }
         }
@@ -210,34 +221,52 @@ static inline __attribute__((always_inline)) void block_rows(
 static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, const int8_t *qx, const float *dx,
                                                              const float *dxs, const float *dxs16, uint16_t *y,
                                                              float *yf, int64_t m_rows, int64_t n, int64_t k,
-                                                             int bits, int threads) {
+                                                             int bits, int passes, int threads) {
     const int64_t blocks = n / 16;
-    /* `bits` is a literal in each call below: OpenMP outlines the loop body into a function of its own, where a
-       variable would reach block_rows unknown and its loops would not unroll */
-#define FEW_ROWS(bits_)                                                                                             \
-    (m_rows == 1 ? block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, b, 0, 2, 0, 1, bits_)                             \
-                 : block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, b, 0, 2, 0, 2, bits_))
+    /* `bits` and `passes` are literals in each call below: OpenMP outlines the loop body into a function of its
+       own, where a variable would reach block_rows unknown and its loops would not unroll */
+#define BLOCK(half0, nhalf, mt, bits_, passes_)                                                                     \
+    block_rows(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, b, half0, nhalf, 0, mt, bits_, passes_)
+#define FEW_ROWS(bits_, passes_) (m_rows == 1 ? BLOCK(0, 2, 1, bits_, passes_) : BLOCK(0, 2, 2, bits_, passes_))
     if (m_rows <= 2) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t b = 0; b < blocks; b++) {
-            if (bits == 6) FEW_ROWS(6);
-            else if (bits == 5) FEW_ROWS(5);
-            else FEW_ROWS(4);
+            if (passes == 2) {
+                if (bits == 6) FEW_ROWS(6, 2);
+                else if (bits == 5) FEW_ROWS(5, 2);
+                else FEW_ROWS(4, 2);
+            } else if (bits == 6) FEW_ROWS(6, 1);
+            else if (bits == 5) FEW_ROWS(5, 1);
+            else FEW_ROWS(4, 1);
         }
         return;
     }
 #undef FEW_ROWS
+#undef BLOCK
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t bh = 0; bh < 2 * blocks; bh++) {
-#define Q4_ROWS(mt) block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, bh / 2, (int)(bh % 2), 1, m0, mt, 4)
-#define Q5_ROWS(mt) block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, bh / 2, (int)(bh % 2), 1, m0, mt, 5)
-#define Q6_ROWS(mt) block_rows(w, qx, dx, dxs, dxs16, y, yf, n, k, bh / 2, (int)(bh % 2), 1, m0, mt, 6)
-        if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS);
+#define ROWS_OF(mt, bits_, passes_)                                                                                 \
+    block_rows(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, bh / 2, (int)(bh % 2), 1, m0, mt, bits_, passes_)
+#define Q4_ROWS(mt) ROWS_OF(mt, 4, 1)
+#define Q5_ROWS(mt) ROWS_OF(mt, 5, 1)
+#define Q6_ROWS(mt) ROWS_OF(mt, 6, 1)
+#define Q4_ROWS2(mt) ROWS_OF(mt, 4, 2)
+#define Q5_ROWS2(mt) ROWS_OF(mt, 5, 2)
+#define Q6_ROWS2(mt) ROWS_OF(mt, 6, 2)
+        if (passes == 2) {
+            if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS2);
+            else if (bits == 5) FOR_ROW_TILES(m_rows, Q5_ROWS2);
+            else FOR_ROW_TILES(m_rows, Q4_ROWS2);
+        } else if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS);
         else if (bits == 5) FOR_ROW_TILES(m_rows, Q5_ROWS);
         else FOR_ROW_TILES(m_rows, Q4_ROWS);
+#undef ROWS_OF
 #undef Q4_ROWS
 #undef Q5_ROWS
 #undef Q6_ROWS
+#undef Q4_ROWS2
+#undef Q5_ROWS2
+#undef Q6_ROWS2
     }
 }
 

@@ -22,11 +22,12 @@
 
 enum { LIN_Q4 = 4, LIN_Q5 = 5, LIN_Q6 = 6, LIN_Q8 = 8, LIN_HALF_BF16 = 16, LIN_HALF_F16 = 17, LIN_BF16 = 18 };
 
-/* One projection: its tiles, output and input sizes and kind (LIN_*). */
+/* One projection: its tiles, output and input sizes, kind (LIN_*) and activation passes (1 or 2: int_matmul; the
+4- to 6-bit kinds alone take 2). */
 typedef struct {
     const void *w;
     int64_t n, k;
-    int64_t kind;
+    int64_t kind, passes;
 } tl_linear;
 
 /* A projection in up to PARTS parts side by side along its output (a file's q/k/v in two types: Q4_K_M keeps
@@ -59,7 +60,9 @@ typedef struct {
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static int64_t linear_scratch(const tl_linear *l, int64_t rows) {
-    return l->kind == LIN_Q8 ? q8_scratch_bytes(rows, l->k) : l->kind <= LIN_Q6 ? q4_scratch_bytes(rows, l->k) : 0;
+    return l->kind == LIN_Q8   ? q8_scratch_bytes(rows, l->k)
+           : l->kind <= LIN_Q6 ? int_scratch_bytes(rows, l->k, l->passes)
+                               : 0;
 }
 
 /* Bytes of the workspace (64-byte aligned) run_layers wants for `rows` tokens and `per_row` blocks a row. */
@@ -103,7 +106,8 @@ static int project(const tl_model *m, const tl_linear *l, const void *x, int64_t
     case LIN_Q6:
         if (bias) return 3; /* their bias goes on the rounded output (bias_after) */
         return q4_matmul_to((const uint16_t *)x, (const uint8_t *)l->w, to_bf16 ? (uint16_t *)out : NULL,
-                            to_bf16 ? NULL : (float *)out, rows, l->n, l->k, scratch, threads, (int)l->kind);
+                            to_bf16 ? NULL : (float *)out, rows, l->n, l->k, scratch, threads, (int)l->kind,
+                            (int)l->passes);
     case LIN_Q8:
         rc = q8_matmul((const uint16_t *)x, (const uint8_t *)l->w, sums, rows, l->n, l->k, scratch, threads);
         break;

@@ -26,7 +26,7 @@ LIN_Q8, LIN_HALF, LIN_BF16 = 8, {"BF16": 16, "F16": 17}, 18
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("w", _ptr), ("n", _i64), ("k", _i64), ("kind", _i64)]
+    _fields_ = [("w", _ptr), ("n", _i64), ("k", _i64), ("kind", _i64), ("passes", _i64)]
 
 
 _PARTS = 3
@@ -86,7 +86,8 @@ def _proj(linear: Any, act: torch.dtype, has_bf16: bool, rounded: bool, keep: li
             return None
         tiles = part.tiles
         address = tiles.data_ptr() if isinstance(tiles, torch.Tensor) else tiles.ctypes.data
-        proj.part[i] = _Linear(address, part.out_features, part.in_features, kind)
+        passes = part.passes if kind in (4, 5, 6) else 1
+        proj.part[i] = _Linear(address, part.out_features, part.in_features, kind, passes)
     return proj
 
 

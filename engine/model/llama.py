@@ -27,6 +27,7 @@ from tickloom.engine.model.kv_cache import PagedKVCache
 from tickloom.engine.model.quant import (
     DenseLinear,
     Embedding,
+    Int4Linear,
     Linear,
     RawBlocks,
     Weight,
@@ -34,6 +35,7 @@ from tickloom.engine.model.quant import (
     check_quant,
     join_linear,
 )
+from tickloom.engine.model.quant_grouped import WideIntLinear
 from tickloom.engine.model.rope import rope_tables as rope_kind_tables
 
 __all__ = ["LayerWeights", "LlamaModel", "apply_rope", "expected_shapes", "norm_weight2", "rms_norm", "rope_tables"]
@@ -83,6 +85,10 @@ class LayerWeights:
         w13 = [t[m + "gate_up_proj.weight"]] if fused else [t[m + "gate_proj.weight"], t[m + "up_proj.weight"]]
         self.w13: Linear = join_linear(w13, None, quant, act)
         self.w2: Linear = join_linear([t[m + "down_proj.weight"]], None, quant, act)
+        if isinstance(self.w2, (Int4Linear, WideIntLinear)):
+            # two 8-bit passes of its input on tickloom's integer kernels: silu(gate) * up has the widest groups of
+            # any projection's input (cpu_kernels_common.h says what this buys and costs)
+            self.w2.passes = 2
 
 
 def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:

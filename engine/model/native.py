@@ -87,29 +87,20 @@ _BUILDS = (
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
         self.variant = variant
-        self.matmul = lib.q4_matmul
-        self.matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        self.matmul.restype = ctypes.c_int
-        self.matmul_f32 = lib.q4_matmul_f32
-        self.matmul_f32.argtypes = self.matmul.argtypes
-        self.matmul_f32.restype = ctypes.c_int
-        self.wide: dict[tuple[int, bool], Any] = {}  # (bits, float32 out) -> the 5- and 6-bit exports
-        for bits in (5, 6):
-            for f32 in (False, True):
-                fn = getattr(lib, f"q{bits}_matmul{'_f32' if f32 else ''}")
-                fn.argtypes, fn.restype = self.matmul.argtypes, ctypes.c_int
-                self.wide[bits, f32] = fn
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.int_matmul = lib.int_matmul  # 4-, 5- and 6-bit tiles: (..., threads, bits, passes, float32 out)
+        self.int_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_int]
+        self.int_matmul.restype = ctypes.c_int
+        self.int_scratch_bytes = lib.int_scratch_bytes
+        self.int_scratch_bytes.argtypes = [i64, i64, i64]
+        self.int_scratch_bytes.restype = i64
         self.q8_matmul = lib.q8_matmul
-        self.q8_matmul.argtypes = self.matmul.argtypes
+        self.q8_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
         self.q8_matmul.restype = ctypes.c_int
         self.q8_scratch_bytes = lib.q8_scratch_bytes
-        self.q8_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        self.q8_scratch_bytes.restype = ctypes.c_int64
-        self.scratch_bytes = lib.q4_scratch_bytes
-        self.scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        self.scratch_bytes.restype = ctypes.c_int64
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.q8_scratch_bytes.argtypes = [i64, i64]
+        self.q8_scratch_bytes.restype = i64
         self.attention = lib.paged_decode_attention
         self.attention.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ptr,
                                    ptr, ctypes.c_int]
@@ -315,19 +306,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def q8_matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_q8_tiles`` weight, ``M x N`` float32."""
+    m, k = x.shape
     kernel = _kernel()
-    return _matmul(kernel.q8_matmul, kernel.q8_scratch_bytes, x, tiles, out_features, torch.float32, "q8")
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if kernel.q8_matmul(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, out_features, k,
+                        _scratch_at_least(kernel.q8_scratch_bytes(m, k)), torch.get_num_threads()):
+        raise ValueError(f"q8 kernel: unsupported shape N={out_features}, K={k}")
+    return y
 
 
 def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int,
-           out_dtype: torch.dtype = torch.bfloat16, bits: int = 4) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.bfloat16, bits: int = 4, passes: int = 1) -> torch.Tensor:
     """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_tiles`` weight (``pack_wide_tiles`` for ``bits`` 5 or
-    6), ``M x N`` bfloat16 or float32 (the same sums, unrounded)."""
+    6), ``M x N`` bfloat16 or float32 (the same sums, unrounded). ``passes=2`` rounds ``x`` to 8 bits twice, the
+    value and its residual (``cpu_kernels_common.h``: what the down projection asks for)."""
+    m, k = x.shape
     kernel = _kernel()
-    f32 = out_dtype == torch.float32
-    fn = (kernel.matmul_f32 if f32 else kernel.matmul) if bits == 4 else kernel.wide[bits, f32]
-    return _matmul(fn, kernel.scratch_bytes, x, tiles, out_features, out_dtype, f"q{bits}")
-
+    y = torch.empty(m, out_features, dtype=out_dtype)
+    if kernel.int_matmul(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, out_features, k,
+                         _scratch_at_least(kernel.int_scratch_bytes(m, k, passes)), torch.get_num_threads(), bits,
+                         passes, out_dtype == torch.float32):
+        raise ValueError(f"q{bits} kernel: unsupported shape N={out_features}, K={k} or passes {passes}")
+    return y
 
 
 def half_matmul(x: torch.Tensor, tiles: np.ndarray, n: int, kind: str) -> torch.Tensor:
@@ -374,13 +374,3 @@ def _scratch_at_least(size: int) -> int:
         buf = torch.empty(max(size, 1 << 16), dtype=torch.uint8)
         _scratch.buf = buf
     return buf.data_ptr()
-
-
-def _matmul(fn: Any, scratch_bytes: Any, x: torch.Tensor, tiles: torch.Tensor, out_features: int,
-            out_dtype: torch.dtype, name: str) -> torch.Tensor:
-    m, k = x.shape
-    y = torch.empty(m, out_features, dtype=out_dtype)
-    if fn(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, out_features, k, _scratch_at_least(scratch_bytes(m, k)),
-          torch.get_num_threads()):
-        raise ValueError(f"{name} kernel: unsupported shape N={out_features}, K={k}")
-    return y

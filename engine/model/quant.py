@@ -144,7 +144,7 @@ class Int4Linear:
     sixteens, on CPUs with AVX512-VNNI/BF16), else torch's ``_weight_int4pack_mm_for_cpu``. ``use_native=False``
     forces torch's; only the chosen one's weight is kept."""
 
-    __slots__ = ("act", "bias", "group", "in_features", "out_features", "packed", "scales_zeros", "tiles")
+    __slots__ = ("act", "bias", "group", "in_features", "out_features", "packed", "passes", "scales_zeros", "tiles")
 
     def __init__(self, nibbles: np.ndarray, s: np.ndarray, z: np.ndarray, group: int, bias: torch.Tensor | None,
                  act: torch.dtype, use_native: bool | None = None) -> None:
@@ -157,6 +157,7 @@ class Int4Linear:
         self.bias = None if bias is None else bias.to(act)
         self.out_features, self.in_features = n, k
         self.tiles: torch.Tensor | None = None
+        self.passes = 1  # the activations' 8-bit passes on tickloom's kernel (native.matmul); two_pass() sets 2
         self.packed: torch.Tensor | None = None
         self.scales_zeros: torch.Tensor | None = None
         can = group == packing.GROUP and act == torch.bfloat16 and n % packing.TILE_ROWS == 0
@@ -220,12 +221,12 @@ class Int4Linear:
         """``self(x)``, float32: on tickloom's kernel the sums unrounded (for a float32 residual stream), else the
         layer's output widened."""
         if self.tiles is not None and self._takes_as_is(x):
-            return native.matmul(x, self.tiles, self.out_features, torch.float32)
+            return native.matmul(x, self.tiles, self.out_features, torch.float32, passes=self.passes)
         return self(x).float()
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
-            return native.matmul(x, self.tiles, self.out_features)
+            return native.matmul(x, self.tiles, self.out_features, passes=self.passes)
         assert self.packed is not None and self.scales_zeros is not None
         return _INT4_MM(x, self.packed, self.group, self.scales_zeros)
 

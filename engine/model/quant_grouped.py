@@ -147,7 +147,7 @@ class WideIntLinear:
     took before (torch's float32 path for Q6_K's groups of 16), which at batch 1 is the time a step takes. Elsewhere
     ``GroupedInt8Linear`` holds the same values."""
 
-    __slots__ = ("act", "bias", "bits", "in_features", "out_features", "tiles")
+    __slots__ = ("act", "bias", "bits", "in_features", "out_features", "passes", "tiles")
 
     def __init__(self, q: np.ndarray, s: np.ndarray, z: np.ndarray | None, bits: int, bias: torch.Tensor | None,
                  act: torch.dtype) -> None:
@@ -161,6 +161,7 @@ class WideIntLinear:
         self.out_features, self.in_features, self.bits, self.act = n, k, bits, act
         self.bias = None if bias is None else bias.to(act)
         self.tiles = packing.pack_wide_tiles(q, s, z, bits)
+        self.passes = 1  # as Int4Linear's
 
     @classmethod
     def from_gguf(cls, parts: list[tuple[str, np.ndarray]], bias: torch.Tensor | None, act: torch.dtype
@@ -188,7 +189,7 @@ class WideIntLinear:
 
     def _mm(self, x: torch.Tensor, out: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.act).contiguous()
-        y = native.matmul(x2, self.tiles, self.out_features, out, bits=self.bits)
+        y = native.matmul(x2, self.tiles, self.out_features, out, bits=self.bits, passes=self.passes)
         if self.bias is not None:
             y = y + self.bias.to(out)
         return y.view(*x.shape[:-1], self.out_features)
