@@ -1,7 +1,7 @@
 """Two 8-bit passes of the activations in the 4-, 5- and 6-bit kernels (``native.matmul(passes=2)``,
 ``cpu_kernels_common.h``): the value rounded to 8 bits per group of 32, then its rounding residual on a scale of its
-own, both multiplied by weights read once. The down projection asks for them (``LayerWeights``): its input has a
-few values far above the rest of their group."""
+own, in the groups whose step is far above the row's others, both multiplied by weights read once. The down
+projection asks for them (``LayerWeights``): its input has a few values far above the rest of their group."""
 
 from __future__ import annotations
 
@@ -35,30 +35,87 @@ def _tiles(bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _outliers(m: int, seed: int) -> torch.Tensor:
-    """Rows like the down projection's input: most values small, one in each group of 32 twenty times larger."""
+    """Rows like the down projection's input: most values small, a few groups with a value far above the rest."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, K, generator=g)
-    x[:, ::32] *= 20.0
+    for row in range(m):
+        for group in torch.randperm(K // 32, generator=g)[:2].tolist():
+            x[row, 32 * group + row % 32] *= 25.0
     return x.bfloat16()
 
 
+def _rounded(x: torch.Tensor, second_pass: str) -> tuple[np.ndarray, np.ndarray]:
+    """What the kernel multiplies: each group of 32 rounded to 8 bits on its step d = max|x| / 127 (float32, to
+    nearest even), plus its residual rounded the same way in the groups ``second_pass`` says ("none", "all", or
+    "above": those whose step is above 1.5 times the root mean square of the row's steps). Float64, and the mask of
+    the groups that got a second pass."""
+    f32 = np.float32
+    v = x.float().numpy().reshape(x.shape[0], -1, 32)
+
+    def step(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        amax = np.abs(values).max(-1, keepdims=True)
+        d = (amax / f32(127)).astype(f32)
+        inv = np.where(amax > 0, f32(127) / np.where(amax > 0, amax, f32(1)), f32(0)).astype(f32)
+        return d, np.rint((values * inv).astype(f32))
+
+    d, q = step(v)
+    r = (v - (d * q).astype(f32)).astype(f32)
+    d2, q2 = step(r)
+    if second_pass == "none":
+        chosen = np.zeros(d.shape[:2], dtype=bool)
+    elif second_pass == "all":
+        chosen = np.ones(d.shape[:2], dtype=bool)
+    else:
+        chosen = np.zeros(d.shape[:2], dtype=bool)
+        for row in range(d.shape[0]):
+            total = f32(0)
+            for g in range(d.shape[1]):  # in group order, float32, as the kernel sums
+                total = f32(total + f32(d[row, g, 0] * d[row, g, 0]))
+            limit = f32(1.5) * np.sqrt(f32(total / f32(d.shape[1])))
+            chosen[row] = d[row, :, 0] > limit
+    eff = d.astype(np.float64) * q + np.where(chosen[..., None], d2.astype(np.float64) * q2, 0.0)
+    return eff.reshape(x.shape), chosen
+
+
 def _error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y - ref).norm() / ref.norm())
+    return float((y.double() - ref).norm() / ref.norm())
 
 
 @pytest.mark.parametrize("bits", [4, 5, 6])
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9])
-def test_two_passes_give_the_float32_product_to_about_15_bits(bits: int, m: int) -> None:
-    """At every remainder of the row tiling (8 rows a pass over the weights, then 1..7): one pass leaves the small
-    values of a group with an outlier a few levels of 8 bits; the residual's pass brings the product to within
-    float32 summation and the residual's own rounding (about 1/127 of 1/127 of the group's largest value)."""
+def test_the_second_pass_goes_to_the_groups_whose_step_is_above_one_and_a_half_rms(bits: int, m: int) -> None:
+    """At every remainder of the row tiling (8 rows a pass over the weights, then 1..7): the kernel's sums are the
+    weights times the activations rounded once, plus the residual rounded again in exactly the groups whose step
+    is above 1.5 times the rms of the row's steps, to float32 summation; not the product with a second pass in
+    every group, nor in none."""
     tiles, w = _tiles(bits, seed=bits * 10 + m)
     x = _outliers(m, seed=m)
-    ref = x.float() @ w.t()
-    one = native.matmul(x, tiles, N, torch.float32, bits=bits)
     two = native.matmul(x, tiles, N, torch.float32, bits=bits, passes=2)
-    assert _error(two, ref) < 2e-4
-    assert _error(one, ref) > 20 * _error(two, ref)
+    one = native.matmul(x, tiles, N, torch.float32, bits=bits)
+    wd = w.double()
+    above, chosen = _rounded(x, "above")
+    assert chosen.any() and not chosen.all()
+    for rule, y in (("above", two), ("none", one)):
+        assert _error(y, torch.from_numpy(_rounded(x, rule)[0]) @ wd.t()) < 2e-6, rule
+    others = torch.from_numpy(_rounded(x, "all")[0]) @ wd.t(), torch.from_numpy(_rounded(x, "none")[0]) @ wd.t()
+    for ref in others:
+        assert _error(two, ref) > 20 * _error(two, torch.from_numpy(above) @ wd.t())
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_the_second_pass_brings_the_chosen_groups_to_about_15_bits(bits: int) -> None:
+    """A row whose every group but one is zero: that group's step is the only one above the limit, and its product
+    is the float32 one to the residual's rounding (1/127 of 1/127 of its largest value), where one pass leaves
+    1/254 of it."""
+    tiles, w = _tiles(bits, seed=3)
+    x = torch.zeros(1, K)
+    x[0, 64:96] = torch.randn(32, generator=torch.Generator().manual_seed(3))
+    x[0, 70] = 30.0
+    x = x.bfloat16()
+    ref = x.double() @ w.double().t()
+    two = native.matmul(x, tiles, N, torch.float32, bits=bits, passes=2)
+    one = native.matmul(x, tiles, N, torch.float32, bits=bits)
+    assert _error(two, ref) < 1e-4 < _error(one, ref)
 
 
 @pytest.mark.parametrize("bits", [4, 5, 6])

@@ -40,29 +40,71 @@
 
 #include "cpu_kernels_common.h"
 
-/* x: M x K bfloat16 -> per row and group of 32: qx = x / dx rounded to nearest (|qx| <= 127), in x's order;
-   dx = max|x| / 127 and dxs = dx * sum(qx). */
-static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, float *dx, float *dxs) {
-    const int64_t groups = k / 32;
+/* One group of 32 (v0, v1) rounded to int8: q = v / d to nearest even (|q| <= 127), d = max|v| / 127 into *d, and
+   where asked d * sum q (*sum) and d * each half's sum (half[0], half[1]: the 6-bit tiles' offsets apply per 16).
+   With `residual` v becomes v - d q (d q rounded, then the difference), for a second pass. */
+static inline __attribute__((always_inline)) void round_group(__m512 *v0, __m512 *v1, int8_t *q, float *d_out,
+                                                              float *sum, float *half, int residual) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, *v0), _mm512_andnot_ps(sign, *v1)));
+    float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512 scale = _mm512_set1_ps(inv);
+    /* round to nearest even, as nearbyintf would */
+    __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(*v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(*v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+    *d_out = d;
+    if (sum) *sum = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    if (half) {
+        half[0] = d * (float)_mm512_reduce_add_epi32(q0);
+        half[1] = d * (float)_mm512_reduce_add_epi32(q1);
+    }
+    if (residual) {
+        *v0 = _mm512_sub_ps(*v0, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q0)));
+        *v1 = _mm512_sub_ps(*v1, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q1)));
+    }
+}
+
+static inline __attribute__((always_inline)) void load_group(const uint16_t *in, __m512 *v0, __m512 *v1) {
+    /* bfloat16 -> float32 is a 16-bit shift */
+    *v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)in)), 16));
+    *v1 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(in + 16))), 16));
+}
+
+/* x: M x K bfloat16 -> per row and group of 32, as cpu_kernels_common.h lays it out: qx, dx, and where not NULL dxs
+   and dxs16; passes 2 rounds each group's residual the same way into rows M..2M-1, in every group (`select` 0) or
+   in those whose step is above second_pass_limit (1). */
+static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, int select, int8_t *qx, float *dx,
+                    float *dxs, float *dxs16) {
+    const int64_t groups = k / 32;
     for (int64_t m = 0; m < m_rows; m++) {
+        const int all = passes == 2 && !select;
         for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *in = x + m * k + 32 * g;
-            /* bfloat16 -> float32 is a 16-bit shift */
-            __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)in)), 16));
-            __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(in + 16))), 16));
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            __m512 scale = _mm512_set1_ps(inv);
-            /* round to nearest even, as nearbyintf would */
-            __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm_storeu_si128((__m128i *)(qx + m * k + 32 * g), _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(qx + m * k + 32 * g + 16), _mm512_cvtepi32_epi8(q1));
-            dx[m * groups + g] = d;
-            dxs[m * groups + g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            __m512 v0, v1;
+            load_group(x + m * k + 32 * g, &v0, &v1);
+            for (int p = 0; p < (all ? 2 : 1); p++) {
+                const int64_t at = (p * m_rows + m) * groups + g;
+                round_group(&v0, &v1, qx + (p * m_rows + m) * k + 32 * g, dx + at, dxs ? dxs + at : NULL,
+                            dxs16 ? dxs16 + 2 * at : NULL, p == 0 && all);
+            }
+        }
+        if (passes == 1 || all) continue;
+        const float limit = second_pass_limit(dx + m * groups, groups);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t at2 = (m_rows + m) * groups + g;
+            if (!(dx[m * groups + g] > limit)) {
+                dx[at2] = 0.0f; /* the kernel skips the group's second pass */
+                continue;
+            }
+            __m512 v0, v1;
+            int8_t again[32];
+            float d;
+            load_group(x + m * k + 32 * g, &v0, &v1);
+            round_group(&v0, &v1, again, &d, NULL, NULL, 1); /* the first pass once more, for its residual */
+            round_group(&v0, &v1, qx + (m_rows + m) * k + 32 * g, dx + at2, dxs ? dxs + at2 : NULL,
+                        dxs16 ? dxs16 + 2 * at2 : NULL, 0);
         }
     }
 }
@@ -78,14 +120,54 @@ static inline __attribute__((always_inline)) void prefetch(const uint8_t *p, int
     for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(p + line), _MM_HINT_T0);
 }
 
-/* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT and bits (4, 5 or 6) constants after
+/* Chunk t of a 4-, 5- or 6-bit tile as unsigned bytes, four inputs of one row a lane: lo the group's first 16
+   inputs (the low nibbles), hi its second 16. */
+static inline __attribute__((always_inline)) void unpack_chunk(const uint8_t *tile, int t, int bits, __m512i *lo,
+                                                               __m512i *hi) {
+    const __m512i low = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+    __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * t));
+    *lo = _mm512_and_si512(bytes, low);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+    if (bits == 5) { /* each byte's fifth bit from the masks: 64 for the low nibbles, 64 for the high */
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        uint64_t m[2];
+        memcpy(m, tile + TILE_BYTES + 16 * t, 16);
+        *lo = _mm512_or_si512(*lo, _mm512_maskz_mov_epi8((__mmask64)m[0], bit4));
+        *hi = _mm512_or_si512(*hi, _mm512_maskz_mov_epi8((__mmask64)m[1], bit4));
+    } else if (bits == 6) { /* two high bits a value, four values a byte: the upper half's in bits 4-7 */
+        __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t)));
+        h = _mm512_srlv_epi64(h, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
+        *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
+        *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
+    }
+}
+
+/* A tile's scales and offsets for 16 rows: w = s q + z; 6-bit tiles have the second half's scale s1 where the
+   offset would be, and offsets -32 s and -32 s1 (Q6_K). */
+typedef struct {
+    __m512 s, z, s1, z0, z1;
+} tile_scales;
+
+/* acc + one group's products for one activation row (`at`: its index into dx): first and second are the integer
+   sums over the group's halves (split: 6-bit tiles), else first over the whole group. */
+static inline __attribute__((always_inline)) __m512 add_group(__m512 acc, const tile_scales *ts, __m512i first,
+                                                              __m512i second, const float *dx, const float *dxs,
+                                                              const float *dxs16, int64_t at, int split) {
+    __m512 sd = _mm512_mul_ps(ts->s, _mm512_set1_ps(dx[at]));
+    acc = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(first), acc);
+    if (!split) return _mm512_fmadd_ps(ts->z, _mm512_set1_ps(dxs[at]), acc);
+    acc = _mm512_fmadd_ps(ts->z0, _mm512_set1_ps(dxs16[2 * at]), acc);
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(ts->s1, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(second), acc);
+    return _mm512_fmadd_ps(ts->z1, _mm512_set1_ps(dxs16[2 * at + 1]), acc);
+}
+
+/* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT, bits (4, 5 or 6) and passes constants after
    inlining. 6-bit tiles keep the two halves of a group apart: each has its own scale and offset. */
 static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, uint16_t *y,
     float *yf, int64_t m_rows, int64_t n, int64_t k, int64_t block, int64_t m0, int mt, int bits, int passes) {
     const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
     const int split = bits == 6;
-    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
     /* VPDPBUSD takes several cycles to finish, so a lone row would wait on its own accumulator: few rows get
        several independent partial sums (chains), added once per group. Split tiles need an even count: the low
        nibbles (a group's first half) go to even chains, the high ones to odd chains. */
@@ -95,59 +177,53 @@ static inline __attribute__((always_inline)) void block_rows(
     const uint8_t *tile = w + block * groups * tile_bytes;
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
         if (mt > 1 || bits != 4) prefetch(tile + PREFETCH_TILES * tile_bytes, (int)tile_bytes);
-        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
-        __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
-        /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
-        const __m512 s1 = z, z0 = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
-        const __m512 z1 = _mm512_mul_ps(z, _mm512_set1_ps(-32.0f));
-        /* two passes (TWO_PASS_ROWS): the tile, in L1 by now, is unpacked again for the residual's rows */
-        for (int p = 0; p < passes; p++) {
-            const int64_t r0 = p * m_rows + m0; /* this pass's first activation row */
-            __m512i part[4 * MT];
-            for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
-            for (int t = 0; t < 4; t++) {
-                __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * t));
-                __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-                if (bits == 5) { /* each byte's fifth bit from the masks: 64 for the low nibbles, 64 for the high */
-                    uint64_t m[2];
-                    memcpy(m, tile + TILE_BYTES + 16 * t, 16);
-                    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)m[0], bit4));
-                    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)m[1], bit4));
-                } else if (bits == 6) { /* two high bits a value, four values a byte: the upper half's in bits 4-7 */
-                    __m512i h =
-                        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t)));
-                    h = _mm512_srlv_epi64(h, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
-                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
-                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
-                }
-                for (int i = 0; i < mt; i++) {
-                    const int8_t *xq = qx + (r0 + i) * k + 32 * g + 4 * t;
-                    int c0 = i * chains + (2 * t) % chains, c1 = i * chains + (2 * t + 1) % chains;
-                    part[c0] = _mm512_dpbusd_epi32(part[c0], lo, _mm512_set1_epi32(*(const int32_t *)xq));
-                    part[c1] = _mm512_dpbusd_epi32(part[c1], hi, _mm512_set1_epi32(*(const int32_t *)(xq + 16)));
-                }
-            }
+        tile_scales ts;
+        ts.s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
+        ts.z = ts.s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
+        ts.z0 = _mm512_mul_ps(ts.s, _mm512_set1_ps(-32.0f));
+        ts.z1 = _mm512_mul_ps(ts.z, _mm512_set1_ps(-32.0f));
+        __m512i part[4 * MT];
+        for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
+        for (int t = 0; t < 4; t++) {
+            __m512i lo, hi;
+            unpack_chunk(tile, t, bits, &lo, &hi);
             for (int i = 0; i < mt; i++) {
-                int64_t at = (r0 + i) * groups + g;
-                __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[at]));
-                if (split) {
-                    __m512i first = part[i * chains], second = part[i * chains + 1];
-                    for (int c = 2; c < chains; c += 2) {
-                        first = _mm512_add_epi32(first, part[i * chains + c]);
-                        second = _mm512_add_epi32(second, part[i * chains + c + 1]);
-                    }
-                    acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(first), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(z0, _mm512_set1_ps(dxs16[2 * at]), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s1, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(second),
-                                             acc[i]);
-                    acc[i] = _mm512_fmadd_ps(z1, _mm512_set1_ps(dxs16[2 * at + 1]), acc[i]);
-                    continue;
-                }
-                __m512i sum = part[i * chains];
-                for (int c = 1; c < chains; c++) sum = _mm512_add_epi32(sum, part[i * chains + c]);
-                acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(sum), acc[i]);
-                acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs[at]), acc[i]);
+                const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
+                int c0 = i * chains + (2 * t) % chains, c1 = i * chains + (2 * t + 1) % chains;
+                part[c0] = _mm512_dpbusd_epi32(part[c0], lo, _mm512_set1_epi32(*(const int32_t *)xq));
+                part[c1] = _mm512_dpbusd_epi32(part[c1], hi, _mm512_set1_epi32(*(const int32_t *)(xq + 16)));
             }
+        }
+        for (int i = 0; i < mt; i++) {
+            __m512i first = part[i * chains], second = part[i * chains + 1];
+            if (split) {
+                for (int c = 2; c < chains; c += 2) {
+                    first = _mm512_add_epi32(first, part[i * chains + c]);
+                    second = _mm512_add_epi32(second, part[i * chains + c + 1]);
+                }
+            } else {
+                for (int c = 1; c < chains; c++) first = _mm512_add_epi32(first, part[i * chains + c]);
+            }
+            acc[i] = add_group(acc[i], &ts, first, second, dx, dxs, dxs16, (m0 + i) * groups + g, split);
+        }
+        if (passes == 1) continue;
+        /* the residual's pass, row by row where prepare kept it (a step of 0: none); the tile is in L1 by now */
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = m_rows + m0 + i;
+            if (dx[r * groups + g] == 0.0f) continue;
+            __m512i two[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                              _mm512_setzero_si512()};
+            for (int t = 0; t < 4; t++) {
+                __m512i lo, hi;
+                unpack_chunk(tile, t, bits, &lo, &hi);
+                const int8_t *xq = qx + r * k + 32 * g + 4 * t;
+                two[(2 * t) % 4] = _mm512_dpbusd_epi32(two[(2 * t) % 4], lo, _mm512_set1_epi32(*(const int32_t *)xq));
+                two[(2 * t + 1) % 4] =
+                    _mm512_dpbusd_epi32(two[(2 * t + 1) % 4], hi, _mm512_set1_epi32(*(const int32_t *)(xq + 16)));
+            }
+            __m512i first = _mm512_add_epi32(two[0], two[2]), second = _mm512_add_epi32(two[1], two[3]);
+            if (!split) first = _mm512_add_epi32(first, second);
+            acc[i] = add_group(acc[i], &ts, first, second, dx, dxs, dxs16, r * groups + g, split);
         }
     }
     for (int i = 0; i < mt; i++) {
@@ -245,7 +321,7 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + 2 * m_rows * k) + 63) & ~(uintptr_t)63);
-    prepare_two_pass(x, m_rows, k, qx, dx);
+    prepare(x, m_rows, k, 2, 0, qx, dx, NULL, NULL);
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {

@@ -90,29 +90,79 @@ static inline __m256i pairs(__m256i u, __m256i s) { return _mm256_maddubs_epi16(
 static inline __m256i widen(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 static inline v16 to_float(__m256i lo, __m256i hi) { return (v16){_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)}; }
 
-/* x: M x K bfloat16 -> per row and group of 32: qx = x / dx rounded to nearest even (|qx| <= 127), dx =
-   max|x| / 127, dxs = dx * sum(qx). Plain C: it touches M x K values once, against the M x N x K of the matmul,
-   and a scalar float multiply and nearbyintf round as the vector ones do. */
-static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int8_t *qx, float *dx, float *dxs) {
+/* One group of 32 (v[0..3]) rounded to int8, as cpu_kernels.c's round_group: q = v / d to nearest even (the
+   default rounding mode's), d = max|v| / 127, where asked d * sum q and d * each half's sum; with `residual` v
+   becomes v - d q, for a second pass. The same float operations as the AVX512 build's. */
+static inline __attribute__((always_inline)) void round_group(__m256 v[4], int8_t *q, float *d_out, float *sum,
+                                                              float *half, int residual) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m256i qi[4];
+    int32_t lanes[32];
+    for (int j = 0; j < 4; j++) {
+        qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+        _mm256_storeu_si256((__m256i *)(lanes + 8 * j), qi[j]);
+    }
+    for (int j = 0; j < 32; j++) q[j] = (int8_t)lanes[j];
+    *d_out = d;
+    if (sum || half) {
+        int32_t s0 = 0, s1 = 0;
+        for (int j = 0; j < 16; j++) {
+            s0 += lanes[j];
+            s1 += lanes[16 + j];
+        }
+        if (sum) *sum = d * (float)(s0 + s1);
+        if (half) {
+            half[0] = d * (float)s0;
+            half[1] = d * (float)s1;
+        }
+    }
+    if (residual)
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_sub_ps(v[j], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(qi[j])));
+}
+
+static inline __attribute__((always_inline)) void load_group(const uint16_t *in, __m256 v[4]) {
+    for (int j = 0; j < 4; j++) v[j] = bf16x8(in + 8 * j);
+}
+
+/* x: M x K bfloat16 -> per row and group of 32, as cpu_kernels_common.h lays it out (and cpu_kernels.c's prepare
+   does): qx, dx, and where not NULL dxs and dxs16; passes 2 rounds each group's residual into rows M..2M-1, in every
+   group (`select` 0) or in those whose step is above second_pass_limit (1). */
+static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, int select, int8_t *qx, float *dx,
+                    float *dxs, float *dxs16) {
     const int64_t groups = k / 32;
     for (int64_t m = 0; m < m_rows; m++) {
+        const int all = passes == 2 && !select;
         for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *in = x + m * k + 32 * g;
-            float v[32], amax = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                union { uint32_t u; float f; } c = {(uint32_t)in[j] << 16};
-                v[j] = c.f;
-                amax = fmaxf(amax, fabsf(c.f));
+            __m256 v[4];
+            load_group(x + m * k + 32 * g, v);
+            for (int p = 0; p < (all ? 2 : 1); p++) {
+                const int64_t at = (p * m_rows + m) * groups + g;
+                round_group(v, qx + (p * m_rows + m) * k + 32 * g, dx + at, dxs ? dxs + at : NULL,
+                            dxs16 ? dxs16 + 2 * at : NULL, p == 0 && all);
             }
-            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int32_t sum = 0;
-            for (int j = 0; j < 32; j++) {
-                int32_t q = (int32_t)nearbyintf(v[j] * inv);
-                qx[m * k + 32 * g + j] = (int8_t)q;
-                sum += q;
+        }
+        if (passes == 1 || all) continue;
+        const float limit = second_pass_limit(dx + m * groups, groups);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t at2 = (m_rows + m) * groups + g;
+            if (!(dx[m * groups + g] > limit)) {
+                dx[at2] = 0.0f; /* the kernel skips the group's second pass */
+                continue;
             }
-            dx[m * groups + g] = d;
-            dxs[m * groups + g] = d * (float)sum;
+            __m256 v[4];
+            int8_t again[32];
+            float d;
+            load_group(x + m * k + 32 * g, v);
+            round_group(v, again, &d, NULL, NULL, 1); /* the first pass once more, for its residual */
+            round_group(v, qx + (m_rows + m) * k + 32 * g, dx + at2, dxs ? dxs + at2 : NULL,
+                        dxs16 ? dxs16 + 2 * at2 : NULL, 0);
         }
     }
 }
@@ -125,6 +175,49 @@ static inline __m256i fifth_bits(uint32_t m) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, probe), _mm256_set1_epi8(0x10));
 }
 
+/* One chunk (t) of one half (rows 0-7 or 8-15) of a tile times one activation row's 4 + 4 values (xl: the group's
+   first half, xh: its second), added to its sums. 4-bit: 16-bit pair sums, widened once a group (group_sum). 5- and
+   6-bit values' pairs could overflow 16 bits over four chunks, so those widen each chunk; 6-bit tiles sum a group's
+   halves apart (part, part2). The sums are exact integers either way, as VPDPBUSD's are. m: the 5-bit tile's
+   masks for the chunk; high: the 6-bit tile's high bits for the chunk. */
+static inline __attribute__((always_inline)) void chunk_sums(const uint8_t *tile, int t, int half, int bits,
+                                                             __m256i xl, __m256i xh, const uint32_t *m, __m256i high,
+                                                             __m256i *part, __m256i *part2) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * half));
+    __m256i lo = _mm256_and_si256(bytes, low);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    if (bits == 4) {
+        *part = _mm256_add_epi16(*part, _mm256_add_epi16(pairs(lo, xl), pairs(hi, xh)));
+    } else if (bits == 6) { /* the two high bits of 4 values a byte (cpu_kernels.c), a half's in bits 4h .. 4h + 3 */
+        const __m256i bits45 = _mm256_set1_epi8(0x30);
+        __m256i v = half ? _mm256_srli_epi16(high, 4) : high;
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(v, 4), bits45));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(v, 2), bits45));
+        *part = _mm256_add_epi32(*part, widen(pairs(lo, xl)));
+        *part2 = _mm256_add_epi32(*part2, widen(pairs(hi, xh)));
+    } else { /* per mask, rows 0-7 then 8-15; the low nibbles' fifth bits, then the high ones' */
+        lo = _mm256_or_si256(lo, fifth_bits(m[half]));
+        hi = _mm256_or_si256(hi, fifth_bits(m[2 + half]));
+        *part = _mm256_add_epi32(*part, widen(_mm256_add_epi16(pairs(lo, xl), pairs(hi, xh))));
+    }
+}
+
+/* acc + one group's products for one activation row (`at`: its index into dx), half `half` of the tile's rows. */
+static inline __attribute__((always_inline)) __m256 add_group(__m256 acc, const uint8_t *tile, int half, int bits,
+                                                              __m256i part, __m256i part2, const float *dx,
+                                                              const float *dxs, const float *dxs16, int64_t at) {
+    __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * half)));
+    __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * half)));
+    __m256i sum = bits == 4 ? widen(part) : part;
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx[at])), _mm256_cvtepi32_ps(sum), acc);
+    if (bits != 6) return _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc);
+    /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(-32.0f)), _mm256_set1_ps(dxs16[2 * at]), acc);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(z, _mm256_set1_ps(dx[at])), _mm256_cvtepi32_ps(part2), acc);
+    return _mm256_fmadd_ps(_mm256_mul_ps(z, _mm256_set1_ps(-32.0f)), _mm256_set1_ps(dxs16[2 * at + 1]), acc);
+}
+
 /* Rows [m0, m0 + mt) of the output for halves half0 .. half0 + nhalf - 1 (rows 0-7, 8-15) of row block `block`.
    A few activation rows take both halves in one pass (each activation broadcast serves both); more take one half a
    pass, so that a row's sums fit one register each: sixteen registers would not hold eight rows' of a whole block.
@@ -134,79 +227,47 @@ static inline __attribute__((always_inline)) void block_rows(
     float *yf, int64_t m_rows, int64_t n, int64_t k, int64_t block, int half0, int nhalf, int64_t m0, int mt,
     int bits, int passes) {
     const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
-    const int split = bits == 6;
-    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[2][MT];
     for (int h = 0; h < nhalf; h++)
         for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
     const uint8_t *tile = w + block * groups * tile_bytes;
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
         prefetch(tile + 8 * tile_bytes, (int)tile_bytes);
-        /* two passes (int_matmul): the tile, in L1 by now, is read again for the residual's rows */
-        for (int p = 0; p < passes; p++) {
-            const int64_t r0 = p * m_rows + m0; /* this pass's first activation row */
-            /* 4-bit: 16-bit pair sums, widened once a group. 5- and 6-bit values' pairs could overflow 16 bits
-               over four chunks, so those widen each chunk; 6-bit tiles sum a group's halves apart (part, part2).
-               The sums are exact integers either way, as VPDPBUSD's are. */
-            __m256i part[2][MT], part2[2][MT];
-            for (int h = 0; h < nhalf; h++)
-                for (int i = 0; i < mt; i++) part[h][i] = part2[h][i] = _mm256_setzero_si256();
-            for (int t = 0; t < 4; t++) {
-                /* 5 bits: per mask, rows 0-7 then 8-15; the low nibbles' fifth bits, then the high ones'. 6 bits:
-                   the two high bits of 4 values a byte (cpu_kernels.c), a half's in bits 4h .. 4h + 3 */
-                uint32_t m[4] = {0, 0, 0, 0};
-                if (bits == 5) memcpy(m, tile + TILE_BYTES + 16 * t, 16);
-                __m256i high = bits == 6 ? _mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t))
-                                         : _mm256_setzero_si256();
-                for (int i = 0; i < mt; i++) {
-                    const int8_t *xq = qx + (r0 + i) * k + 32 * g + 4 * t;
-                    __m256i xl = _mm256_set1_epi32(*(const int32_t *)xq);
-                    __m256i xh = _mm256_set1_epi32(*(const int32_t *)(xq + 16));
-                    for (int h = 0; h < nhalf; h++) {
-                        __m256i bytes = _mm256_loadu_si256((const __m256i *)(tile + 64 * t + 32 * (half0 + h)));
-                        __m256i lo = _mm256_and_si256(bytes, low);
-                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-                        if (bits == 4) {
-                            part[h][i] =
-                                _mm256_add_epi16(part[h][i], _mm256_add_epi16(pairs(lo, xl), pairs(hi, xh)));
-                            continue;
-                        }
-                        if (split) {
-                            __m256i v = half0 + h ? _mm256_srli_epi16(high, 4) : high;
-                            const __m256i bits45 = _mm256_set1_epi8(0x30);
-                            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(v, 4), bits45));
-                            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(v, 2), bits45));
-                            part[h][i] = _mm256_add_epi32(part[h][i], widen(pairs(lo, xl)));
-                            part2[h][i] = _mm256_add_epi32(part2[h][i], widen(pairs(hi, xh)));
-                        } else {
-                            lo = _mm256_or_si256(lo, fifth_bits(m[half0 + h]));
-                            hi = _mm256_or_si256(hi, fifth_bits(m[2 + half0 + h]));
-                            part[h][i] =
-                                _mm256_add_epi32(part[h][i], widen(_mm256_add_epi16(pairs(lo, xl), pairs(hi, xh))));
-                        }
-                    }
-                }
+        uint32_t m[4][4] = {{0}};
+        __m256i high[4];
+        for (int t = 0; t < 4; t++) {
+            if (bits == 5) memcpy(m[t], tile + TILE_BYTES + 16 * t, 16);
+            high[t] = bits == 6 ? _mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t))
+                                : _mm256_setzero_si256();
+        }
+        __m256i part[2][MT], part2[2][MT];
+        for (int h = 0; h < nhalf; h++)
+            for (int i = 0; i < mt; i++) part[h][i] = part2[h][i] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++)
+            for (int i = 0; i < mt; i++) {
+                const int8_t *xq = qx + (m0 + i) * k + 32 * g + 4 * t;
+                __m256i xl = _mm256_set1_epi32(*(const int32_t *)xq);
+                __m256i xh = _mm256_set1_epi32(*(const int32_t *)(xq + 16));
+                for (int h = 0; h < nhalf; h++)
+                    chunk_sums(tile, t, half0 + h, bits, xl, xh, m[t], high[t], &part[h][i], &part2[h][i]);
             }
+        for (int h = 0; h < nhalf; h++)
+            for (int i = 0; i < mt; i++)
+                acc[h][i] = add_group(acc[h][i], tile, half0 + h, bits, part[h][i], part2[h][i], dx, dxs, dxs16,
+                                      (m0 + i) * groups + g);
+        if (passes == 1) continue;
+        /* the residual's pass, row by row where prepare kept it (a step of 0: none) */
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = m_rows + m0 + i;
+            if (dx[r * groups + g] == 0.0f) continue;
             for (int h = 0; h < nhalf; h++) {
-                __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * (half0 + h))));
-                __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * (half0 + h))));
-                /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
-                __m256 s1 = z, z0 = _mm256_mul_ps(s, _mm256_set1_ps(-32.0f));
-                __m256 z1 = _mm256_mul_ps(z, _mm256_set1_ps(-32.0f));
-                for (int i = 0; i < mt; i++) {
-                    int64_t at = (r0 + i) * groups + g;
-                    __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[at]));
-                    __m256i sum = bits == 4 ? widen(part[h][i]) : part[h][i];
-                    acc[h][i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(sum), acc[h][i]);
-                    if (split) {
-                        acc[h][i] = _mm256_fmadd_ps(z0, _mm256_set1_ps(dxs16[2 * at]), acc[h][i]);
-                        acc[h][i] = _mm256_fmadd_ps(_mm256_mul_ps(s1, _mm256_set1_ps(dx[at])),
-                                                    _mm256_cvtepi32_ps(part2[h][i]), acc[h][i]);
-                        acc[h][i] = _mm256_fmadd_ps(z1, _mm256_set1_ps(dxs16[2 * at + 1]), acc[h][i]);
-                    } else {
-                        acc[h][i] = _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc[h][i]);
-                    }
+                __m256i p = _mm256_setzero_si256(), p2 = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) {
+                    const int8_t *xq = qx + r * k + 32 * g + 4 * t;
+                    chunk_sums(tile, t, half0 + h, bits, _mm256_set1_epi32(*(const int32_t *)xq),
+                               _mm256_set1_epi32(*(const int32_t *)(xq + 16)), m[t], high[t], &p, &p2);
                 }
+                acc[h][i] = add_group(acc[h][i], tile, half0 + h, bits, p, p2, dx, dxs, dxs16, r * groups + g);
             }
         }
     }
@@ -310,7 +371,7 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + 2 * m_rows * k) + 63) & ~(uintptr_t)63);
-    prepare_two_pass(x, m_rows, k, qx, dx);
+    prepare(x, m_rows, k, 2, 0, qx, dx, NULL, NULL);
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
