@@ -75,9 +75,9 @@ static inline __attribute__((always_inline)) void load_group(const uint16_t *in,
 
 /* x: M x K bfloat16 -> per row and group of 32, as cpu_kernels_common.h lays it out: qx, dx, and where not NULL dxs
    and dxs16; passes 2 rounds each group's residual the same way into rows M..2M-1, in every group (`select` 0) or
-   in those whose step is above second_pass_limit (1). */
+   in those whose step is above second_pass_limit (1), listed in `chosen`. */
 static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, int select, int8_t *qx, float *dx,
-                    float *dxs, float *dxs16) {
+                    float *dxs, float *dxs16, int32_t *chosen) {
     const int64_t groups = k / 32;
     for (int64_t m = 0; m < m_rows; m++) {
         const int all = passes == 2 && !select;
@@ -92,12 +92,12 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, in
         }
         if (passes == 1 || all) continue;
         const float limit = second_pass_limit(dx + m * groups, groups);
+        int32_t *list = chosen + m * (groups + 1);
+        list[0] = 0;
         for (int64_t g = 0; g < groups; g++) {
             const int64_t at2 = (m_rows + m) * groups + g;
-            if (!(dx[m * groups + g] > limit)) {
-                dx[at2] = 0.0f; /* the kernel skips the group's second pass */
-                continue;
-            }
+            if (!(dx[m * groups + g] > limit)) continue;
+            list[++list[0]] = (int32_t)g;
             __m512 v0, v1;
             int8_t again[32];
             float d;
@@ -148,6 +148,13 @@ typedef struct {
     __m512 s, z, s1, z0, z1;
 } tile_scales;
 
+static inline __attribute__((always_inline)) void load_scales(const uint8_t *tile, tile_scales *ts) {
+    ts->s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
+    ts->z = ts->s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
+    ts->z0 = _mm512_mul_ps(ts->s, _mm512_set1_ps(-32.0f));
+    ts->z1 = _mm512_mul_ps(ts->z, _mm512_set1_ps(-32.0f));
+}
+
 /* acc + one group's products for one activation row (`at`: its index into dx): first and second are the integer
    sums over the group's halves (split: 6-bit tiles), else first over the whole group. */
 static inline __attribute__((always_inline)) __m512 add_group(__m512 acc, const tile_scales *ts, __m512i first,
@@ -164,8 +171,9 @@ static inline __attribute__((always_inline)) __m512 add_group(__m512 acc, const 
 /* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT, bits (4, 5 or 6) and passes constants after
    inlining. 6-bit tiles keep the two halves of a group apart: each has its own scale and offset. */
 static inline __attribute__((always_inline)) void block_rows(
-    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, uint16_t *y,
-    float *yf, int64_t m_rows, int64_t n, int64_t k, int64_t block, int64_t m0, int mt, int bits, int passes) {
+    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, const int32_t *chosen,
+    uint16_t *y, float *yf, int64_t m_rows, int64_t n, int64_t k, int64_t block, int64_t m0, int mt, int bits,
+    int passes) {
     const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
     const int split = bits == 6;
     /* VPDPBUSD takes several cycles to finish, so a lone row would wait on its own accumulator: few rows get
@@ -178,10 +186,7 @@ static inline __attribute__((always_inline)) void block_rows(
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
         if (mt > 1 || bits != 4) prefetch(tile + PREFETCH_TILES * tile_bytes, (int)tile_bytes);
         tile_scales ts;
-        ts.s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
-        ts.z = ts.s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
-        ts.z0 = _mm512_mul_ps(ts.s, _mm512_set1_ps(-32.0f));
-        ts.z1 = _mm512_mul_ps(ts.z, _mm512_set1_ps(-32.0f));
+        load_scales(tile, &ts);
         __m512i part[4 * MT];
         for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
         for (int t = 0; t < 4; t++) {
@@ -206,16 +211,21 @@ static inline __attribute__((always_inline)) void block_rows(
             }
             acc[i] = add_group(acc[i], &ts, first, second, dx, dxs, dxs16, (m0 + i) * groups + g, split);
         }
-        if (passes == 1) continue;
-        /* the residual's pass, row by row where prepare kept it (a step of 0: none); the tile is in L1 by now */
-        for (int i = 0; i < mt; i++) {
-            const int64_t r = m_rows + m0 + i;
-            if (dx[r * groups + g] == 0.0f) continue;
+    }
+    /* the residual's pass, row by row over the groups prepare chose for it (a list a row, so no branch a group) */
+    for (int i = 0; passes == 2 && i < mt; i++) {
+        const int64_t r = m_rows + m0 + i;
+        const int32_t *list = chosen + (m0 + i) * (groups + 1);
+        for (int32_t j = 1; j <= list[0]; j++) {
+            const int64_t g = list[j];
+            const uint8_t *gt = w + (block * groups + g) * tile_bytes;
+            tile_scales ts;
+            load_scales(gt, &ts);
             __m512i two[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
                               _mm512_setzero_si512()};
             for (int t = 0; t < 4; t++) {
                 __m512i lo, hi;
-                unpack_chunk(tile, t, bits, &lo, &hi);
+                unpack_chunk(gt, t, bits, &lo, &hi);
                 const int8_t *xq = qx + r * k + 32 * g + 4 * t;
                 two[(2 * t) % 4] = _mm512_dpbusd_epi32(two[(2 * t) % 4], lo, _mm512_set1_epi32(*(const int32_t *)xq));
                 two[(2 * t + 1) % 4] =
@@ -234,16 +244,18 @@ static inline __attribute__((always_inline)) void block_rows(
 }
 
 static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, const int8_t *qx, const float *dx,
-                                                             const float *dxs, const float *dxs16, uint16_t *y,
-                                                             float *yf, int64_t m_rows, int64_t n, int64_t k,
-                                                             int bits, int passes, int threads) {
+                                                             const float *dxs, const float *dxs16,
+                                                             const int32_t *chosen, uint16_t *y, float *yf,
+                                                             int64_t m_rows, int64_t n, int64_t k, int bits,
+                                                             int passes, int threads) {
     const int64_t blocks = n / 16;
     /* `bits` and `passes` are literals in each call below: OpenMP outlines the loop body into a function of its
        own, where a variable would reach block_rows unknown and its loops would not unroll (three times slower at
        batch 8) */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-#define ROWS_OF(mt, bits_, passes_) block_rows(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, b, m0, mt, bits_, passes_)
+#define ROWS_OF(mt, bits_, passes_)                                                                                 \
+    block_rows(w, qx, dx, dxs, dxs16, chosen, y, yf, m_rows, n, k, b, m0, mt, bits_, passes_)
 #define Q4_ROWS(mt) ROWS_OF(mt, 4, 1)
 #define Q5_ROWS(mt) ROWS_OF(mt, 5, 1)
 #define Q6_ROWS(mt) ROWS_OF(mt, 6, 1)
@@ -321,7 +333,7 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + 2 * m_rows * k) + 63) & ~(uintptr_t)63);
-    prepare(x, m_rows, k, 2, 0, qx, dx, NULL, NULL);
+    prepare(x, m_rows, k, 2, 0, qx, dx, NULL, NULL, NULL);
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {

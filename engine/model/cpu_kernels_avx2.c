@@ -133,9 +133,9 @@ static inline __attribute__((always_inline)) void load_group(const uint16_t *in,
 
 /* x: M x K bfloat16 -> per row and group of 32, as cpu_kernels_common.h lays it out (and cpu_kernels.c's prepare
    does): qx, dx, and where not NULL dxs and dxs16; passes 2 rounds each group's residual into rows M..2M-1, in every
-   group (`select` 0) or in those whose step is above second_pass_limit (1). */
+   group (`select` 0) or in those whose step is above second_pass_limit (1), listed in `chosen`. */
 static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, int select, int8_t *qx, float *dx,
-                    float *dxs, float *dxs16) {
+                    float *dxs, float *dxs16, int32_t *chosen) {
     const int64_t groups = k / 32;
     for (int64_t m = 0; m < m_rows; m++) {
         const int all = passes == 2 && !select;
@@ -150,12 +150,12 @@ static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, in
         }
         if (passes == 1 || all) continue;
         const float limit = second_pass_limit(dx + m * groups, groups);
+        int32_t *list = chosen + m * (groups + 1);
+        list[0] = 0;
         for (int64_t g = 0; g < groups; g++) {
             const int64_t at2 = (m_rows + m) * groups + g;
-            if (!(dx[m * groups + g] > limit)) {
-                dx[at2] = 0.0f; /* the kernel skips the group's second pass */
-                continue;
-            }
+            if (!(dx[m * groups + g] > limit)) continue;
+            list[++list[0]] = (int32_t)g;
             __m256 v[4];
             int8_t again[32];
             float d;
@@ -223,9 +223,9 @@ static inline __attribute__((always_inline)) __m256 add_group(__m256 acc, const 
    pass, so that a row's sums fit one register each: sixteen registers would not hold eight rows' of a whole block.
    Either way a lane's arithmetic is the same, so a row's result does not depend on which pass it took. */
 static inline __attribute__((always_inline)) void block_rows(
-    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, uint16_t *y,
-    float *yf, int64_t m_rows, int64_t n, int64_t k, int64_t block, int half0, int nhalf, int64_t m0, int mt,
-    int bits, int passes) {
+    const uint8_t *w, const int8_t *qx, const float *dx, const float *dxs, const float *dxs16, const int32_t *chosen,
+    uint16_t *y, float *yf, int64_t m_rows, int64_t n, int64_t k, int64_t block, int half0, int nhalf, int64_t m0,
+    int mt, int bits, int passes) {
     const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
     __m256 acc[2][MT];
     for (int h = 0; h < nhalf; h++)
@@ -255,19 +255,26 @@ static inline __attribute__((always_inline)) void block_rows(
             for (int i = 0; i < mt; i++)
                 acc[h][i] = add_group(acc[h][i], tile, half0 + h, bits, part[h][i], part2[h][i], dx, dxs, dxs16,
                                       (m0 + i) * groups + g);
-        if (passes == 1) continue;
-        /* the residual's pass, row by row where prepare kept it (a step of 0: none) */
-        for (int i = 0; i < mt; i++) {
-            const int64_t r = m_rows + m0 + i;
-            if (dx[r * groups + g] == 0.0f) continue;
+    }
+    /* the residual's pass, row by row over the groups prepare chose for it (a list a row, so no branch a group) */
+    for (int i = 0; passes == 2 && i < mt; i++) {
+        const int64_t r = m_rows + m0 + i;
+        const int32_t *list = chosen + (m0 + i) * (groups + 1);
+        for (int32_t j = 1; j <= list[0]; j++) {
+            const int64_t g = list[j];
+            const uint8_t *gt = w + (block * groups + g) * tile_bytes;
             for (int h = 0; h < nhalf; h++) {
                 __m256i p = _mm256_setzero_si256(), p2 = _mm256_setzero_si256();
                 for (int t = 0; t < 4; t++) {
+                    uint32_t m[4] = {0, 0, 0, 0};
+                    if (bits == 5) memcpy(m, gt + TILE_BYTES + 16 * t, 16);
+                    __m256i high = bits == 6 ? _mm256_loadu_si256((const __m256i *)(gt + TILE_BYTES + 32 * t))
+                                             : _mm256_setzero_si256();
                     const int8_t *xq = qx + r * k + 32 * g + 4 * t;
-                    chunk_sums(tile, t, half0 + h, bits, _mm256_set1_epi32(*(const int32_t *)xq),
-                               _mm256_set1_epi32(*(const int32_t *)(xq + 16)), m[t], high[t], &p, &p2);
+                    chunk_sums(gt, t, half0 + h, bits, _mm256_set1_epi32(*(const int32_t *)xq),
+                               _mm256_set1_epi32(*(const int32_t *)(xq + 16)), m, high, &p, &p2);
                 }
-                acc[h][i] = add_group(acc[h][i], tile, half0 + h, bits, p, p2, dx, dxs, dxs16, r * groups + g);
+                acc[h][i] = add_group(acc[h][i], gt, half0 + h, bits, p, p2, dx, dxs, dxs16, r * groups + g);
             }
         }
     }
@@ -280,14 +287,15 @@ static inline __attribute__((always_inline)) void block_rows(
 }
 
 static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, const int8_t *qx, const float *dx,
-                                                             const float *dxs, const float *dxs16, uint16_t *y,
-                                                             float *yf, int64_t m_rows, int64_t n, int64_t k,
-                                                             int bits, int passes, int threads) {
+                                                             const float *dxs, const float *dxs16,
+                                                             const int32_t *chosen, uint16_t *y, float *yf,
+                                                             int64_t m_rows, int64_t n, int64_t k, int bits,
+                                                             int passes, int threads) {
     const int64_t blocks = n / 16;
     /* `bits` and `passes` are literals in each call below: OpenMP outlines the loop body into a function of its
        own, where a variable would reach block_rows unknown and its loops would not unroll */
 #define BLOCK(half0, nhalf, mt, bits_, passes_)                                                                     \
-    block_rows(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, b, half0, nhalf, 0, mt, bits_, passes_)
+    block_rows(w, qx, dx, dxs, dxs16, chosen, y, yf, m_rows, n, k, b, half0, nhalf, 0, mt, bits_, passes_)
 #define FEW_ROWS(bits_, passes_) (m_rows == 1 ? BLOCK(0, 2, 1, bits_, passes_) : BLOCK(0, 2, 2, bits_, passes_))
     if (m_rows <= 2) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -307,7 +315,8 @@ static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, co
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t bh = 0; bh < 2 * blocks; bh++) {
 #define ROWS_OF(mt, bits_, passes_)                                                                                 \
-    block_rows(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, bh / 2, (int)(bh % 2), 1, m0, mt, bits_, passes_)
+    block_rows(w, qx, dx, dxs, dxs16, chosen, y, yf, m_rows, n, k, bh / 2, (int)(bh % 2), 1, m0, mt, bits_,        \
+               passes_)
 #define Q4_ROWS(mt) ROWS_OF(mt, 4, 1)
 #define Q5_ROWS(mt) ROWS_OF(mt, 5, 1)
 #define Q6_ROWS(mt) ROWS_OF(mt, 6, 1)
@@ -371,7 +380,7 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     if (n % 16 || k % 32) return 1;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + 2 * m_rows * k) + 63) & ~(uintptr_t)63);
-    prepare(x, m_rows, k, 2, 0, qx, dx, NULL, NULL);
+    prepare(x, m_rows, k, 2, 0, qx, dx, NULL, NULL, NULL);
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {

@@ -37,20 +37,22 @@
 
 /* Each build defines these two. `prepare` rounds the activations to int8 per group of 32, in one pass or two:
      qx     rows x K int8: row m's value for pass 1 at row m, its residual's for pass 2 at row M + m
-     dx     rows x K/32: each group's step (max|x| / 127); 0 for a group left out of the second pass
+     dx     rows x K/32: each group's step (max|x| / 127)
      dxs    rows x K/32: dx * the group's sum of qx (NULL: not wanted)
      dxs16  rows x K/16: dx * each half group's sum (NULL: not wanted; the 6-bit tiles' offsets apply per 16)
+     chosen M x (K/32 + 1) int32: per row, how many groups have a second pass, then those groups in order
    Two passes: x ~ dx * qx + dx2 * qx2, where qx2 rounds the residual x - dx * qx on its own step (about 15 bits in
-   all), in every group (`select` 0: the LM head's 8-bit kernel) or in the groups whose step is above
-   second_pass_limit (1: the 4- to 6-bit kernels, which skip the others).
+   all), in every group (`select` 0: the LM head's 8-bit kernel, chosen NULL) or in the groups whose step is
+   above second_pass_limit (1: the 4- to 6-bit kernels, which read the others' second-pass rows nowhere).
    `q4_blocks` multiplies the tiles of 4-, 5- or 6-bit weights (`bits`; TILE_BYTES_OF) by them, summing the passes'
    products into the same sums. */
 static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, int select, int8_t *qx, float *dx,
-                    float *dxs, float *dxs16);
+                    float *dxs, float *dxs16, int32_t *chosen);
 static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, const int8_t *qx, const float *dx,
-                                                             const float *dxs, const float *dxs16, uint16_t *y,
-                                                             float *yf, int64_t m_rows, int64_t n, int64_t k,
-                                                             int bits, int passes, int threads);
+                                                             const float *dxs, const float *dxs16,
+                                                             const int32_t *chosen, uint16_t *y, float *yf,
+                                                             int64_t m_rows, int64_t n, int64_t k, int bits,
+                                                             int passes, int threads);
 
 /* The groups of a row that get a second pass in the 4- to 6-bit kernels: those whose step is above
    SECOND_PASS_ABOVE times the root mean square of the row's steps (d: the row's K/32 steps). Why not every group:
@@ -73,8 +75,10 @@ static float second_pass_limit(const float *d, int64_t groups) {
 
    Two passes (prepare, above) add the residual's products to the same sums, in the groups second_pass_limit picks:
    llama.py asks for them in the down projection, whose input (silu(gate) * up) has the widest groups of any
-   projection's. They cost those groups' integer products once more, row by row (where a tile of rows shares one
-   unpacking of the weights for the first pass). */
+   projection's. They cost those groups' integer products once more, row by row after the first pass over the
+   row block (where a tile of rows shares one unpacking of the weights), from a list of them per row: a test of
+   each group's step in the group loop was a branch mispredicted about as often as a group was chosen, which cost
+   more than the chosen groups' products. */
 static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
                         int64_t k, void *scratch, int threads, int bits, int passes) {
     if (n % 16 || k % 32 || (bits != 4 && bits != 5 && bits != 6) || (passes != 1 && passes != 2)) return 1;
@@ -82,8 +86,9 @@ static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float 
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + rows * k) + 63) & ~(uintptr_t)63);
     float *dxs = dx + rows * groups, *dxs16 = dxs + rows * groups;
-    prepare(x, m_rows, k, passes, 1, qx, dx, bits == 6 ? NULL : dxs, bits == 6 ? dxs16 : NULL);
-    q4_blocks(w, qx, dx, dxs, dxs16, y, yf, m_rows, n, k, bits, passes, threads);
+    int32_t *chosen = (int32_t *)(dxs16 + 2 * rows * groups);
+    prepare(x, m_rows, k, passes, 1, qx, dx, bits == 6 ? NULL : dxs, bits == 6 ? dxs16 : NULL, chosen);
+    q4_blocks(w, qx, dx, dxs, dxs16, chosen, y, yf, m_rows, n, k, bits, passes, threads);
     return 0;
 }
 
@@ -95,7 +100,7 @@ int int_matmul(const uint16_t *x, const uint8_t *w, void *y, int64_t m_rows, int
 }
 
 int64_t int_scratch_bytes(int64_t m_rows, int64_t k, int64_t passes) {
-    return passes * (m_rows * k + 4 * m_rows * (k / 32) * 4) + 64;
+    return passes * (m_rows * k + 4 * m_rows * (k / 32) * 4) + (passes - 1) * m_rows * (k / 32 + 1) * 4 + 64;
 }
 int64_t q8_scratch_bytes(int64_t m_rows, int64_t k) { return 2 * m_rows * k + 2 * m_rows * (k / 32) * 4 + 64; }
 int64_t attn_scratch_floats(int64_t rows, int64_t kv_heads, int64_t groups, int64_t max_len, int64_t head_dim) {
