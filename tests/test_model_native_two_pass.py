@@ -5,11 +5,19 @@ projection asks for them (``LayerWeights``): its input has a few values far abov
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from test_model_gguf_sources import write_k_gguf
 
 from tickloom.engine.model import native, packing
+from tickloom.engine.model.batch import RowSpec, build_step_batch
+from tickloom.engine.model.loaders import load_model
+from tickloom.engine.model.quant import Int4Linear
+from tickloom.engine.model.quant_grouped import WideIntLinear
+from tickloom.engine.model.tiny import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
@@ -162,3 +170,40 @@ def test_other_pass_counts_are_refused_by_name() -> None:
     tiles, _ = _tiles(4, seed=1)
     with pytest.raises(ValueError, match="passes 3"):
         native.matmul(_outliers(1, seed=1), tiles, N, passes=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_256(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", hidden_size=256, intermediate_size=512,
+                            num_heads=4, num_kv_heads=2, seed=11)
+
+
+@pytest.mark.parametrize("down", ["Q4_0", "Q5_1", "Q6_K"])
+def test_the_down_projection_alone_takes_two_passes(down: str, tiny_256: Path, tmp_path: Path) -> None:
+    """Each layer's down projection on an integer kernel gets the second pass; q/k/v, o and gate/up keep one. Its
+    output in a forward is the two-pass product of its input, which differs from one pass."""
+    gguf = write_k_gguf(tiny_256, tmp_path / "m.gguf", {"ffn_down.weight": down}, default="Q4_0")
+    model = load_model(gguf, quant="int4").model
+    for layer in model.layers:
+        assert isinstance(layer.w2, Int4Linear | WideIntLinear) and layer.w2.passes == 2
+        assert all(getattr(layer, name).passes == 1 for name in ("qkv", "wo", "w13"))
+    seen: list[torch.Tensor] = []
+    inner = model.layers[0].w2
+
+    class Spy:
+        in_features, out_features, bias = inner.in_features, inner.out_features, None
+
+        def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+            y = inner.forward_f32(x)
+            seen.extend([x, y])
+            return y
+
+    model.layers[0].w2 = Spy()
+    model.layers_changed()  # the spy is not a kernel: the layer loop runs
+    gqa = model.cfg.num_heads // model.cfg.num_kv_heads
+    model.forward(build_step_batch([RowSpec(0, 12, [0], True)], list(range(30, 42)), 16, gqa, model.device),
+                  model.new_kv_cache(2, 16))
+    x, y = seen
+    bits = inner.bits if isinstance(inner, WideIntLinear) else 4
+    assert torch.equal(y, native.matmul(x, inner.tiles, inner.out_features, torch.float32, bits=bits, passes=2))
+    assert not torch.equal(y, native.matmul(x, inner.tiles, inner.out_features, torch.float32, bits=bits))
