@@ -40,75 +40,6 @@
 
 #include "cpu_kernels_common.h"
 
-/* One group of 32 (v0, v1) rounded to int8: q = v / d to nearest even (|q| <= 127), d = max|v| / 127 into *d, and
-   where asked d * sum q (*sum) and d * each half's sum (half[0], half[1]: the 6-bit tiles' offsets apply per 16).
-   With `residual` v becomes v - d q (d q rounded, then the difference), for a second pass. */
-static inline __attribute__((always_inline)) void round_group(__m512 *v0, __m512 *v1, int8_t *q, float *d_out,
-                                                              float *sum, float *half, int residual) {
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, *v0), _mm512_andnot_ps(sign, *v1)));
-    float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    __m512 scale = _mm512_set1_ps(inv);
-    /* round to nearest even, as nearbyintf would */
-    __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(*v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(*v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
-    *d_out = d;
-    if (sum) *sum = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    if (half) {
-        half[0] = d * (float)_mm512_reduce_add_epi32(q0);
-        half[1] = d * (float)_mm512_reduce_add_epi32(q1);
-    }
-    if (residual) {
-        *v0 = _mm512_sub_ps(*v0, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q0)));
-        *v1 = _mm512_sub_ps(*v1, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q1)));
-    }
-}
-
-static inline __attribute__((always_inline)) void load_group(const uint16_t *in, __m512 *v0, __m512 *v1) {
-    /* bfloat16 -> float32 is a 16-bit shift */
-    *v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)in)), 16));
-    *v1 = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(in + 16))), 16));
-}
-
-/* x: M x K bfloat16 -> per row and group of 32, as cpu_kernels_common.h lays it out: qx, dx, and where not NULL dxs
-   and dxs16; passes 2 rounds each group's residual the same way into rows M..2M-1, in every group (`select` 0) or
-   in those whose step is above second_pass_limit (1), listed in `chosen`. */
-static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, int select, int8_t *qx, float *dx,
-                    float *dxs, float *dxs16, int32_t *chosen) {
-    const int64_t groups = k / 32;
-    for (int64_t m = 0; m < m_rows; m++) {
-        const int all = passes == 2 && !select;
-        for (int64_t g = 0; g < groups; g++) {
-            __m512 v0, v1;
-            load_group(x + m * k + 32 * g, &v0, &v1);
-            for (int p = 0; p < (all ? 2 : 1); p++) {
-                const int64_t at = (p * m_rows + m) * groups + g;
-                round_group(&v0, &v1, qx + (p * m_rows + m) * k + 32 * g, dx + at, dxs ? dxs + at : NULL,
-                            dxs16 ? dxs16 + 2 * at : NULL, p == 0 && all);
-            }
-        }
-        if (passes == 1 || all) continue;
-        const float limit = second_pass_limit(dx + m * groups, groups);
-        int32_t *list = chosen + m * (groups + 1);
-        list[0] = 0;
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t at2 = (m_rows + m) * groups + g;
-            if (!(dx[m * groups + g] > limit)) continue;
-            list[++list[0]] = (int32_t)g;
-            __m512 v0, v1;
-            int8_t again[32];
-            float d;
-            load_group(x + m * k + 32 * g, &v0, &v1);
-            round_group(&v0, &v1, again, &d, NULL, NULL, 1); /* the first pass once more, for its residual */
-            round_group(&v0, &v1, qx + (m_rows + m) * k + 32 * g, dx + at2, dxs ? dxs + at2 : NULL,
-                        dxs16 ? dxs16 + 2 * at2 : NULL, 0);
-        }
-    }
-}
-
 /* Asks for the cache lines of [p, p + bytes) ahead of use: each row block's tiles, PREFETCH_TILES groups ahead.
    The hardware prefetcher follows one stream well, but a step switches streams every row block and runs each for a
    few kilobytes; measured on this project's AVX512 VM (2048 x 8192 matrices out of cache, one thread), asking 8
@@ -249,33 +180,12 @@ static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, co
                                                              int64_t m_rows, int64_t n, int64_t k, int bits,
                                                              int passes, int threads) {
     const int64_t blocks = n / 16;
-    /* `bits` and `passes` are literals in each call below: OpenMP outlines the loop body into a function of its
-       own, where a variable would reach block_rows unknown and its loops would not unroll (three times slower at
-       batch 8) */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
 #define ROWS_OF(mt, bits_, passes_)                                                                                 \
     block_rows(w, qx, dx, dxs, dxs16, chosen, y, yf, m_rows, n, k, b, m0, mt, bits_, passes_)
-#define Q4_ROWS(mt) ROWS_OF(mt, 4, 1)
-#define Q5_ROWS(mt) ROWS_OF(mt, 5, 1)
-#define Q6_ROWS(mt) ROWS_OF(mt, 6, 1)
-#define Q4_ROWS2(mt) ROWS_OF(mt, 4, 2)
-#define Q5_ROWS2(mt) ROWS_OF(mt, 5, 2)
-#define Q6_ROWS2(mt) ROWS_OF(mt, 6, 2)
-        if (passes == 2) {
-            if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS2);
-            else if (bits == 5) FOR_ROW_TILES(m_rows, Q5_ROWS2);
-            else FOR_ROW_TILES(m_rows, Q4_ROWS2);
-        } else if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS);
-        else if (bits == 5) FOR_ROW_TILES(m_rows, Q5_ROWS);
-        else FOR_ROW_TILES(m_rows, Q4_ROWS);
+        FOR_ROW_TILES_OF(m_rows, ROWS_OF, bits, passes);
 #undef ROWS_OF
-#undef Q4_ROWS
-#undef Q5_ROWS
-#undef Q6_ROWS
-#undef Q4_ROWS2
-#undef Q5_ROWS2
-#undef Q6_ROWS2
     }
 }
 
@@ -337,8 +247,8 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-#define Q8_ROWS(mt) q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, mt)
-        FOR_ROW_TILES(m_rows, Q8_ROWS);
+#define Q8_ROWS(mt, unused_a, unused_b) q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, mt)
+        FOR_ROW_TILES(m_rows, Q8_ROWS, 0, 0);
 #undef Q8_ROWS
     }
     return 0;
@@ -400,6 +310,44 @@ static inline v16 silu(v16 a) {
     __mmask16 positive = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GE_OQ);
     __m512 num = _mm512_mask_mov_ps(_mm512_mul_ps(a, e), positive, a);
     return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+/* 32 activations in float32: the unit the int8 rounding works on (prepare, in cpu_kernels_rowwise.h). */
+typedef struct {
+    __m512 v[2];
+} group32;
+
+static inline __attribute__((always_inline)) void load_group(const uint16_t *in, group32 *g) {
+    g->v[0] = load_bf16(in);
+    g->v[1] = load_bf16(in + 16);
+}
+
+/* One group rounded to int8: q = v / d to nearest even (|q| <= 127), d = max|v| / 127 into *d_out, and where asked
+   d * sum q (*sum) and d * each half's sum (half[0], half[1]: the 6-bit tiles' offsets apply per 16). With
+   `residual` v becomes v - d q (d q rounded, then the difference), for a second pass. */
+static inline __attribute__((always_inline)) void round_group(group32 *g, int8_t *q, float *d_out, float *sum,
+                                                              float *half, int residual) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    float amax =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, g->v[0]), _mm512_andnot_ps(sign, g->v[1])));
+    float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512 scale = _mm512_set1_ps(inv);
+    /* round to nearest even, as nearbyintf would */
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(g->v[0], scale), nearest);
+    __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(g->v[1], scale), nearest);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+    *d_out = d;
+    if (sum) *sum = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    if (half) {
+        half[0] = d * (float)_mm512_reduce_add_epi32(q0);
+        half[1] = d * (float)_mm512_reduce_add_epi32(q1);
+    }
+    if (residual) {
+        g->v[0] = _mm512_sub_ps(g->v[0], _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q0)));
+        g->v[1] = _mm512_sub_ps(g->v[1], _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q1)));
+    }
 }
 
 #include "cpu_kernels_rowwise.h"

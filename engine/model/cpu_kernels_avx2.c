@@ -90,14 +90,23 @@ static inline __m256i pairs(__m256i u, __m256i s) { return _mm256_maddubs_epi16(
 static inline __m256i widen(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 static inline v16 to_float(__m256i lo, __m256i hi) { return (v16){_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)}; }
 
-/* One group of 32 (v[0..3]) rounded to int8, as cpu_kernels.c's round_group: q = v / d to nearest even (the
-   default rounding mode's), d = max|v| / 127, where asked d * sum q and d * each half's sum; with `residual` v
-   becomes v - d q, for a second pass. The same float operations as the AVX512 build's. */
-static inline __attribute__((always_inline)) void round_group(__m256 v[4], int8_t *q, float *d_out, float *sum,
+/* 32 activations in float32: the unit the int8 rounding works on (prepare, in cpu_kernels_rowwise.h). */
+typedef struct {
+    __m256 v[4];
+} group32;
+
+static inline __attribute__((always_inline)) void load_group(const uint16_t *in, group32 *g) {
+    for (int j = 0; j < 4; j++) g->v[j] = bf16x8(in + 8 * j);
+}
+
+/* One group rounded to int8, as cpu_kernels.c's round_group: q = v / d to nearest even (the default rounding
+   mode's), d = max|v| / 127, where asked d * sum q and d * each half's sum; with `residual` v becomes v - d q, for
+   a second pass. The same float operations as the AVX512 build's. */
+static inline __attribute__((always_inline)) void round_group(group32 *g, int8_t *q, float *d_out, float *sum,
                                                               float *half, int residual) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, g->v[0]), _mm256_andnot_ps(sign, g->v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, g->v[2]), _mm256_andnot_ps(sign, g->v[3])));
     __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
@@ -105,7 +114,7 @@ static inline __attribute__((always_inline)) void round_group(__m256 v[4], int8_
     __m256i qi[4];
     int32_t lanes[32];
     for (int j = 0; j < 4; j++) {
-        qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+        qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(g->v[j], _mm256_set1_ps(inv)));
         _mm256_storeu_si256((__m256i *)(lanes + 8 * j), qi[j]);
     }
     for (int j = 0; j < 32; j++) q[j] = (int8_t)lanes[j];
@@ -124,47 +133,7 @@ static inline __attribute__((always_inline)) void round_group(__m256 v[4], int8_
     }
     if (residual)
         for (int j = 0; j < 4; j++)
-            v[j] = _mm256_sub_ps(v[j], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(qi[j])));
-}
-
-static inline __attribute__((always_inline)) void load_group(const uint16_t *in, __m256 v[4]) {
-    for (int j = 0; j < 4; j++) v[j] = bf16x8(in + 8 * j);
-}
-
-/* x: M x K bfloat16 -> per row and group of 32, as cpu_kernels_common.h lays it out (and cpu_kernels.c's prepare
-   does): qx, dx, and where not NULL dxs and dxs16; passes 2 rounds each group's residual into rows M..2M-1, in every
-   group (`select` 0) or in those whose step is above second_pass_limit (1), listed in `chosen`. */
-static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, int select, int8_t *qx, float *dx,
-                    float *dxs, float *dxs16, int32_t *chosen) {
-    const int64_t groups = k / 32;
-    for (int64_t m = 0; m < m_rows; m++) {
-        const int all = passes == 2 && !select;
-        for (int64_t g = 0; g < groups; g++) {
-            __m256 v[4];
-            load_group(x + m * k + 32 * g, v);
-            for (int p = 0; p < (all ? 2 : 1); p++) {
-                const int64_t at = (p * m_rows + m) * groups + g;
-                round_group(v, qx + (p * m_rows + m) * k + 32 * g, dx + at, dxs ? dxs + at : NULL,
-                            dxs16 ? dxs16 + 2 * at : NULL, p == 0 && all);
-            }
-        }
-        if (passes == 1 || all) continue;
-        const float limit = second_pass_limit(dx + m * groups, groups);
-        int32_t *list = chosen + m * (groups + 1);
-        list[0] = 0;
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t at2 = (m_rows + m) * groups + g;
-            if (!(dx[m * groups + g] > limit)) continue;
-            list[++list[0]] = (int32_t)g;
-            __m256 v[4];
-            int8_t again[32];
-            float d;
-            load_group(x + m * k + 32 * g, v);
-            round_group(v, again, &d, NULL, NULL, 1); /* the first pass once more, for its residual */
-            round_group(v, qx + (m_rows + m) * k + 32 * g, dx + at2, dxs ? dxs + at2 : NULL,
-                        dxs16 ? dxs16 + 2 * at2 : NULL, 0);
-        }
-    }
+            g->v[j] = _mm256_sub_ps(g->v[j], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(qi[j])));
 }
 
 /* A 5-bit tile's mask for one half of a chunk (32 bits, one per byte) as bytes of 0x10 where it is set. */
@@ -317,26 +286,8 @@ static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, co
 #define ROWS_OF(mt, bits_, passes_)                                                                                 \
     block_rows(w, qx, dx, dxs, dxs16, chosen, y, yf, m_rows, n, k, bh / 2, (int)(bh % 2), 1, m0, mt, bits_,        \
                passes_)
-#define Q4_ROWS(mt) ROWS_OF(mt, 4, 1)
-#define Q5_ROWS(mt) ROWS_OF(mt, 5, 1)
-#define Q6_ROWS(mt) ROWS_OF(mt, 6, 1)
-#define Q4_ROWS2(mt) ROWS_OF(mt, 4, 2)
-#define Q5_ROWS2(mt) ROWS_OF(mt, 5, 2)
-#define Q6_ROWS2(mt) ROWS_OF(mt, 6, 2)
-        if (passes == 2) {
-            if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS2);
-            else if (bits == 5) FOR_ROW_TILES(m_rows, Q5_ROWS2);
-            else FOR_ROW_TILES(m_rows, Q4_ROWS2);
-        } else if (bits == 6) FOR_ROW_TILES(m_rows, Q6_ROWS);
-        else if (bits == 5) FOR_ROW_TILES(m_rows, Q5_ROWS);
-        else FOR_ROW_TILES(m_rows, Q4_ROWS);
+        FOR_ROW_TILES_OF(m_rows, ROWS_OF, bits, passes);
 #undef ROWS_OF
-#undef Q4_ROWS
-#undef Q5_ROWS
-#undef Q6_ROWS
-#undef Q4_ROWS2
-#undef Q5_ROWS2
-#undef Q6_ROWS2
     }
 }
 
@@ -384,8 +335,8 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-#define Q8_ROWS(mt) q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, mt)
-        FOR_ROW_TILES(m_rows, Q8_ROWS);
+#define Q8_ROWS(mt, unused_a, unused_b) q8_block_rows(w, qx, dx, y, m_rows, n, k, b, m0, mt)
+        FOR_ROW_TILES(m_rows, Q8_ROWS, 0, 0);
 #undef Q8_ROWS
     }
     return 0;

@@ -15,22 +15,36 @@
 #define TILE_BYTES_OF(bits) ((bits) == 4 ? TILE_BYTES : (bits) == 5 ? Q5_TILE_BYTES : Q6_TILE_BYTES)
 #define MT 8 /* activation rows per pass over a row block's weights */
 
-/* ROWS(mt) for each tile of MT activation rows, then once for the 1..7 left, mt a constant in every call so that
-   the compiler unrolls the row loops and keeps the accumulators in registers. ROWS reads m0. */
-#define FOR_ROW_TILES(m_rows, ROWS)                                                                                \
+/* ROWS(mt, a, b) for each tile of MT activation rows, then once for the 1..7 left, mt a constant in every call so
+   that the compiler unrolls the row loops and keeps the accumulators in registers. ROWS reads m0. */
+#define FOR_ROW_TILES(m_rows, ROWS, a, b)                                                                          \
     do {                                                                                                           \
         int64_t m0 = 0;                                                                                            \
-        for (; m0 + MT <= (m_rows); m0 += MT) ROWS(MT);                                                            \
+        for (; m0 + MT <= (m_rows); m0 += MT) ROWS(MT, a, b);                                                      \
         switch ((m_rows) - m0) {                                                                                   \
-        case 7: ROWS(7); break;                                                                                    \
-        case 6: ROWS(6); break;                                                                                    \
-        case 5: ROWS(5); break;                                                                                    \
-        case 4: ROWS(4); break;                                                                                    \
-        case 3: ROWS(3); break;                                                                                    \
-        case 2: ROWS(2); break;                                                                                    \
-        case 1: ROWS(1); break;                                                                                    \
+        case 7: ROWS(7, a, b); break;                                                                              \
+        case 6: ROWS(6, a, b); break;                                                                              \
+        case 5: ROWS(5, a, b); break;                                                                              \
+        case 4: ROWS(4, a, b); break;                                                                              \
+        case 3: ROWS(3, a, b); break;                                                                              \
+        case 2: ROWS(2, a, b); break;                                                                              \
+        case 1: ROWS(1, a, b); break;                                                                              \
         default: break;                                                                                            \
         }                                                                                                          \
+    } while (0)
+
+/* FOR_ROW_TILES with ROWS(mt, bits, passes), bits (4, 5, 6) and passes (1, 2) literals in each call: OpenMP
+   outlines a parallel loop's body into a function of its own, where a variable would reach the row kernel unknown
+   and its loops would not unroll (three times slower at batch 8). */
+#define FOR_ROW_TILES_OF(m_rows, ROWS, bits, passes)                                                               \
+    do {                                                                                                           \
+        if ((passes) == 2) {                                                                                       \
+            if ((bits) == 6) FOR_ROW_TILES(m_rows, ROWS, 6, 2);                                                    \
+            else if ((bits) == 5) FOR_ROW_TILES(m_rows, ROWS, 5, 2);                                               \
+            else FOR_ROW_TILES(m_rows, ROWS, 4, 2);                                                                \
+        } else if ((bits) == 6) FOR_ROW_TILES(m_rows, ROWS, 6, 1);                                                 \
+        else if ((bits) == 5) FOR_ROW_TILES(m_rows, ROWS, 5, 1);                                                   \
+        else FOR_ROW_TILES(m_rows, ROWS, 4, 1);                                                                    \
     } while (0)
 
 #define Q8_TILE_BYTES 576

@@ -4,6 +4,8 @@
    store_bf16, exp_nonpositive, and two that must differ by instruction set:
      exp_tail(p, n, top): e^(p[i] - top) for the n < 16 scores left, stored back, lanes past n zero;
      silu(a): a / (1 + e^-a), computed without overflow for either sign.
+   The integer matmuls' activation rounding (prepare) is here too, written against the build's `group32` (32 float32
+   values), load_group and round_group.
 
    ---- Paged attention (one query per row) ----
 
@@ -23,6 +25,42 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* x: M x K bfloat16 -> per row and group of 32, as cpu_kernels_common.h lays it out: qx, dx, and where not NULL
+   dxs and dxs16; passes 2 rounds each group's residual into rows M..2M-1, in every group (`select` 0) or in those
+   whose step is above second_pass_limit (1), listed in `chosen`. */
+static void prepare(const uint16_t *x, int64_t m_rows, int64_t k, int passes, int select, int8_t *qx, float *dx,
+                    float *dxs, float *dxs16, int32_t *chosen) {
+    const int64_t groups = k / 32;
+    const int all = passes == 2 && !select;
+    for (int64_t m = 0; m < m_rows; m++) {
+        for (int64_t g = 0; g < groups; g++) {
+            group32 v;
+            load_group(x + m * k + 32 * g, &v);
+            for (int p = 0; p < (all ? 2 : 1); p++) {
+                const int64_t at = (p * m_rows + m) * groups + g;
+                round_group(&v, qx + (p * m_rows + m) * k + 32 * g, dx + at, dxs ? dxs + at : NULL,
+                            dxs16 ? dxs16 + 2 * at : NULL, p == 0 && all);
+            }
+        }
+        if (passes == 1 || all) continue;
+        const float limit = second_pass_limit(dx + m * groups, groups);
+        int32_t *list = chosen + m * (groups + 1);
+        list[0] = 0;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t at2 = (m_rows + m) * groups + g;
+            if (!(dx[m * groups + g] > limit)) continue;
+            list[++list[0]] = (int32_t)g;
+            group32 v;
+            int8_t again[32];
+            float d;
+            load_group(x + m * k + 32 * g, &v);
+            round_group(&v, again, &d, NULL, NULL, 1); /* the first pass once more, for its residual */
+            round_group(&v, qx + (m_rows + m) * k + 32 * g, dx + at2, dxs ? dxs + at2 : NULL,
+                        dxs16 ? dxs16 + 2 * at2 : NULL, 0);
+        }
+    }
+}
 
 /* An element run of a row of bfloat16 (f32 = 0) or float32 (f32 = 1) values; f32 is a constant after inlining. */
 static inline __attribute__((always_inline)) v16 load_row(const void *p, int64_t i, int f32) {
