@@ -99,6 +99,28 @@ static inline __attribute__((always_inline)) __m512 add_group(__m512 acc, const 
     return _mm512_fmadd_ps(ts->z1, _mm512_set1_ps(dxs16[2 * at + 1]), acc);
 }
 
+/* acc + the second pass's products of one group (its tile) for activation row r (of the residual's rows). */
+static inline __attribute__((always_inline)) __m512 second_pass_group(__m512 acc, const uint8_t *tile,
+                                                                      const int8_t *qx, const float *dx,
+                                                                      const float *dxs, const float *dxs16,
+                                                                      int64_t r, int64_t g, int64_t k, int bits) {
+    tile_scales ts;
+    load_scales(tile, &ts);
+    __m512i two[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int t = 0; t < 4; t++) {
+        __m512i lo, hi;
+        unpack_chunk(tile, t, bits, &lo, &hi);
+        const int8_t *xq = qx + r * k + 32 * g + 4 * t;
+        two[(2 * t) % 4] = _mm512_dpbusd_epi32(two[(2 * t) % 4], lo, _mm512_set1_epi32(*(const int32_t *)xq));
+        two[(2 * t + 1) % 4] =
+            _mm512_dpbusd_epi32(two[(2 * t + 1) % 4], hi, _mm512_set1_epi32(*(const int32_t *)(xq + 16)));
+    }
+    __m512i first = _mm512_add_epi32(two[0], two[2]), second = _mm512_add_epi32(two[1], two[3]);
+    const int split = bits == 6;
+    if (!split) first = _mm512_add_epi32(first, second);
+    return add_group(acc, &ts, first, second, dx, dxs, dxs16, r * (k / 32) + g, split);
+}
+
 /* Rows [m0, m0 + mt) of the output for row block `block`; mt <= MT, bits (4, 5 or 6) and passes constants after
    inlining. 6-bit tiles keep the two halves of a group apart: each has its own scale and offset. */
 static inline __attribute__((always_inline)) void block_rows(
@@ -111,8 +133,10 @@ static inline __attribute__((always_inline)) void block_rows(
        several independent partial sums (chains), added once per group. Split tiles need an even count: the low
        nibbles (a group's first half) go to even chains, the high ones to odd chains. */
     const int chains = mt == 1 ? 4 : (mt >= 4 && !split ? 1 : 2);
-    __m512 acc[MT];
-    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    __m512 acc[MT], acc2[MT];
+    for (int i = 0; i < mt; i++) acc[i] = acc2[i] = _mm512_setzero_ps();
+    const int32_t *lone = chosen + m0 * (groups + 1); /* mt 1: the row's chosen groups, taken in the loop */
+    int32_t next = passes == 2 && mt == 1 ? 1 : 0;
     const uint8_t *tile = w + block * groups * tile_bytes;
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
         if (mt > 1 || bits != 4) prefetch(tile + PREFETCH_TILES * tile_bytes, (int)tile_bytes);
@@ -142,33 +166,25 @@ static inline __attribute__((always_inline)) void block_rows(
             }
             acc[i] = add_group(acc[i], &ts, first, second, dx, dxs, dxs16, (m0 + i) * groups + g, split);
         }
-    }
-    /* the residual's pass, row by row over the groups prepare chose for it (a list a row, so no branch a group) */
-    for (int i = 0; passes == 2 && i < mt; i++) {
-        const int64_t r = m_rows + m0 + i;
-        const int32_t *list = chosen + (m0 + i) * (groups + 1);
-        for (int32_t j = 1; j <= list[0]; j++) {
-            const int64_t g = list[j];
-            const uint8_t *gt = w + (block * groups + g) * tile_bytes;
-            tile_scales ts;
-            load_scales(gt, &ts);
-            __m512i two[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                              _mm512_setzero_si512()};
-            for (int t = 0; t < 4; t++) {
-                __m512i lo, hi;
-                unpack_chunk(gt, t, bits, &lo, &hi);
-                const int8_t *xq = qx + r * k + 32 * g + 4 * t;
-                two[(2 * t) % 4] = _mm512_dpbusd_epi32(two[(2 * t) % 4], lo, _mm512_set1_epi32(*(const int32_t *)xq));
-                two[(2 * t + 1) % 4] =
-                    _mm512_dpbusd_epi32(two[(2 * t + 1) % 4], hi, _mm512_set1_epi32(*(const int32_t *)(xq + 16)));
-            }
-            __m512i first = _mm512_add_epi32(two[0], two[2]), second = _mm512_add_epi32(two[1], two[3]);
-            if (!split) first = _mm512_add_epi32(first, second);
-            acc[i] = add_group(acc[i], &ts, first, second, dx, dxs, dxs16, r * groups + g, split);
+        if (next && next <= lone[0] && lone[next] == g) {
+            acc2[0] = second_pass_group(acc2[0], tile, qx, dx, dxs, dxs16, m_rows + m0, g, k, bits);
+            next++;
         }
+    }
+    /* the residual's pass, row by row over the groups prepare chose for it, into sums of their own (acc2); a lone
+       row takes its groups in the loop above, where the tile is in L1 and the weights' stream goes on (after the
+       loop, a row block's chosen tiles came back from L2 with the memory idle: 15-25% on a cold down projection),
+       more rows after it from a list each (a test per row and group was a mispredicted branch as often as a group
+       was chosen). Either way the same sums in the same order, so a row's result does not depend on its batch. */
+    for (int i = 0; passes == 2 && mt > 1 && i < mt; i++) {
+        const int32_t *list = chosen + (m0 + i) * (groups + 1);
+        for (int32_t j = 1; j <= list[0]; j++)
+            acc2[i] = second_pass_group(acc2[i], w + (block * groups + list[j]) * tile_bytes, qx, dx, dxs, dxs16,
+                                        (m_rows + m0 + i), list[j], k, bits);
     }
     for (int i = 0; i < mt; i++) {
         int64_t at = (m0 + i) * n + 16 * block;
+        if (passes == 2) acc[i] = _mm512_add_ps(acc[i], acc2[i]);
         if (yf) _mm512_storeu_ps(yf + at, acc[i]);
         else _mm256_storeu_si256((__m256i *)(y + at), (__m256i)_mm512_cvtneps_pbh(acc[i]));
     }

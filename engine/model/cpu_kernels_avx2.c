@@ -196,9 +196,9 @@ static inline __attribute__((always_inline)) void block_rows(
     uint16_t *y, float *yf, int64_t m_rows, int64_t n, int64_t k, int64_t block, int half0, int nhalf, int64_t m0,
     int mt, int bits, int passes) {
     const int64_t groups = k / 32, tile_bytes = TILE_BYTES_OF(bits);
-    __m256 acc[2][MT];
+    __m256 acc[2][MT], acc2[2][MT];
     for (int h = 0; h < nhalf; h++)
-        for (int i = 0; i < mt; i++) acc[h][i] = _mm256_setzero_ps();
+        for (int i = 0; i < mt; i++) acc[h][i] = acc2[h][i] = _mm256_setzero_ps();
     const uint8_t *tile = w + block * groups * tile_bytes;
     for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
         prefetch(tile + 8 * tile_bytes, (int)tile_bytes);
@@ -225,7 +225,8 @@ static inline __attribute__((always_inline)) void block_rows(
                 acc[h][i] = add_group(acc[h][i], tile, half0 + h, bits, part[h][i], part2[h][i], dx, dxs, dxs16,
                                       (m0 + i) * groups + g);
     }
-    /* the residual's pass, row by row over the groups prepare chose for it (a list a row, so no branch a group) */
+    /* the residual's pass, row by row over the groups prepare chose for it, from a list each, into sums of their
+       own added at the end: cpu_kernels.c's order (which takes a lone row's groups in the loop above) */
     for (int i = 0; passes == 2 && i < mt; i++) {
         const int64_t r = m_rows + m0 + i;
         const int32_t *list = chosen + (m0 + i) * (groups + 1);
@@ -243,13 +244,14 @@ static inline __attribute__((always_inline)) void block_rows(
                     chunk_sums(gt, t, half0 + h, bits, _mm256_set1_epi32(*(const int32_t *)xq),
                                _mm256_set1_epi32(*(const int32_t *)(xq + 16)), m, high, &p, &p2);
                 }
-                acc[h][i] = add_group(acc[h][i], gt, half0 + h, bits, p, p2, dx, dxs, dxs16, r * groups + g);
+                acc2[h][i] = add_group(acc2[h][i], gt, half0 + h, bits, p, p2, dx, dxs, dxs16, r * groups + g);
             }
         }
     }
     for (int h = 0; h < nhalf; h++)
         for (int i = 0; i < mt; i++) {
             int64_t at = (m0 + i) * n + 16 * block + 8 * (half0 + h);
+            if (passes == 2) acc[h][i] = _mm256_add_ps(acc[h][i], acc2[h][i]);
             if (yf) _mm256_storeu_ps(yf + at, acc[h][i]);
             else store_bf16x8(y + at, acc[h][i]);
         }
