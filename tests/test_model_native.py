@@ -100,8 +100,9 @@ def test_the_scratch_buffer_is_kept_per_thread_and_grown_when_too_small() -> Non
 
 @pytest.mark.parametrize("m", [1, 2, 3, 9])
 def test_the_float32_output_is_the_same_sums_unrounded(m: int) -> None:
-    """``q4_matmul_f32`` (the o and down projections, added to the float32 residual stream): the very sums the
-    bfloat16 output rounds to nearest even, on both row paths (one or two rows a pass, and more), batch-invariant."""
+    """``int_matmul``'s float32 output (the o and down projections, added to the float32 residual stream): the very
+    sums the bfloat16 output rounds to nearest even, on both row paths (one or two rows a pass, and more),
+    batch-invariant."""
     nibbles, s, z, _ = _weights(64, 160, seed=10 + m)
     tiles = packing.pack_tiles(nibbles, s, z)
     x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).bfloat16()
