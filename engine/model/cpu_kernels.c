@@ -155,8 +155,9 @@ static inline __attribute__((always_inline)) void block_rows(
             }
         }
         for (int i = 0; i < mt; i++) {
-            __m512i first = part[i * chains], second = part[i * chains + 1];
+            __m512i first = part[i * chains], second = first; /* second: the group's second half (split) */
             if (split) {
+                second = part[i * chains + 1];
                 for (int c = 2; c < chains; c += 2) {
                     first = _mm512_add_epi32(first, part[i * chains + c]);
                     second = _mm512_add_epi32(second, part[i * chains + c + 1]);
