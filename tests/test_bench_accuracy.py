@@ -12,6 +12,8 @@ import torch
 from tickloom.engine.model.loaders import load_model
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.tools.bench.accuracy import (
+    F32_ACT,
+    exact_activations,
     PROMPTS,
     PathTally,
     agrees,
@@ -137,7 +139,7 @@ def test_measure_scores_every_position_and_keeps_greedy_to_the_first_prompts(tmp
     rows = result["paths"]
     ref = rows["tickloom default (float32+none) = reference"]  # a float32 checkpoint's default is the reference
     assert (ref["top1"], ref["kl"], ref["positions"]) == (1.0, 0.0, 12)
-    (name,) = [n for n in rows if n.startswith("tickloom float32 act + int4")]
+    (name,) = [n for n in rows if n.startswith(F32_ACT)]
     f32 = rows[name]
     assert f32["positions"] == 12 and f32["kept_prompts"] == 2
     assert 0.0 <= f32["top1"] <= 1.0 and f32["kl"] >= 0.0
@@ -151,3 +153,29 @@ def test_cli_refuses_a_prompt_count_it_cannot_give(n: str, capsys: pytest.Captur
 
     assert main(["bench", "model", "--accuracy", "--accuracy-prompts", n]) != 0
     assert f"--accuracy-prompts: accuracy prompts: {n} asked, 1 to 320 available" in capsys.readouterr().err
+
+
+def test_exact_activations_is_the_files_float32_model_and_the_kernels_are_not(tmp_path: Path) -> None:
+    """The float32-activation path multiplies the weights the layers hold, unrounded: on a Q4_0 file with a Q8_0
+    head (whose scales the tiles keep exactly) its logits are the reference's (the file dequantized) but for the
+    order of float operations, while the same layers on the integer kernels (8-bit activations) are further off."""
+    from tests.test_model_gguf_sources import write_k_gguf
+
+    from tickloom.engine.model.quant import DenseLinear
+
+    tiny = write_tiny_model(tmp_path / "tiny", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                            seed=3)
+    gguf = write_k_gguf(tiny, tmp_path / "m.gguf", {"token_embd.weight": "Q8_0", "output.weight": "Q8_0"},
+                       default="Q4_0")
+    ids = [5, 9, 14, 3, 22, 7, 8, 1, 30, 2, 40, 41, 42, 43, 44, 45, 46, 47]
+    ref = tickloom_logits(load_model(gguf, dtype="float32", quant="none"))(ids)
+    kernels = load_model(gguf, dtype="float32", quant="int4")
+    on_kernels = tickloom_logits(kernels)(ids)
+    exact = exact_activations(kernels)
+    assert all(isinstance(getattr(layer, name), DenseLinear) and getattr(layer, name).weight.dtype == torch.float32
+               for layer in exact.model.layers for name in ("qkv", "wo", "w13", "w2"))
+    got = tickloom_logits(exact)(ids)
+    off, kernel_off = (got - ref).abs().max().item(), (on_kernels - ref).abs().max().item()
+    assert off < 1e-4 < kernel_off and off < kernel_off / 100
+    with pytest.raises(ValueError, match="a float32 model, not torch.bfloat16"):
+        exact_activations(load_model(gguf, dtype="bfloat16", quant="int4"))

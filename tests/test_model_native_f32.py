@@ -47,8 +47,8 @@ def test_a_float32_model_runs_the_kernels_and_matches_torchs_ops(tiny32: Path,
 
 
 def test_a_float32_model_with_integer_weights_keeps_torchs_path(tiny32: Path) -> None:
-    """float32 activations on int4 weights (the accuracy bench's comparison path) stay as they were: its layers
-    take bfloat16 activations on the kernels, which the float32 row-wise kernels do not give them."""
+    """A float32 model with int4 weights stays on torch's path: its layers take bfloat16 activations on the
+    kernels, which the float32 row-wise kernels do not give them."""
     assert not load_model(tiny32, dtype="float32", quant="int4").model._native
 
 

@@ -178,32 +178,63 @@ def tiny_256(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             num_heads=4, num_kv_heads=2, seed=11)
 
 
-@pytest.mark.parametrize("down", ["Q4_0", "Q5_1", "Q6_K"])
-def test_the_down_projection_alone_takes_two_passes(down: str, tiny_256: Path, tmp_path: Path) -> None:
-    """Each layer's down projection on an integer kernel gets the second pass; q/k/v, o and gate/up keep one. Its
-    output in a forward is the two-pass product of its input, which differs from one pass."""
-    gguf = write_k_gguf(tiny_256, tmp_path / "m.gguf", {"ffn_down.weight": down}, default="Q4_0")
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_1", "Q6_K"])
+def test_every_projection_takes_two_passes(kind: str, tiny_256: Path, tmp_path: Path) -> None:
+    """Every projection on an integer kernel gets the second pass (q/k/v, o, gate/up and down): in a forward, the
+    q/k/v projection's output (bfloat16, through ``__call__``) and the down projection's (float32, added to the
+    residual stream through ``forward_f32``) are the two-pass products of their inputs, and on rows with a wide
+    group each projection's output is the two-pass product, which differs from one pass."""
+    names = ("qkv", "wo", "w13", "w2")
+    gguf = write_k_gguf(tiny_256, tmp_path / "m.gguf", {f"{n}.weight": kind for n in (
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}, default="Q4_0")
     model = load_model(gguf, quant="int4").model
     for layer in model.layers:
-        assert isinstance(layer.w2, Int4Linear | WideIntLinear) and layer.w2.passes == 2
-        assert all(getattr(layer, name).passes == 1 for name in ("qkv", "wo", "w13"))
-    seen: list[torch.Tensor] = []
-    inner = model.layers[0].w2
+        for name in names:
+            proj = getattr(layer, name)
+            assert isinstance(proj, Int4Linear | WideIntLinear) and proj.passes == 2, name
+    seen: dict[str, list[torch.Tensor]] = {}
 
-    class Spy:
-        in_features, out_features, bias = inner.in_features, inner.out_features, None
+    def spy(name: str) -> object:
+        inner = getattr(model.layers[0], name)
 
-        def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
-            y = inner.forward_f32(x)
-            seen.extend([x, y])
-            return y
+        class Spy:
+            in_features, out_features, bias = inner.in_features, inner.out_features, None
 
-    model.layers[0].w2 = Spy()
-    model.layers_changed()  # the spy is not a kernel: the layer loop runs
+            def __call__(self, x: torch.Tensor) -> torch.Tensor:
+                y = inner(x)
+                seen[name] = [x, y.float()]
+                return y
+
+            def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+                y = inner.forward_f32(x)
+                seen[name] = [x, y]
+                return y
+
+        return Spy()
+
+    spied = {name: getattr(model.layers[0], name) for name in ("qkv", "w2")}
+    for name in spied:
+        setattr(model.layers[0], name, spy(name))
+    model.layers_changed()  # the spies are not kernels: the layer loop runs
     gqa = model.cfg.num_heads // model.cfg.num_kv_heads
     model.forward(build_step_batch([RowSpec(0, 12, [0], True)], list(range(30, 42)), 16, gqa, model.device),
                   model.new_kv_cache(2, 16))
-    x, y = seen
-    bits = inner.bits if isinstance(inner, WideIntLinear) else 4
-    assert torch.equal(y, native.matmul(x, inner.tiles, inner.out_features, torch.float32, bits=bits, passes=2))
-    assert not torch.equal(y, native.matmul(x, inner.tiles, inner.out_features, torch.float32, bits=bits))
+    for name, inner in spied.items():
+        x, y = seen[name]
+        bits = inner.bits if isinstance(inner, WideIntLinear) else 4
+
+        def product(passes: int, inner: Int4Linear | WideIntLinear = inner, x: torch.Tensor = x,
+                    bits: int = bits) -> torch.Tensor:
+            return native.matmul(x, inner.tiles, inner.out_features, torch.float32, bits=bits, passes=passes)
+
+        assert torch.equal(y, product(2).bfloat16().float() if name == "qkv" else product(2)), name
+    # the forward's inputs here may have no group far above the rest; rows that do tell the passes apart
+    g = torch.Generator().manual_seed(5)
+    for name in names:
+        proj = getattr(model.layers[1], name)
+        x = torch.randn(3, proj.in_features, generator=g)
+        x[:, 7] *= 25.0
+        x = x.bfloat16()
+        bits = proj.bits if isinstance(proj, WideIntLinear) else 4
+        one, two = (native.matmul(x, proj.tiles, proj.out_features, bits=bits, passes=p) for p in (1, 2))
+        assert torch.equal(proj(x), two) and not torch.equal(two, one), name

@@ -85,10 +85,11 @@ class LayerWeights:
         w13 = [t[m + "gate_up_proj.weight"]] if fused else [t[m + "gate_proj.weight"], t[m + "up_proj.weight"]]
         self.w13: Linear = join_linear(w13, None, quant, act)
         self.w2: Linear = join_linear([t[m + "down_proj.weight"]], None, quant, act)
-        if isinstance(self.w2, (Int4Linear, WideIntLinear)):
-            # two 8-bit passes of its input on tickloom's integer kernels: silu(gate) * up has the widest groups of
-            # any projection's input (cpu_kernels_common.h says what this buys and costs)
-            self.w2.passes = 2
+        for proj in (self.qkv, self.wo, self.w13, self.w2):
+            if isinstance(proj, (Int4Linear, WideIntLinear)):
+                # two 8-bit passes of the input on tickloom's integer kernels, where a group's step is far above
+                # its row's others (cpu_kernels_common.h says what this buys and costs)
+                proj.passes = 2
 
 
 def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:

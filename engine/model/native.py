@@ -319,7 +319,7 @@ def matmul(x: torch.Tensor, tiles: torch.Tensor, out_features: int,
            out_dtype: torch.dtype = torch.bfloat16, bits: int = 4, passes: int = 1) -> torch.Tensor:
     """``x`` (``M x K`` bfloat16, contiguous) times a ``pack_tiles`` weight (``pack_wide_tiles`` for ``bits`` 5 or
     6), ``M x N`` bfloat16 or float32 (the same sums, unrounded). ``passes=2`` rounds ``x`` to 8 bits twice, the
-    value and its residual (``cpu_kernels_common.h``: what the down projection asks for)."""
+    value and its residual, where a group's step is far above its row's others (``cpu_kernels_common.h``)."""
     m, k = x.shape
     kernel = _kernel()
     y = torch.empty(m, out_features, dtype=out_dtype)

@@ -157,7 +157,7 @@ class Int4Linear:
         self.bias = None if bias is None else bias.to(act)
         self.out_features, self.in_features = n, k
         self.tiles: torch.Tensor | None = None
-        self.passes = 1  # the activations' 8-bit passes on tickloom's kernel; LayerWeights sets 2 on down
+        self.passes = 1  # the activations' 8-bit passes on tickloom's kernel; LayerWeights sets 2
         self.packed: torch.Tensor | None = None
         self.scales_zeros: torch.Tensor | None = None
         can = group == packing.GROUP and act == torch.bfloat16 and n % packing.TILE_ROWS == 0

@@ -12,9 +12,11 @@ and over the 960 positions of 20 prompts a change that only adds precision moved
 way. Each path's difference from the float32-activation path is printed with its paired 95% interval, so a table
 says what it resolves.
 
-Paths: tickloom's default setting for the model, float32 activations on the same int4 weights, and llama.cpp on the
-same file (when ``llama_cpp``, the ``bench`` extra, is importable). The model's forward runs directly over a KV
-cache, without the engine.
+Paths: tickloom's default setting for the model, float32 activations on the same weights (``exact_activations``: the
+integer layers' weights as they hold them, dequantized, in float32 matmuls; for a file whose scales the tiles keep
+exactly this is the reference again but for the order of float operations, so what it differs by is what the tiles
+round), and llama.cpp on the same file (when ``llama_cpp``, the ``bench`` extra, is importable). The model's forward
+runs directly over a KV cache, without the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from tickloom.engine.core.blocks import blocks_holding
 from tickloom.engine.model.batch import RowSpec, build_step_batch
 from tickloom.engine.model.loaders import LoadedModel, load_model
+from tickloom.engine.model.quant import DenseLinear, Linear
 from tickloom.prompts import tokenize
 
 PROMPTS = [
@@ -75,7 +78,7 @@ TOPICS = [
 ]
 DEFAULT_PROMPTS = 200
 KEPT_PROMPTS = 20
-F32_ACT = "tickloom float32 act + int4"
+F32_ACT = "tickloom float32 act, same weights"
 
 
 def chat_prompts(n: int) -> list[str]:
@@ -118,6 +121,29 @@ def tokens_kept(ref: list[int], other: list[int]) -> int:
 
 
 # ---- drivers ----
+
+def exact_activations(lm: LoadedModel) -> LoadedModel:
+    """``lm`` (a float32 model) made the float32-activation path, in place: each projection and the LM head become
+    float32 matmuls of the weights they hold, dequantized (a GGUF's integers and scales as the tiles keep them), so
+    no matmul's input is rounded (tickloom's integer kernels round it to 8 bits per group of 32)."""
+    model = lm.model
+    if model.dtype != torch.float32:
+        raise ValueError(f"exact_activations: a float32 model, not {model.dtype}")
+    for layer in model.layers:
+        for name in ("qkv", "wo", "w13", "w2"):
+            setattr(layer, name, _dense(getattr(layer, name)))
+    model.lm_head = _dense(model.lm_head)
+    model.layers_changed()
+    return lm
+
+
+def _dense(linear: Linear) -> DenseLinear:
+    dequantize = getattr(linear, "dequantize", None)
+    if dequantize is None:
+        raise TypeError(f"exact_activations: {type(linear).__name__} cannot give its weight back")
+    bias = getattr(linear, "bias", None)
+    return DenseLinear(dequantize().float(), None if bias is None else bias.float())
+
 
 def tickloom_logits(lm: LoadedModel, block_size: int = 16) -> Logits:
     """All-position logits of one sequence, one prefill over a fresh KV cache."""
@@ -287,6 +313,9 @@ def measure(model: str = "smollm2-135m", new_tokens: int = NEW_TOKENS, prompts: 
     for label, kw in paths:
         lm = load_model(model, **kw)
         name = f"{label} ({lm.model.dtype}+{lm.model.quant})".replace("torch.", "")
+        if label == F32_ACT:
+            name = f"{label} (float32, {lm.model.quant} dequantized)"
+            exact_activations(lm)
         runners.append((name, tickloom_logits(lm), lambda p, n, lm=lm: tickloom_greedy(lm, p, n)))
     lc: LlamaCppLogits | None = None
     if not bench_llamacpp.available():
