@@ -13,11 +13,11 @@ from tickloom.engine.model.loaders import load_model
 from tickloom.engine.model.tiny import write_tiny_model
 from tickloom.tools.bench.accuracy import (
     F32_ACT,
-    exact_activations,
     PROMPTS,
     PathTally,
     agrees,
     chat_prompts,
+    exact_activations,
     kl_per_position,
     measure,
     paired_difference,
@@ -159,7 +159,7 @@ def test_exact_activations_is_the_files_float32_model_and_the_kernels_are_not(tm
     """The float32-activation path multiplies the weights the layers hold, unrounded: on a Q4_0 file with a Q8_0
     head (whose scales the tiles keep exactly) its logits are the reference's (the file dequantized) but for the
     order of float operations, while the same layers on the integer kernels (8-bit activations) are further off."""
-    from tests.test_model_gguf_sources import write_k_gguf
+    from test_model_gguf_sources import write_k_gguf
 
     from tickloom.engine.model.quant import DenseLinear
 
@@ -177,5 +177,5 @@ def test_exact_activations_is_the_files_float32_model_and_the_kernels_are_not(tm
     got = tickloom_logits(exact)(ids)
     off, kernel_off = (got - ref).abs().max().item(), (on_kernels - ref).abs().max().item()
     assert off < 1e-4 < kernel_off and off < kernel_off / 100
-    with pytest.raises(ValueError, match="a float32 model, not torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"a float32 model, not torch\.bfloat16"):
         exact_activations(load_model(gguf, dtype="bfloat16", quant="int4"))
