@@ -21,6 +21,7 @@ from tickloom.tools.bench.accuracy import (
     kl_per_position,
     measure,
     paired_difference,
+    print_table,
     tickloom_greedy,
     tickloom_greedy_batch,
     tickloom_logits,
@@ -179,3 +180,14 @@ def test_exact_activations_is_the_files_float32_model_and_the_kernels_are_not(tm
     assert off < 1e-4 < kernel_off and off < kernel_off / 100
     with pytest.raises(ValueError, match=r"a float32 model, not torch\.bfloat16"):
         exact_activations(load_model(gguf, dtype="bfloat16", quant="int4"))
+
+
+def test_the_table_keeps_its_columns_under_long_path_names(capsys: pytest.CaptureFixture[str]) -> None:
+    row = {"top1": 0.5, "kl": 0.001, "kept": 3.0, "kept_prompts": 2, "positions": 8}
+    names = ["short", "a path name much longer than forty-two characters (float32, int4 dequantized)"]
+    print_table({"model": "m", "prompts": 2, "new_tokens": 4, "notes": [],
+                 "paths": {names[0]: row, names[1]: row | {"vs_f32_act": 0.01, "vs_f32_act_95": 0.02}}})
+    header, *lines = capsys.readouterr().out.splitlines()[1:]
+    end = header.index("top-1 agreement") + len("top-1 agreement")
+    assert [line[end - 6 : end] for line in lines] == ["0.5000", "0.5000"]
+    assert lines[1].endswith("+0.0100 +- 0.0200") and len(lines[1]) == len(header)

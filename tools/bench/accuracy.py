@@ -362,10 +362,11 @@ def print_table(result: dict[str, Any]) -> None:
           f"against float32 (teacher-forced; 'kept' is free-running greedy tokens before the first difference, over "
           f"the first {kept} prompts; 'vs f32 act' is top-1 agreement minus the float32-activation path's, with "
           f"its 95% interval)", flush=True)
-    print(f"{'path':<42} {'top-1 agreement':>15} {'mean KL':>10} {'kept':>6} {'vs f32 act':>18}")
+    width = max(42, *(len(name) for name in result["paths"]))
+    print(f"{'path':<{width}} {'top-1 agreement':>15} {'mean KL':>10} {'kept':>6} {'vs f32 act':>18}")
     for name, r in result["paths"].items():
         vs = f"{r['vs_f32_act']:+.4f} +- {r['vs_f32_act_95']:.4f}" if "vs_f32_act" in r else ""
-        print(f"{name:<42} {r['top1']:>15.4f} {r['kl']:>10.5f} {r['kept']:>6.1f} {vs:>18}")
+        print(f"{name:<{width}} {r['top1']:>15.4f} {r['kl']:>10.5f} {r['kept']:>6.1f} {vs:>18}")
     for note in result["notes"]:
         print(note)
 
