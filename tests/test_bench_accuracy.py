@@ -157,20 +157,23 @@ def test_cli_refuses_a_prompt_count_it_cannot_give(n: str, capsys: pytest.Captur
 
 
 def test_exact_activations_is_the_files_float32_model_and_the_kernels_are_not(tmp_path: Path) -> None:
-    """The float32-activation path multiplies the weights the layers hold, unrounded: on a Q4_0 file with a Q8_0
-    head (whose scales the tiles keep exactly) its logits are the reference's (the file dequantized) but for the
-    order of float operations, while the same layers on the integer kernels (8-bit activations) are further off."""
+    """The float32-activation path multiplies the weights the layers hold, unrounded: on a Q4_0 file with a Q5_0
+    v projection and a Q8_0 head (whose scales the tiles keep exactly) its logits are the reference's (the file
+    dequantized) but for the order of float operations, while the same layers on the integer kernels (8-bit
+    activations) are further off."""
     from test_model_gguf_sources import write_k_gguf
 
     from tickloom.engine.model.quant import DenseLinear
+    from tickloom.engine.model.quant_grouped import SplitLinear
 
     tiny = write_tiny_model(tmp_path / "tiny", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
                             seed=3)
-    gguf = write_k_gguf(tiny, tmp_path / "m.gguf", {"token_embd.weight": "Q8_0", "output.weight": "Q8_0"},
-                       default="Q4_0")
+    types = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_v.weight": "Q5_0"}
+    gguf = write_k_gguf(tiny, tmp_path / "m.gguf", types, default="Q4_0")
     ids = [5, 9, 14, 3, 22, 7, 8, 1, 30, 2, 40, 41, 42, 43, 44, 45, 46, 47]
     ref = tickloom_logits(load_model(gguf, dtype="float32", quant="none"))(ids)
     kernels = load_model(gguf, dtype="float32", quant="int4")
+    assert isinstance(kernels.model.layers[0].qkv, SplitLinear)  # q and k 4-bit, v 5-bit: two kernels' layers
     on_kernels = tickloom_logits(kernels)(ids)
     exact = exact_activations(kernels)
     assert all(isinstance(getattr(layer, name), DenseLinear) and getattr(layer, name).weight.dtype == torch.float32

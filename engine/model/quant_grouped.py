@@ -21,6 +21,8 @@ class Layer(Protocol):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def dequantize(self) -> torch.Tensor: ...
+
     def nbytes(self) -> int: ...
 
 
@@ -268,6 +270,10 @@ class SplitLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``N x K`` weight: the parts' stacked."""
+        return torch.cat([p.dequantize().float() for p in self.parts])
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts) + _nbytes(self.bias)
