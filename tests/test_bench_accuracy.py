@@ -194,3 +194,18 @@ def test_the_table_keeps_its_columns_under_long_path_names(capsys: pytest.Captur
     end = header.index("top-1 agreement") + len("top-1 agreement")
     assert [line[end - 6 : end] for line in lines] == ["0.5000", "0.5000"]
     assert lines[1].endswith("+0.0100 +- 0.0200") and len(lines[1]) == len(header)
+
+
+def test_exact_activations_widens_dense_layers_and_refuses_what_cannot_give_its_weight() -> None:
+    from tickloom.engine.model.quant import DenseLinear
+    from tickloom.tools.bench import accuracy
+
+    half = DenseLinear(torch.ones(2, 3, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16))
+    wide = accuracy._dense(half)
+    assert wide.weight.dtype == torch.float32 and wide.bias is not None and wide.bias.dtype == torch.float32
+
+    class Opaque:
+        in_features, out_features = 3, 2
+
+    with pytest.raises(TypeError, match="Opaque cannot give its weight back"):
+        accuracy._dense(Opaque())  # type: ignore[arg-type]

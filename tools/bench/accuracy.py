@@ -138,11 +138,14 @@ def exact_activations(lm: LoadedModel) -> LoadedModel:
 
 
 def _dense(linear: Linear) -> DenseLinear:
+    bias = getattr(linear, "bias", None)
+    bias = None if bias is None else bias.float()
+    if isinstance(linear, DenseLinear):
+        return DenseLinear(linear.weight.float(), bias)
     dequantize = getattr(linear, "dequantize", None)
     if dequantize is None:
         raise TypeError(f"exact_activations: {type(linear).__name__} cannot give its weight back")
-    bias = getattr(linear, "bias", None)
-    return DenseLinear(dequantize().float(), None if bias is None else bias.float())
+    return DenseLinear(dequantize().float(), bias)
 
 
 def tickloom_logits(lm: LoadedModel, block_size: int = 16) -> Logits:
