@@ -209,3 +209,7 @@ def test_exact_activations_widens_dense_layers_and_refuses_what_cannot_give_its_
 
     with pytest.raises(TypeError, match="Opaque cannot give its weight back"):
         accuracy._dense(Opaque())  # type: ignore[arg-type]
+    from tickloom.engine.model.quant_grouped import SplitLinear
+
+    with pytest.raises(TypeError, match="its Opaque part cannot give its weight back"):
+        SplitLinear([Opaque()], None).dequantize()  # type: ignore[list-item]

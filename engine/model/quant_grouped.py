@@ -21,8 +21,6 @@ class Layer(Protocol):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def dequantize(self) -> torch.Tensor: ...
-
     def nbytes(self) -> int: ...
 
 
@@ -273,7 +271,13 @@ class SplitLinear:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``N x K`` weight: the parts' stacked."""
-        return torch.cat([p.dequantize().float() for p in self.parts])
+        weights = []
+        for p in self.parts:
+            dequantize = getattr(p, "dequantize", None)
+            if dequantize is None:
+                raise TypeError(f"SplitLinear.dequantize: its {type(p).__name__} part cannot give its weight back")
+            weights.append(dequantize().float())
+        return torch.cat(weights)
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts) + _nbytes(self.bias)
