@@ -16,7 +16,7 @@ from tickloom.engine.model import native, packing
 from tickloom.engine.model.batch import RowSpec, build_step_batch
 from tickloom.engine.model.loaders import load_model
 from tickloom.engine.model.quant import Int4Linear
-from tickloom.engine.model.quant_grouped import WideIntLinear
+from tickloom.engine.model.quant_grouped import SplitLinear, WideIntLinear
 from tickloom.engine.model.tiny import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
@@ -238,3 +238,27 @@ def test_every_projection_takes_two_passes(kind: str, tiny_256: Path, tmp_path: 
         bits = proj.bits if isinstance(proj, WideIntLinear) else 4
         one, two = (native.matmul(x, proj.tiles, proj.out_features, bits=bits, passes=p) for p in (1, 2))
         assert torch.equal(proj(x), two) and not torch.equal(two, one), name
+
+
+@pytest.mark.parametrize(("qk", "v"), [("Q4_0", "Q6_K"), ("Q5_0", "Q4_0")])
+def test_a_split_projections_parts_take_two_passes(qk: str, v: str, tiny_256: Path, tmp_path: Path) -> None:
+    """A Q4_K_M-like file's q/k beside a v of another type is a ``SplitLinear`` of two kernels' layers: each part
+    gets the second pass, and the split projection's output on rows with a wide group is the parts' two-pass
+    products side by side."""
+    gguf = write_k_gguf(tiny_256, tmp_path / "m.gguf",
+                        {"attn_q.weight": qk, "attn_k.weight": qk, "attn_v.weight": v}, default="Q4_0")
+    model = load_model(gguf, quant="int4").model
+    for layer in model.layers:
+        assert isinstance(layer.qkv, SplitLinear) and len(layer.qkv.parts) == 2
+        assert all(isinstance(p, Int4Linear | WideIntLinear) and p.passes == 2 for p in layer.qkv.parts)
+    split = model.layers[0].qkv
+    x = torch.randn(3, split.in_features, generator=torch.Generator().manual_seed(8))
+    x[:, 7] *= 25.0
+    x = x.bfloat16()
+
+    def product(p: Int4Linear | WideIntLinear, passes: int) -> torch.Tensor:
+        bits = p.bits if isinstance(p, WideIntLinear) else 4
+        return native.matmul(x, p.tiles, p.out_features, bits=bits, passes=passes)
+
+    two = torch.cat([product(p, 2) for p in split.parts], dim=-1)
+    assert torch.equal(split(x), two) and not torch.equal(two, torch.cat([product(p, 1) for p in split.parts], -1))

@@ -35,7 +35,7 @@ from tickloom.engine.model.quant import (
     check_quant,
     join_linear,
 )
-from tickloom.engine.model.quant_grouped import WideIntLinear
+from tickloom.engine.model.quant_grouped import SplitLinear, WideIntLinear
 from tickloom.engine.model.rope import rope_tables as rope_kind_tables
 
 __all__ = ["LayerWeights", "LlamaModel", "apply_rope", "expected_shapes", "norm_weight2", "rms_norm", "rope_tables"]
@@ -86,10 +86,12 @@ class LayerWeights:
         self.w13: Linear = join_linear(w13, None, quant, act)
         self.w2: Linear = join_linear([t[m + "down_proj.weight"]], None, quant, act)
         for proj in (self.qkv, self.wo, self.w13, self.w2):
-            if isinstance(proj, (Int4Linear, WideIntLinear)):
-                # two 8-bit passes of the input on tickloom's integer kernels, where a group's step is far above
-                # its row's others (cpu_kernels_common.h says what this buys and costs)
-                proj.passes = 2
+            # a split projection (a Q4_K_M file's q/k beside a v of another type) is its parts on the kernels
+            for part in proj.parts if isinstance(proj, SplitLinear) else [proj]:
+                if isinstance(part, (Int4Linear, WideIntLinear)):
+                    # two 8-bit passes of the input on tickloom's integer kernels, where a group's step is far
+                    # above its row's others (cpu_kernels_common.h says what this buys and costs)
+                    part.passes = 2
 
 
 def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
