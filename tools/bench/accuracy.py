@@ -315,10 +315,11 @@ def measure(model: str = "smollm2-135m", new_tokens: int = NEW_TOKENS, prompts: 
     runners: list[tuple[str, Logits, Callable[[list[int], int], list[int]]]] = []
     for label, kw in paths:
         lm = load_model(model, **kw)
-        name = f"{label} ({lm.model.dtype}+{lm.model.quant})".replace("torch.", "")
         if label == F32_ACT:
             name = f"{label} (float32, {lm.model.quant} dequantized)"
             exact_activations(lm)
+        else:
+            name = f"{label} ({lm.model.dtype}+{lm.model.quant})".replace("torch.", "")
         runners.append((name, tickloom_logits(lm), lambda p, n, lm=lm: tickloom_greedy(lm, p, n)))
     lc: LlamaCppLogits | None = None
     if not bench_llamacpp.available():
