@@ -426,3 +426,5 @@ int bf16_matmul(const uint16_t *x, const uint16_t *w, float *y, int64_t m_rows, 
 
 #define HAVE_BF16_MATMUL
 #include "cpu_kernels_layers.h"
+
+#include "cpu_kernels_pack.h"

@@ -387,3 +387,5 @@ static inline v16 silu(v16 a) { return (v16){silu8(a.lo), silu8(a.hi)}; }
 #include "cpu_kernels_half.h"
 
 #include "cpu_kernels_layers.h"
+
+#include "cpu_kernels_pack.h"

@@ -60,7 +60,7 @@ from tickloom.engine.model.packing import HALF_KINDS, HALF_TILE_ROWS
 from tickloom.engine.model.registry import cache_dir
 
 _HERE = Path(__file__).parent
-_HEADERS = tuple(_HERE / f"cpu_kernels_{h}.h" for h in ("common", "rowwise", "half", "layers"))  # in both builds
+_HEADERS = tuple(_HERE / f"cpu_kernels_{h}.h" for h in ("common", "rowwise", "half", "layers", "pack"))  # in both builds
 _COMMON = ["-O3", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 

@@ -1,0 +1,1 @@
+/* ---- Repacking GGUF blocks into the kernels' tiles at load (filled in below) ---- */
