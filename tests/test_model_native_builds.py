@@ -76,17 +76,20 @@ def test_the_avx2_build_gives_the_running_builds_bits(tmp_path: Path) -> None:
     subprocess.run(["cc", *build.flags, "-o", str(out), str(build.source)], check=True, capture_output=True, text=True)
     avx2 = native._Kernel(ctypes.CDLL(str(out)), "avx2")
     rng = np.random.default_rng(0)
-    n, k, m = 48, 160, 5
+    n, k, m = 48, 512, 5  # two of Q6_K's super-blocks of 256
     x = torch.randn(9, k)
     x[:, 3::37] *= 25.0  # a few groups far above the rest: the second pass takes those
     x = x.bfloat16()
     for bits in (4, 5, 6):
         q = rng.integers(0, 2**bits, (n, k), dtype=np.uint8)
-        s = (rng.random((n, k // (16 if bits == 6 else 32))) * 0.02).astype(np.float16).astype(np.float32)
-        z = None if bits == 6 else (-16 * s).astype(np.float32)
+        s = (rng.random((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32)
         low = (q & 15).reshape(n, -1, 32)
-        tiles = (packing.pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, -16 * s) if bits == 4
-                 else packing.pack_wide_tiles(q, s, z, bits))
+        if bits == 6:  # Q6_K's int8 scale per 16 and float16 d per 256
+            sc = rng.integers(-128, 128, (n, k // 16)).astype(np.int8)
+            tiles = packing.pack_q6_tiles(q, sc, (rng.random((n, k // 256)) * 2e-4).astype(np.float32))
+        else:
+            tiles = (packing.pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, -16 * s) if bits == 4
+                     else packing.pack_wide_tiles(q, s, (-16 * s).astype(np.float32), bits))
         for rows, passes in itertools.product((1, 2, m, 9), (1, 2)):
             xs = x[:rows].contiguous()
             theirs = torch.empty(rows, n)

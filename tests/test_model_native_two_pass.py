@@ -21,7 +21,7 @@ from tickloom.engine.model.tiny import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
-N, K = 48, 256
+N, K = 48, 512  # two of Q6_K's super-blocks of 256
 
 
 def _tiles(bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,11 +34,15 @@ def _tiles(bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         low = q.reshape(N, -1, 32)
         tiles = packing.pack_tiles(low[..., :16] | (low[..., 16:] << 4), s, z)
         w = low.astype(np.float32) * s[..., None] + z[..., None]
-    else:
-        tiles = packing.pack_wide_tiles(q, s, None if bits == 6 else z, bits)
-        group = K // s.shape[1]
-        offset = -32.0 * s if bits == 6 else z
-        w = q.reshape(N, -1, group).astype(np.float32) * s[..., None] + offset[..., None]
+    elif bits == 5:
+        tiles = packing.pack_wide_tiles(q, s, z, bits)
+        w = q.reshape(N, -1, 32).astype(np.float32) * s[..., None] + z[..., None]
+    else:  # Q6_K's scales: an int8 per 16 times a float16 per 256
+        sc = rng.integers(-128, 128, (N, K // 16)).astype(np.int8)
+        d = (rng.random((N, K // 256)) * 2e-4 + 1e-5).astype(np.float16).astype(np.float32)
+        tiles = packing.pack_q6_tiles(q, sc, d)
+        s = d.repeat(16, axis=1) * sc.astype(np.float32)
+        w = (q.reshape(N, -1, 16).astype(np.float32) - 32.0) * s[..., None]
     return tiles, torch.from_numpy(w.reshape(N, K))
 
 

@@ -17,11 +17,12 @@
      bytes 320..383  per chunk t, two 64-bit masks (little-endian): bit i of the first is the fifth bit of the
                      value in byte i's low nibble, of the second that of its high nibble
    so a chunk's bytes become q with one masked OR each (VPDPBUSD takes unsigned bytes up to 255). The 6-bit form
-   (GGUF Q6_K: q in 0..63, w = s (q - 32) with a scale per 16) has 448 bytes: at 256 the scales of the group's
-   first half (its low nibbles), at 288 those of its second half, and per chunk 32 bytes at 320 + 32 t of the two
-   high bits (q >> 4): byte i holds those of byte i's low nibble in bits 0-1 and of its high nibble in bits 2-3, and
-   byte 32 + i's in bits 4-7 likewise (shifts and masks put them in place, no mask registers); each half sums apart
-   and gets its own scale and offset -32 s.
+   (GGUF Q6_K: q in 0..63, w = d sc (q - 32) with an int8 sc per 16 and a float16 d per 256) has 416 bytes a tile
+   and the rows' d once per 8 tiles (cpu_kernels_common.h): the nibbles as above, per chunk 32 bytes at 256 + 32 t
+   of the two high bits (q >> 4): byte i holds those of byte i's low nibble in bits 0-1 and of its high nibble in
+   bits 2-3, and byte 32 + i's in bits 4-7 likewise (shifts and masks put them in place, no mask registers), then
+   at 384 the 16 rows' sc of the group's first half (its low nibbles) and at 400 of its second; each half sums
+   apart and gets its own scale s = d sc (exact in float32: 11 bits times 8) and offset -32 s.
 
    Why: a decode step multiplies one activation row by every weight once, so it is bound by how fast weights
    become products. Activations are quantized per group of 32 to int8 (x ~ dx * qx), and VPDPBUSD multiplies 64
@@ -66,24 +67,33 @@ static inline __attribute__((always_inline)) void unpack_chunk(const uint8_t *ti
         *lo = _mm512_or_si512(*lo, _mm512_maskz_mov_epi8((__mmask64)m[0], bit4));
         *hi = _mm512_or_si512(*hi, _mm512_maskz_mov_epi8((__mmask64)m[1], bit4));
     } else if (bits == 6) { /* two high bits a value, four values a byte: the upper half's in bits 4-7 */
-        __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t)));
+        __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + Q6_HIGH_AT + 32 * t)));
         h = _mm512_srlv_epi64(h, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
         *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
         *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
     }
 }
 
-/* A tile's scales and offsets for 16 rows: w = s q + z; 6-bit tiles have the second half's scale s1 where the
-   offset would be, and offsets -32 s and -32 s1 (Q6_K). */
+/* A tile's scales and offsets for 16 rows: w = s q + z; 6-bit tiles (Q6_K) have a scale per half, s and s1, each
+   d sc, and the offset -32 times it (add_group). `g`: the tile's group (6 bits: where its super-block's d is). */
 typedef struct {
-    __m512 s, z, s1, z0, z1;
+    __m512 s, z, s1;
 } tile_scales;
 
-static inline __attribute__((always_inline)) void load_scales(const uint8_t *tile, tile_scales *ts) {
-    ts->s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
-    ts->z = ts->s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
-    ts->z0 = _mm512_mul_ps(ts->s, _mm512_set1_ps(-32.0f));
-    ts->z1 = _mm512_mul_ps(ts->z, _mm512_set1_ps(-32.0f));
+static inline __attribute__((always_inline)) __m512 q6_scales(__m512 d, const uint8_t *sc) {
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+}
+
+static inline __attribute__((always_inline)) void load_scales(const uint8_t *tile, int64_t g, int bits,
+                                                              tile_scales *ts) {
+    if (bits != 6) {
+        ts->s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
+        ts->z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
+        return;
+    }
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)q6_d_at(tile, g)));
+    ts->s = q6_scales(d, tile + Q6_SCALES_AT);
+    ts->s1 = q6_scales(d, tile + Q6_SCALES_AT + 16);
 }
 
 /* acc + one group's products for one activation row (`at`: its index into dx): first and second are the integer
@@ -91,12 +101,15 @@ static inline __attribute__((always_inline)) void load_scales(const uint8_t *til
 static inline __attribute__((always_inline)) __m512 add_group(__m512 acc, const tile_scales *ts, __m512i first,
                                                               __m512i second, const float *dx, const float *dxs,
                                                               const float *dxs16, int64_t at, int split) {
+    if (split) { /* per half s (dx sum q qx - 32 dx sum qx): the offset before the scale, one multiply fewer */
+        __m512 dxv = _mm512_set1_ps(dx[at]);
+        __m512 t0 = _mm512_fmadd_ps(dxv, _mm512_cvtepi32_ps(first), _mm512_set1_ps(-32.0f * dxs16[2 * at]));
+        __m512 t1 = _mm512_fmadd_ps(dxv, _mm512_cvtepi32_ps(second), _mm512_set1_ps(-32.0f * dxs16[2 * at + 1]));
+        return _mm512_fmadd_ps(ts->s1, t1, _mm512_fmadd_ps(ts->s, t0, acc));
+    }
     __m512 sd = _mm512_mul_ps(ts->s, _mm512_set1_ps(dx[at]));
     acc = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(first), acc);
-    if (!split) return _mm512_fmadd_ps(ts->z, _mm512_set1_ps(dxs[at]), acc);
-    acc = _mm512_fmadd_ps(ts->z0, _mm512_set1_ps(dxs16[2 * at]), acc);
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(ts->s1, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(second), acc);
-    return _mm512_fmadd_ps(ts->z1, _mm512_set1_ps(dxs16[2 * at + 1]), acc);
+    return _mm512_fmadd_ps(ts->z, _mm512_set1_ps(dxs[at]), acc);
 }
 
 /* acc + the second pass's products of one group (its tile) for activation row r (of the residual's rows). */
@@ -105,7 +118,7 @@ static inline __attribute__((always_inline)) __m512 second_pass_group(__m512 acc
                                                                       const float *dxs, const float *dxs16,
                                                                       int64_t r, int64_t g, int64_t k, int bits) {
     tile_scales ts;
-    load_scales(tile, &ts);
+    load_scales(tile, g, bits, &ts);
     __m512i two[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int t = 0; t < 4; t++) {
         __m512i lo, hi;
@@ -137,11 +150,11 @@ static inline __attribute__((always_inline)) void block_rows(
     for (int i = 0; i < mt; i++) acc[i] = acc2[i] = _mm512_setzero_ps();
     const int32_t *lone = chosen + m0 * (groups + 1); /* mt 1: the row's chosen groups, taken in the loop */
     int32_t next = passes == 2 && mt == 1 ? 1 : 0;
-    const uint8_t *tile = w + block * groups * tile_bytes;
-    for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tile = tile_at(w, bits, groups, block, g);
         if (mt > 1 || bits != 4) prefetch(tile + PREFETCH_TILES * tile_bytes, (int)tile_bytes);
         tile_scales ts;
-        load_scales(tile, &ts);
+        load_scales(tile, g, bits, &ts);
         __m512i part[4 * MT];
         for (int i = 0; i < mt * chains; i++) part[i] = _mm512_setzero_si512();
         for (int t = 0; t < 4; t++) {
@@ -180,7 +193,7 @@ static inline __attribute__((always_inline)) void block_rows(
     for (int i = 0; passes == 2 && mt > 1 && i < mt; i++) {
         const int32_t *list = chosen + (m0 + i) * (groups + 1);
         for (int32_t j = 1; j <= list[0]; j++)
-            acc2[i] = second_pass_group(acc2[i], w + (block * groups + list[j]) * tile_bytes, qx, dx, dxs, dxs16,
+            acc2[i] = second_pass_group(acc2[i], tile_at(w, bits, groups, block, list[j]), qx, dx, dxs, dxs16,
                                         (m_rows + m0 + i), list[j], k, bits);
     }
     for (int i = 0; i < mt; i++) {

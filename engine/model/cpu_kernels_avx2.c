@@ -172,19 +172,30 @@ static inline __attribute__((always_inline)) void chunk_sums(const uint8_t *tile
     }
 }
 
-/* acc + one group's products for one activation row (`at`: its index into dx), half `half` of the tile's rows. */
-static inline __attribute__((always_inline)) __m256 add_group(__m256 acc, const uint8_t *tile, int half, int bits,
-                                                              __m256i part, __m256i part2, const float *dx,
+/* A 6-bit tile's scales d sc for 8 rows (cpu_kernels.c): d float32, sc 8 int8. */
+static inline __attribute__((always_inline)) __m256 q6_scales(__m256 d, const uint8_t *sc) {
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
+}
+
+/* acc + one group's products for one activation row (`at`: its index into dx), half `half` of the tile's rows
+   (g: the tile's group, where a 6-bit tile's d is). */
+static inline __attribute__((always_inline)) __m256 add_group(__m256 acc, const uint8_t *tile, int64_t g, int half,
+                                                              int bits, __m256i part, __m256i part2, const float *dx,
                                                               const float *dxs, const float *dxs16, int64_t at) {
-    __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * half)));
-    __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * half)));
-    __m256i sum = bits == 4 ? widen(part) : part;
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx[at])), _mm256_cvtepi32_ps(sum), acc);
-    if (bits != 6) return _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc);
-    /* 6-bit tiles: the second half's scale where the offset would be; each offset is -32 s (Q6_K) */
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(-32.0f)), _mm256_set1_ps(dxs16[2 * at]), acc);
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(z, _mm256_set1_ps(dx[at])), _mm256_cvtepi32_ps(part2), acc);
-    return _mm256_fmadd_ps(_mm256_mul_ps(z, _mm256_set1_ps(-32.0f)), _mm256_set1_ps(dxs16[2 * at + 1]), acc);
+    if (bits != 6) {
+        __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * half)));
+        __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * half)));
+        __m256i sum = bits == 4 ? widen(part) : part;
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx[at])), _mm256_cvtepi32_ps(sum), acc);
+        return _mm256_fmadd_ps(z, _mm256_set1_ps(dxs[at]), acc);
+    }
+    /* 6-bit tiles: a scale d sc per half, each offset -32 times it (Q6_K) */
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q6_d_at(tile, g) + 16 * half)));
+    __m256 s = q6_scales(d, tile + Q6_SCALES_AT + 8 * half), s1 = q6_scales(d, tile + Q6_SCALES_AT + 16 + 8 * half);
+    __m256 dxv = _mm256_set1_ps(dx[at]); /* per half s (dx sum q qx - 32 dx sum qx), as cpu_kernels.c */
+    __m256 t0 = _mm256_fmadd_ps(dxv, _mm256_cvtepi32_ps(part), _mm256_set1_ps(-32.0f * dxs16[2 * at]));
+    __m256 t1 = _mm256_fmadd_ps(dxv, _mm256_cvtepi32_ps(part2), _mm256_set1_ps(-32.0f * dxs16[2 * at + 1]));
+    return _mm256_fmadd_ps(s1, t1, _mm256_fmadd_ps(s, t0, acc));
 }
 
 /* Rows [m0, m0 + mt) of the output for halves half0 .. half0 + nhalf - 1 (rows 0-7, 8-15) of row block `block`.
@@ -199,14 +210,14 @@ static inline __attribute__((always_inline)) void block_rows(
     __m256 acc[2][MT], acc2[2][MT];
     for (int h = 0; h < nhalf; h++)
         for (int i = 0; i < mt; i++) acc[h][i] = acc2[h][i] = _mm256_setzero_ps();
-    const uint8_t *tile = w + block * groups * tile_bytes;
-    for (int64_t g = 0; g < groups; g++, tile += tile_bytes) {
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tile = tile_at(w, bits, groups, block, g);
         prefetch(tile + 8 * tile_bytes, (int)tile_bytes);
         uint32_t m[4][4] = {{0}};
         __m256i high[4];
         for (int t = 0; t < 4; t++) {
             if (bits == 5) memcpy(m[t], tile + TILE_BYTES + 16 * t, 16);
-            high[t] = bits == 6 ? _mm256_loadu_si256((const __m256i *)(tile + TILE_BYTES + 32 * t))
+            high[t] = bits == 6 ? _mm256_loadu_si256((const __m256i *)(tile + Q6_HIGH_AT + 32 * t))
                                 : _mm256_setzero_si256();
         }
         __m256i part[2][MT], part2[2][MT];
@@ -222,7 +233,7 @@ static inline __attribute__((always_inline)) void block_rows(
             }
         for (int h = 0; h < nhalf; h++)
             for (int i = 0; i < mt; i++)
-                acc[h][i] = add_group(acc[h][i], tile, half0 + h, bits, part[h][i], part2[h][i], dx, dxs, dxs16,
+                acc[h][i] = add_group(acc[h][i], tile, g, half0 + h, bits, part[h][i], part2[h][i], dx, dxs, dxs16,
                                       (m0 + i) * groups + g);
     }
     /* the residual's pass, row by row over the groups prepare chose for it, from a list each, into sums of their
@@ -232,19 +243,19 @@ static inline __attribute__((always_inline)) void block_rows(
         const int32_t *list = chosen + (m0 + i) * (groups + 1);
         for (int32_t j = 1; j <= list[0]; j++) {
             const int64_t g = list[j];
-            const uint8_t *gt = w + (block * groups + g) * tile_bytes;
+            const uint8_t *gt = tile_at(w, bits, groups, block, g);
             for (int h = 0; h < nhalf; h++) {
                 __m256i p = _mm256_setzero_si256(), p2 = _mm256_setzero_si256();
                 for (int t = 0; t < 4; t++) {
                     uint32_t m[4] = {0, 0, 0, 0};
                     if (bits == 5) memcpy(m, gt + TILE_BYTES + 16 * t, 16);
-                    __m256i high = bits == 6 ? _mm256_loadu_si256((const __m256i *)(gt + TILE_BYTES + 32 * t))
+                    __m256i high = bits == 6 ? _mm256_loadu_si256((const __m256i *)(gt + Q6_HIGH_AT + 32 * t))
                                              : _mm256_setzero_si256();
                     const int8_t *xq = qx + r * k + 32 * g + 4 * t;
                     chunk_sums(gt, t, half0 + h, bits, _mm256_set1_epi32(*(const int32_t *)xq),
                                _mm256_set1_epi32(*(const int32_t *)(xq + 16)), m, high, &p, &p2);
                 }
-                acc2[h][i] = add_group(acc2[h][i], gt, half0 + h, bits, p, p2, dx, dxs, dxs16, r * groups + g);
+                acc2[h][i] = add_group(acc2[h][i], gt, g, half0 + h, bits, p, p2, dx, dxs, dxs16, r * groups + g);
             }
         }
     }

@@ -11,8 +11,30 @@
 
 #define TILE_BYTES 320
 #define Q5_TILE_BYTES 384 /* a 4-bit tile and the fifth bits' masks */
-#define Q6_TILE_BYTES 448 /* and the sixth bits'; a second scale where the offset was */
 #define TILE_BYTES_OF(bits) ((bits) == 4 ? TILE_BYTES : (bits) == 5 ? Q5_TILE_BYTES : Q6_TILE_BYTES)
+
+/* The 6-bit form (GGUF Q6_K) keeps the file's scales: an int8 per 16 values and a float16 d per row and 256, so
+   that its weights take the file's 210 bytes per 256 (0.82 bytes a weight; float16 scales per 16, as the 4- and
+   5-bit tiles have per 32, took 0.875, and at batch 1 the bytes are the time). A row block's stream is super-blocks
+   of 8 groups: the 16 rows' d (32 bytes of float16), then 8 tiles of 416 bytes (the nibbles as a 4-bit tile's,
+   the two high bits per chunk, the int8 scales of the 16 rows' first halves, then of their second halves). K %
+   256 == 0, as in every Q6_K tensor. */
+#define Q6_TILE_BYTES 416
+#define Q6_HIGH_AT 256   /* per chunk t, 32 bytes at Q6_HIGH_AT + 32 t */
+#define Q6_SCALES_AT 384 /* 16 int8 scales (rows 0-15) of the first halves, then 16 of the second */
+#define Q6_SUPER_BYTES (32 + 8 * Q6_TILE_BYTES)
+
+/* Group g's tile of row block `block` (groups = K / 32). */
+static inline __attribute__((always_inline)) const uint8_t *tile_at(const uint8_t *w, int bits, int64_t groups,
+                                                                    int64_t block, int64_t g) {
+    if (bits != 6) return w + (block * groups + g) * TILE_BYTES_OF(bits);
+    return w + (block * (groups / 8) + g / 8) * Q6_SUPER_BYTES + 32 + (g % 8) * Q6_TILE_BYTES;
+}
+
+/* The 16 rows' float16 d of a 6-bit tile's super-block (g: the tile's group). */
+static inline __attribute__((always_inline)) const uint8_t *q6_d_at(const uint8_t *tile, int64_t g) {
+    return tile - 32 - (g % 8) * Q6_TILE_BYTES;
+}
 #define MT 8 /* activation rows per pass over a row block's weights */
 
 /* ROWS(mt, a, b) for each tile of MT activation rows, then once for the 1..7 left, mt a constant in every call so
@@ -88,7 +110,7 @@ static float second_pass_limit(const float *d, int64_t groups) {
 }
 
 /* The matmul of 4-, 5- or 6-bit tiles: bfloat16 out into y, or float32 into yf when that is given. N % 16 == 0,
-   K % 32 == 0, passes 1 or 2; `scratch` holds at least int_scratch_bytes(M, K, passes). Returns 0, or 1 for what
+   K % 32 == 0 (256 for 6 bits), passes 1 or 2; `scratch` holds at least int_scratch_bytes(M, K, passes). Returns 0, or 1 for what
    it does not take. The float32 form serves the projections added to the float32 residual stream.
 
    Two passes (prepare, above) add the residual's products to the same sums, in the groups second_pass_limit picks:
@@ -99,7 +121,9 @@ static float second_pass_limit(const float *d, int64_t groups) {
    group with one unpacking of its tile (the rows' lists merged) was no faster than the lists after the loop. */
 static int q4_matmul_to(const uint16_t *x, const uint8_t *w, uint16_t *y, float *yf, int64_t m_rows, int64_t n,
                         int64_t k, void *scratch, int threads, int bits, int passes) {
-    if (n % 16 || k % 32 || (bits != 4 && bits != 5 && bits != 6) || (passes != 1 && passes != 2)) return 1;
+    if (n % 16 || k % 32 || (bits != 4 && bits != 5 && bits != 6) || (passes != 1 && passes != 2) ||
+        (bits == 6 && k % 256))
+        return 1;
     const int64_t rows = passes * m_rows, groups = k / 32;
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + rows * k) + 63) & ~(uintptr_t)63);

@@ -140,17 +140,27 @@ def int8_fields(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
         z = -(_f16(b, 2)[..., None] * m.astype(np.float32))
         group = 32
     elif kind == "Q6_K":
-        ql, qh = b[..., 0:128], b[..., 128:192]
-        low = np.concatenate([ql[..., :64] & 0x0F, ql[..., :64] >> 4, ql[..., 64:] & 0x0F, ql[..., 64:] >> 4], -1)
-        halves = qh.reshape(*qh.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-        high = (halves & 0x03).reshape(*qh.shape[:-1], 256)
-        q = (low | (high << 4)).astype(np.int8) - np.int8(32)
-        s = _f16(b, 208)[..., None] * np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+        q6, sc, d = q6_fields(data)
+        q = q6.astype(np.int8) - np.int8(32)
+        s = d.reshape(n, -1, 1) * sc.reshape(n, -1, 16).astype(np.float32)
         group = 16
     else:
         raise ValueError(f"{kind} is not an integer GGUF type")
     q = q.reshape(n, -1)
     return q, s.reshape(n, -1), None if z is None else z.reshape(n, -1), group
+
+
+def q6_fields(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K rows as the file has them: ``(q, sc, d)``, ``q`` ``N x K`` uint8 in 0..63, ``sc`` ``N x K/16`` int8,
+    ``d`` ``N x K/256`` float32 (float16 values); ``w = d sc (q - 32)`` per 16."""
+    n = data.shape[0]
+    b = _blocks(data, "Q6_K")
+    ql, qh = b[..., 0:128], b[..., 128:192]
+    low = np.concatenate([ql[..., :64] & 0x0F, ql[..., :64] >> 4, ql[..., 64:] & 0x0F, ql[..., 64:] >> 4], -1)
+    halves = qh.reshape(*qh.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    high = (halves & 0x03).reshape(*qh.shape[:-1], 256)
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8)
+    return (low | (high << 4)).reshape(n, -1), sc.reshape(n, -1), _f16(b, 208).reshape(n, -1)
 
 
 def int4_fields(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

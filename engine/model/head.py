@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tickloom.engine.model import gguf_quants, native, packing
+from tickloom.engine.model import gguf_pack, gguf_quants, native, packing
 from tickloom.engine.model.quant import (
     Int8Linear,
     Linear,
@@ -146,6 +146,10 @@ class Q8Linear:
     def from_weight(cls, w: Weight, chunk: int = 4096) -> Q8Linear:
         """Q8_0 and Q5_0 blocks as they are (their scales are float16 already); any other weight rounded to 8 bits
         per 32, GGUF blocks ``chunk`` rows at a time (a Q4_K_M file's Q6_K head is never whole in float32)."""
+        if isinstance(w, RawBlocks) and w.kind == "Q8_0" and w.shape[0] % 16 == 0 and gguf_pack.enabled():
+            head = cls.__new__(cls)  # the file's blocks straight into the tiles, in C
+            head.tiles, (head.out_features, head.in_features) = gguf_pack.pack_gguf([(w.kind, w.data)]), w.shape
+            return head
         if isinstance(w, RawBlocks) and w.kind == "Q8_0":
             d8, q8 = gguf_q8_0(w.data)
             return cls(q8.reshape(q8.shape[0], -1), d8)

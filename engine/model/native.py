@@ -56,11 +56,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from tickloom.engine.model.packing import HALF_KINDS, HALF_TILE_ROWS
+from tickloom.engine.model.gguf_quants import BLOCKS, GGML_TYPES
+from tickloom.engine.model.packing import (
+    GROUP,
+    HALF_KINDS,
+    HALF_TILE_ROWS,
+    Q6_SUPER_BYTES,
+    Q8_TILE_BYTES,
+    TILE_BYTES,
+    TILE_ROWS,
+    WIDE_TILE_BYTES,
+)
 from tickloom.engine.model.registry import cache_dir
 
 _HERE = Path(__file__).parent
-_HEADERS = tuple(_HERE / f"cpu_kernels_{h}.h" for h in ("common", "rowwise", "half", "layers", "pack"))  # in both builds
+# included by both builds
+_HEADERS = tuple(_HERE / f"cpu_kernels_{h}.h" for h in ("common", "rowwise", "half", "layers", "pack"))
 _COMMON = ["-O3", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -143,6 +154,10 @@ class _Kernel:
         self.layers_work_bytes = lib.layers_work_bytes
         self.layers_work_bytes.argtypes = [ptr, ptr, i64, i64, i64]
         self.layers_work_bytes.restype = i64
+        # cpu_kernels_pack.h: GGUF blocks into the tiles at load (src, row stride, rows, k, GGML type, out, threads)
+        self.pack_gguf_tiles = lib.pack_gguf_tiles
+        self.pack_gguf_tiles.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
+        self.pack_gguf_tiles.restype = ctypes.c_int
 
 
 def status() -> str:
@@ -358,6 +373,42 @@ def _half_product(name: str, fn: Any, x: torch.Tensor, dtype: torch.dtype, tiles
     if fn(x.data_ptr(), tiles.ctypes.data, y.data_ptr(), m, n, k, *args, torch.get_num_threads()):
         raise ValueError(f"{name}: unsupported shape N={n}, K={k}")
     return y
+
+
+PACKED_TILE_BYTES = {"Q4_0": TILE_BYTES, "Q4_1": TILE_BYTES, "Q4_K": TILE_BYTES, "Q5_0": WIDE_TILE_BYTES[5],
+                     "Q5_1": WIDE_TILE_BYTES[5], "Q5_K": WIDE_TILE_BYTES[5], "Q8_0": Q8_TILE_BYTES,
+                     "Q6_K": Q6_SUPER_BYTES}
+"""The GGUF types ``pack_gguf_tiles`` takes -> the bytes of the tile it makes of them (4-, 5- and 8-bit), or of a
+super-block of 8 tiles and its ``d`` (Q6_K: ``packing.pack_q6_tiles``)."""
+PACKED_UNIT_K = {"Q6_K": 256}
+"""The inputs one unit of ``PACKED_TILE_BYTES`` spans, where not a tile's ``GROUP`` (32)."""
+_TYPE_IDS = {name: i for i, name in GGML_TYPES.items()}
+
+
+def pack_gguf_tiles(kind: str, blocks: np.ndarray, out: torch.Tensor) -> None:
+    """A GGUF tensor's raw blocks (``kind`` a ``PACKED_TILE_BYTES`` type; ``N x row bytes`` uint8, each row's bytes
+    contiguous, as a view of the file's mapping has them) into ``out``, its tiles (``N/16 x K/unit x`` the kind's
+    tile bytes, uint8, contiguous; ``PACKED_UNIT_K``): the bytes ``packing``'s numpy packers make of
+    ``gguf_quants``' fields, by C (``cpu_kernels_pack.h``). ``gguf_pack.pack_gguf`` packs a joined weight's parts
+    with it."""
+    if kind not in PACKED_TILE_BYTES:
+        raise ValueError(f"pack_gguf_tiles: no tiles for {kind} (takes {', '.join(PACKED_TILE_BYTES)})")
+    if out.dtype != torch.uint8 or out.dim() != 3 or not out.is_contiguous() or out.shape[2] != PACKED_TILE_BYTES[kind]:
+        raise ValueError(f"pack_gguf_tiles: out {tuple(out.shape)} {out.dtype} is not contiguous uint8 tiles of "
+                         f"{PACKED_TILE_BYTES[kind]} bytes ({kind})")
+    n, k = out.shape[0] * TILE_ROWS, out.shape[1] * PACKED_UNIT_K.get(kind, GROUP)
+    size, per = BLOCKS[kind]
+    want = (n, k // per * size)
+    if blocks.dtype != np.uint8 or blocks.shape != want or k % per or (n and blocks.strides[1] != 1):
+        raise ValueError(f"pack_gguf_tiles: {kind} blocks {blocks.shape} {blocks.dtype} (row stride "
+                         f"{blocks.strides}) do not fill tiles {tuple(out.shape)}: want uint8 {want}, K a multiple "
+                         f"of {per}, each row's bytes contiguous")
+    if n == 0 or k == 0:
+        return
+    rc = _kernel().pack_gguf_tiles(blocks.ctypes.data, blocks.strides[0], n, k, _TYPE_IDS[kind], out.data_ptr(),
+                                   torch.get_num_threads())
+    if rc:
+        raise ValueError(f"pack_gguf_tiles: the kernel refused {kind} {n} x {k} (rc {rc})")
 
 
 _scratch = threading.local()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tickloom.engine.model import gguf_quants, int4pack, native, packing
+from tickloom.engine.model import gguf_pack, gguf_quants, int4pack, native, packing
 from tickloom.engine.model.quant_grouped import GroupedInt8Linear, HalfLinear, SplitLinear, WideIntLinear
 
 QUANT_SETTINGS: dict[str, tuple[int, int]] = {
@@ -194,6 +194,16 @@ class Int4Linear:
         rearranged as bytes (Q4_K's into Q4_0's order), never widened; Q4_K's ``s = d sc``, ``z = -dmin m``."""
         return cls(*gguf_quants.int4_fields(kind, blocks), 32, bias, act, use_native)
 
+    @classmethod
+    def from_tiles(cls, tiles: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear:
+        """The layer ``__init__`` makes on tickloom's kernel (bfloat16 activations), from its weight as it is:
+        ``packing.pack_tiles``' (``gguf_pack.pack_gguf`` packs a GGUF file's blocks so)."""
+        layer = cls.__new__(cls)
+        layer.group, layer.act, layer.passes, layer.packed, layer.scales_zeros = 32, torch.bfloat16, 1, None, None
+        layer.bias = None if bias is None else bias.to(torch.bfloat16)
+        layer.tiles, layer.out_features, layer.in_features = tiles, 16 * tiles.shape[0], 32 * tiles.shape[1]
+        return layer
+
     def dequantize(self) -> torch.Tensor:
         """The float32 ``N x K`` weight this layer multiplies by."""
         if self.tiles is not None:
@@ -309,6 +319,11 @@ def _block_form(kind: str, quant: str, rows: int, act: torch.dtype) -> str:
 def _blocks_linear(run: list[RawBlocks], form: str, bias: torch.Tensor | None, quant: str,
                    act: torch.dtype) -> Linear:
     """One layer of consecutive GGUF tensors that share a ``_block_form``, stacked along the output axis."""
+    if _packs_in_c(form, run, act):  # the file's blocks straight into the kernels' tiles
+        tiles = gguf_pack.pack_gguf([(w.kind, w.data) for w in run])
+        if form == "int4":
+            return Int4Linear.from_tiles(tiles, bias)
+        return GroupedInt8Linear.from_q8_tiles(tiles, bias, act)
     if form == "int4":
         fields = [gguf_quants.int4_fields(w.kind, w.data) for w in run]
         nibbles, s, z = (np.concatenate([f[i] for f in fields]) for i in range(3))
@@ -329,6 +344,15 @@ def _blocks_linear(run: list[RawBlocks], form: str, bias: torch.Tensor | None, q
     if form == "rows" and joined is not None:
         return Int8Linear.from_q8_0(joined.data, bias, act)
     return quantize_linear(torch.cat([w.dequantize() for w in run]), bias, quant, act)
+
+
+def _packs_in_c(form: str, run: list[RawBlocks], act: torch.dtype) -> bool:
+    """Whether ``run`` becomes its layer's tiles by ``gguf_pack`` (in C, part by part, each part's rows in
+    sixteens): as int4 on the kernel (bfloat16), or grouped Q8_0. (The 5- and 6-bit forms:
+    ``WideIntLinear.from_gguf``.)"""
+    if not gguf_pack.enabled() or any(w.shape[0] % packing.TILE_ROWS for w in run):
+        return False
+    return act == torch.bfloat16 if form == "int4" else form == "grouped" and all(w.kind == "Q8_0" for w in run)
 
 
 def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch.dtype) -> Linear:
@@ -370,6 +394,10 @@ def join_linear(ws: list[Weight], biases: list[torch.Tensor] | None, quant: str,
         return quantize_linear(ws[0], bias, quant, act)
     blocks = [w for w in ws if isinstance(w, RawBlocks)]
     if len(blocks) == len(ws):
+        if quant != "none" and len({(w.kind, w.shape[1]) for w in blocks}) == 1:
+            form = _block_form(blocks[0].kind, quant, sum(w.shape[0] for w in blocks), act)
+            if _packs_in_c(form, blocks, act) or (form in ("int5", "int6") and gguf_pack.enabled()):
+                return _blocks_linear(blocks, form, bias, quant, act)  # the joined layer, without a copy of the bytes
         joined = RawBlocks.concat(blocks)
         if joined is not None:
             return quantize_linear(joined, bias, quant, act)

@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tickloom.engine.model import gguf_quants, native, packing
+from tickloom.engine.model import gguf_pack, gguf_quants, native, packing
 
 
 class Layer(Protocol):
@@ -66,8 +66,21 @@ class GroupedInt8Linear:
     @classmethod
     def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None,
                          act: torch.dtype = torch.bfloat16, use_native: bool | None = None) -> GroupedInt8Linear:
+        if kind == "Q8_0" and use_native is not False and blocks.shape[0] % 16 == 0 and gguf_pack.enabled():
+            return cls.from_q8_tiles(gguf_pack.pack_gguf([(kind, blocks)]), bias, act)
         q, s, z, group = gguf_quants.int8_fields(kind, blocks)
         return cls(q, s, z, group, bias, act, False if group != packing.GROUP else use_native)
+
+    @classmethod
+    def from_q8_tiles(cls, tiles: torch.Tensor, bias: torch.Tensor | None = None,
+                      act: torch.dtype = torch.bfloat16) -> GroupedInt8Linear:
+        """The layer ``__init__`` makes on the 8-bit kernel with no offset (GGUF Q8_0's), from its weight as it is:
+        ``packing.pack_q8_tiles``' (``gguf_pack.pack_gguf`` packs a file's Q8_0 blocks so)."""
+        layer = cls.__new__(cls)
+        layer.out_features, layer.in_features = packing.TILE_ROWS * tiles.shape[0], packing.GROUP * tiles.shape[1]
+        layer.group, layer.act, layer.tiles, layer.q, layer.s, layer.z = packing.GROUP, act, tiles, None, None, None
+        layer.bias = None if bias is None else bias.to(act)
+        return layer
 
     def _columns(self, lo: int, hi: int) -> torch.Tensor:
         """Output rows ``lo:hi`` of the float32 weight as ``K x (hi - lo)``, computed as
@@ -141,27 +154,39 @@ _SLICE_ELEMENTS = 1 << 21
 class WideIntLinear:
     """GGUF's 5- and 6-bit types as the file has them, on tickloom's kernels (``native.matmul(bits=...)``):
     ``w = s * q + z`` with ``q`` in 0..31 per group of 32 (Q5_0: ``z = -16 s``; Q5_1: ``s = d, z = m``; Q5_K:
-    ``s = d sc, z = -dmin m``) or in 0..63 per group of 16 (Q6_K: ``s = d sc, z = -32 s``). ``s`` and ``z`` are kept
-    as float16: exact for Q5_0 and Q5_1, whose d and m are float16; the K-quants' products are rounded once, as
-    Q4_K's are in ``Int4Linear``. 0.75 and 0.875 bytes a weight, against 1.125 for the grouped int8 form these types
-    took before (torch's float32 path for Q6_K's groups of 16), which at batch 1 is the time a step takes. Elsewhere
+    ``s = d sc, z = -dmin m``), ``s`` and ``z`` kept as float16 (exact for Q5_0 and Q5_1, whose d and m are
+    float16; Q5_K's products are rounded once, as Q4_K's are in ``Int4Linear``), 0.75 bytes a weight; or ``w = d sc
+    (q - 32)`` with ``q`` in 0..63 and an int8 ``sc`` per 16 (Q6_K, its numbers as the file has them, 0.82 bytes a
+    weight: ``packing.pack_q6_tiles``). The grouped int8 form these types took before was 1.125 bytes a weight
+    (torch's float32 path for Q6_K's groups of 16), and at batch 1 the bytes are the time a step takes. Elsewhere
     ``GroupedInt8Linear`` holds the same values."""
 
     __slots__ = ("act", "bias", "bits", "in_features", "out_features", "passes", "tiles")
 
-    def __init__(self, q: np.ndarray, s: np.ndarray, z: np.ndarray | None, bits: int, bias: torch.Tensor | None,
+    def __init__(self, tiles: torch.Tensor, shape: tuple[int, int], bits: int, bias: torch.Tensor | None,
                  act: torch.dtype) -> None:
-        """``q``: ``N x K`` integers below ``2 ** bits``; 5 bits: ``s``, ``z`` ``N x K/32``; 6 bits: ``s`` ``N x
-        K/16`` and ``z`` None (the offset is ``-32 s``)."""
-        n, k = q.shape
-        if n % packing.TILE_ROWS or k % packing.GROUP:
-            raise ValueError(f"int{bits}: q {q.shape} must have rows in 16s and groups of 32")
+        """``tiles``: ``packing.pack_wide_tiles``' (5 bits) or ``pack_q6_tiles``' (6) of an ``N x K`` weight."""
+        n, k = shape
+        if n % packing.TILE_ROWS or k % (256 if bits == 6 else packing.GROUP) or bits not in (5, 6):
+            raise ValueError(f"int{bits}: {shape} must have rows in 16s and groups of 32 (256 for 6 bits)")
         if act != torch.bfloat16:
             raise ValueError(f"the {bits}-bit kernel takes bfloat16 activations, not {act}")
         self.out_features, self.in_features, self.bits, self.act = n, k, bits, act
         self.bias = None if bias is None else bias.to(act)
-        self.tiles = packing.pack_wide_tiles(q, s, z, bits)
+        self.tiles = tiles
         self.passes = 1  # as Int4Linear's
+
+    @classmethod
+    def five(cls, q: np.ndarray, s: np.ndarray, z: np.ndarray, bias: torch.Tensor | None, act: torch.dtype
+             ) -> WideIntLinear:
+        """``q``: ``N x K`` in 0..31, ``s``, ``z`` ``N x K/32``."""
+        return cls(packing.pack_wide_tiles(q, s, z, 5), q.shape, 5, bias, act)
+
+    @classmethod
+    def six(cls, q: np.ndarray, sc: np.ndarray, d: np.ndarray, bias: torch.Tensor | None, act: torch.dtype
+            ) -> WideIntLinear:
+        """``q``: ``N x K`` in 0..63, ``sc`` ``N x K/16`` int8, ``d`` ``N x K/256``: Q6_K's numbers."""
+        return cls(packing.pack_q6_tiles(q, sc, d), q.shape, 6, bias, act)
 
     @classmethod
     def from_gguf(cls, parts: list[tuple[str, np.ndarray]], bias: torch.Tensor | None, act: torch.dtype
@@ -169,23 +194,30 @@ class WideIntLinear:
         """GGUF tensors ``(kind, raw bytes N x row bytes)``, all 5-bit types or all Q6_K, stacked along the output
         axis."""
         six = parts[0][0] == "Q6_K"
+        for kind, _ in parts:
+            if (kind == "Q6_K") != six or kind not in gguf_quants.WIDE_KINDS:
+                raise ValueError(f"{kind} does not join {parts[0][0]} in a 5- or 6-bit layer")
+        if six and gguf_pack.enabled() and all(data.shape[0] % packing.TILE_ROWS == 0 for _, data in parts):
+            tiles = gguf_pack.pack_gguf(parts)  # the file's blocks straight into the tiles, in C
+            return cls(tiles, (packing.TILE_ROWS * tiles.shape[0], 256 * tiles.shape[1]), 6, bias, act)
+        if six:
+            fields = [gguf_quants.q6_fields(data) for _, data in parts]
+            q, sc, d = (np.concatenate([f[i] for f in fields]) for i in range(3))
+            return cls.six(q, sc, d, bias, act)
+        if gguf_pack.enabled() and all(data.shape[0] % packing.TILE_ROWS == 0 for _, data in parts):
+            tiles = gguf_pack.pack_gguf(parts)  # the file's blocks straight into the tiles, in C
+            return cls(tiles, (packing.TILE_ROWS * tiles.shape[0], packing.GROUP * tiles.shape[1]), 5, bias, act)
         qs: list[np.ndarray] = []
         ss: list[np.ndarray] = []
         zs: list[np.ndarray] = []
         for kind, data in parts:
-            if (kind == "Q6_K") != six or kind not in gguf_quants.WIDE_KINDS:
-                raise ValueError(f"{kind} does not join {parts[0][0]} in a 5- or 6-bit layer")
             q, s, z, _ = gguf_quants.int8_fields(kind, data)
-            if six:  # stored as q - 32; the kernel makes the offset -32 s
-                q = q.astype(np.int16) + 32
-            elif z is None:  # Q5_0 stores q - 16
+            if z is None:  # Q5_0 stores q - 16
                 q, z = q.astype(np.int16) + 16, -16.0 * s
             qs.append(q.astype(np.uint8))
             ss.append(s)
-            if z is not None:
-                zs.append(z)
-        z_all = None if six else np.concatenate(zs)
-        return cls(np.concatenate(qs), np.concatenate(ss), z_all, 6 if six else 5, bias, act)
+            zs.append(z)
+        return cls.five(np.concatenate(qs), np.concatenate(ss), np.concatenate(zs), bias, act)
 
     def _mm(self, x: torch.Tensor, out: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.act).contiguous()
@@ -202,12 +234,14 @@ class WideIntLinear:
         return self._mm(x, torch.float32)
 
     def dequantize(self) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        if self.bits == 6:
+            q6, sc, d = packing.unpack_q6_tiles(self.tiles)
+            s = d.reshape(n, -1, 1) * sc.reshape(n, -1, 16).astype(np.float32)  # per 16, as the file's
+            w = (q6.reshape(n, -1, 16).astype(np.float32) - 32.0) * s.reshape(n, -1, 1)
+            return torch.from_numpy(w.reshape(n, k))
         q, s, z = packing.unpack_wide_tiles(self.tiles, self.bits)
-        n, k = q.shape
-        group = k // s.shape[1]
-        if z is None:
-            z = -32.0 * s
-        w = q.reshape(n, -1, group).astype(np.float32) * s[..., None] + z[..., None]
+        w = q.reshape(n, -1, packing.GROUP).astype(np.float32) * s[..., None] + z[..., None]
         return torch.from_numpy(w.reshape(n, k))
 
     def nbytes(self) -> int:
