@@ -177,6 +177,33 @@ def test_a_q8_0_head_and_a_single_q8_0_layer_pack_in_c() -> None:
     assert layer.tiles is not None and torch.equal(layer.tiles, head.tiles) and layer.z is None and layer.q is None
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q4_0", "Q5_K", "F16", "float"])
+def test_a_head_of_another_type_rounds_to_the_8_bit_tiles_in_c_as_numpy_does(kind: str) -> None:
+    """``Q8Linear.from_weight`` of a head that is not Q8_0 (a Q4_0 file's Q6_K embedding): each group of 32 of the
+    dequantized rows rounded to int8 on its own step, in C chunk by chunk, the bytes of the numpy/torch rounding;
+    ties (values at half a step), an all-zero group and a float tensor included."""
+    n, k = 80, 512
+    if kind == "float":
+        rng = np.random.default_rng(3)
+        f = rng.standard_normal((n, k)).astype(np.float32)
+        f[0, :32] = 0.0
+        f[1, :32] = np.arange(32) - 15.5  # halves: 127 / 16 steps put several values at exact ties
+        w: torch.Tensor | RawBlocks = torch.from_numpy(f)
+    elif kind == "F16":
+        data = (np.random.default_rng(4).standard_normal((n, k)) * 0.1).astype(np.float16).view(np.uint8)
+        w = RawBlocks(kind, data.reshape(n, -1), (n, k))
+    else:
+        w = RawBlocks(kind, gguf_blocks(kind, n, k, seed=6), (n, k))
+    with np.errstate(over="ignore", invalid="ignore"):
+        fast = Q8Linear.from_weight(w, chunk=32)  # chunks of 32 rows: two row blocks each, and a last one
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gguf_pack, "enabled", lambda: False)
+            slow = Q8Linear.from_weight(w, chunk=32)
+    assert torch.equal(fast.tiles, slow.tiles)
+    with pytest.raises(ValueError, match="rows in 16s"):
+        native.pack_q8_from_float(np.zeros((24, 64), np.float32), torch.empty(1, 2, 576, dtype=torch.uint8))
+
+
 def test_threads_split_the_row_blocks_to_the_same_bytes() -> None:
     before = torch.get_num_threads()
     for kind in KINDS:

@@ -20,6 +20,7 @@
 #define TICKLOOM_CPU_KERNELS_PACK_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -240,6 +241,41 @@ int pack_gguf_tiles(const uint8_t *src, int64_t row_stride, int64_t rows, int64_
                 pack_write_tile(u, gi, five, out + (blk * groups + at * per + gi) * tile_bytes);
         }
     }
+    return 0;
+}
+
+/* Float32 rows into the 8-bit tiles, each group of 32 rounded to int8 on its own step: the LM head's form for a head
+   of any other type (head.Q8Linear.from_weight, which dequantizes the file's blocks to float32 a chunk of rows at a
+   time). The arithmetic is the numpy/torch reference's, so the bytes are too: s = max|w| / 127 in float32, q = w /
+   max(s, 1e-30) rounded to nearest even and clamped to +-127, the tile's d s rounded to float16 to nearest even,
+   and each row's sum of q. Rows in sixteens, K a multiple of 32; returns 0, or 2 for a shape. */
+int pack_q8_from_float(const float *w, int64_t rows, int64_t k, uint8_t *out, int threads) {
+    if (rows % 16 || k <= 0 || k % 32) return 2;
+    const int64_t blocks = rows / 16, groups = k / 32;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t blk = 0; blk < blocks; blk++)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *tile = out + (blk * groups + g) * Q8_TILE_BYTES;
+            for (int r = 0; r < 16; r++) {
+                const float *v = w + (16 * blk + r) * k + 32 * g;
+                float amax = 0.0f;
+                for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(v[e]));
+                const float s = amax / 127.0f, div = s < 1e-30f ? 1e-30f : s;
+                int8_t q[32];
+                int sum = 0;
+                for (int e = 0; e < 32; e++) {
+                    float x = nearbyintf(v[e] / div);
+                    x = x > 127.0f ? 127.0f : (x < -127.0f ? -127.0f : x);
+                    q[e] = (int8_t)x;
+                    sum += q[e];
+                }
+                for (int u = 0; u < 8; u++) memcpy(tile + 64 * u + 4 * r, q + 4 * u, 4);
+                const uint16_t d = pack_half(s);
+                const int16_t s16 = (int16_t)sum;
+                memcpy(tile + 512 + 2 * r, &d, 2);
+                memcpy(tile + 544 + 2 * r, &s16, 2);
+            }
+        }
     return 0;
 }
 

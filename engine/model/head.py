@@ -157,9 +157,19 @@ class Q8Linear:
             q5, d5, _, _ = gguf_quants.int8_fields(w.kind, w.data)
             return cls(q5, d5)
         n, k = w.shape
+        rows = chunk if isinstance(w, RawBlocks) else n
+        if gguf_pack.enabled() and n % 16 == 0 and rows % 16 == 0:  # the same rounding and tiles, in C
+            head = cls.__new__(cls)
+            head.out_features, head.in_features = n, k
+            head.tiles = torch.empty(n // 16, k // 32, packing.Q8_TILE_BYTES, dtype=torch.uint8)
+            for lo in range(0, n, rows):
+                part = (gguf_quants.dequantize(w.kind, w.data[lo : lo + rows]) if isinstance(w, RawBlocks)
+                        else w.float().contiguous().numpy())
+                native.pack_q8_from_float(np.ascontiguousarray(part, dtype=np.float32),
+                                          head.tiles[lo // 16 : (lo + part.shape[0]) // 16])
+            return head
         q = np.empty((n, k), dtype=np.int8)
         step = np.empty((n, k // 32), dtype=np.float32)
-        rows = chunk if isinstance(w, RawBlocks) else n
         for lo in range(0, n, rows):
             if isinstance(w, RawBlocks):
                 f = torch.from_numpy(gguf_quants.dequantize(w.kind, w.data[lo : lo + rows]))

@@ -158,6 +158,9 @@ class _Kernel:
         self.pack_gguf_tiles = lib.pack_gguf_tiles
         self.pack_gguf_tiles.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
         self.pack_gguf_tiles.restype = ctypes.c_int
+        self.pack_q8_from_float = lib.pack_q8_from_float
+        self.pack_q8_from_float.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+        self.pack_q8_from_float.restype = ctypes.c_int
 
 
 def status() -> str:
@@ -409,6 +412,19 @@ def pack_gguf_tiles(kind: str, blocks: np.ndarray, out: torch.Tensor) -> None:
                                    torch.get_num_threads())
     if rc:
         raise ValueError(f"pack_gguf_tiles: the kernel refused {kind} {n} x {k} (rc {rc})")
+
+
+def pack_q8_from_float(w: np.ndarray, out: torch.Tensor) -> None:
+    """Float32 rows ``w`` (``N x K``, contiguous) into ``out``, the 8-bit kernel's tiles (``N/16 x K/32 x 576``
+    uint8), each group of 32 rounded to int8 on its own step: the bytes of ``head.Q8Linear``'s numpy/torch
+    rounding into ``packing.pack_q8_tiles``, by C (``cpu_kernels_pack.h``)."""
+    n, k = w.shape
+    if (w.dtype != np.float32 or not w.flags.c_contiguous or out.dtype != torch.uint8 or not out.is_contiguous()
+            or tuple(out.shape) != (n // TILE_ROWS, k // GROUP, Q8_TILE_BYTES) or n % TILE_ROWS or k % GROUP):
+        raise ValueError(f"pack_q8_from_float: w {w.shape} {w.dtype} (contiguous float32, rows in 16s, K in 32s) "
+                         f"into out {tuple(out.shape)} {out.dtype}")
+    if n and _kernel().pack_q8_from_float(w.ctypes.data, n, k, out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"pack_q8_from_float: the kernel refused {n} x {k}")
 
 
 _scratch = threading.local()

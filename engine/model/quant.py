@@ -318,7 +318,17 @@ def _block_form(kind: str, quant: str, rows: int, act: torch.dtype) -> str:
 
 def _blocks_linear(run: list[RawBlocks], form: str, bias: torch.Tensor | None, quant: str,
                    act: torch.dtype) -> Linear:
-    """One layer of consecutive GGUF tensors that share a ``_block_form``, stacked along the output axis."""
+    """One layer of consecutive GGUF tensors that share a ``_block_form``, stacked along the output axis. The
+    file's pages it read leave the resident set once it is built (``drop_file_pages``), so that a load holds the
+    layers made so far and one layer's file bytes, not the whole file beside them (1B Q8_0: 2.8 GB at its peak)."""
+    layer = _blocks_layer(run, form, bias, quant, act)
+    for w in run:
+        drop_file_pages(w.data, whole=False)
+    return layer
+
+
+def _blocks_layer(run: list[RawBlocks], form: str, bias: torch.Tensor | None, quant: str,
+                  act: torch.dtype) -> Linear:
     if _packs_in_c(form, run, act):  # the file's blocks straight into the kernels' tiles
         tiles = gguf_pack.pack_gguf([(w.kind, w.data) for w in run])
         if form == "int4":
@@ -470,16 +480,25 @@ class Embedding:
         return _nbytes(self.table)
 
 
-def drop_file_pages(arr: np.ndarray) -> bool:
-    """``madvise(MADV_DONTNEED)`` the whole read-only file mapping ``arr`` is a view of: its pages leave this
-    process's resident set and come back from the page cache when read. Anything not such a view is left alone
-    (on anonymous or writable memory the call would discard data)."""
+def drop_file_pages(arr: np.ndarray, whole: bool = True) -> bool:
+    """``madvise(MADV_DONTNEED)`` the read-only file mapping ``arr`` is a view of, all of it (``whole``) or the
+    whole pages inside ``arr``'s bytes: they leave this process's resident set and come back from the page cache
+    when read. Anything not such a view is left alone (on anonymous or writable memory the call would discard
+    data), and so is a view that is not one run of bytes."""
     base: Any = arr
     while isinstance(base, np.ndarray):
         if isinstance(base, np.memmap) and isinstance(base.base, mmap.mmap):
             if base.mode != "r" or not hasattr(mmap, "MADV_DONTNEED"):
                 return False
-            base.base.madvise(mmap.MADV_DONTNEED)
+            if whole:
+                base.base.madvise(mmap.MADV_DONTNEED)
+                return True
+            if not arr.flags.c_contiguous:
+                return False
+            at = arr.ctypes.data - np.frombuffer(base.base, dtype=np.uint8).ctypes.data
+            start, end = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE, (at + arr.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                base.base.madvise(mmap.MADV_DONTNEED, start, end - start)
             return True
         base = base.base
     return False
