@@ -90,6 +90,38 @@ def test_rope_by_roll_is_rotate_half() -> None:
 needs_fbgemm = pytest.mark.skipif(not fbgemm_available(), reason="torch has no fbgemm here")
 
 
+def _resident_kib(path: Path) -> int:
+    """This process's resident KiB of the mappings of ``path`` (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="utf-8") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = head[-1] == str(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1])
+    return total
+
+
+def test_a_layers_file_pages_leave_the_resident_set_and_read_back_the_same(tmp_path: Path) -> None:
+    """``drop_file_pages(view, whole=False)``, as a load calls it after each layer: the whole pages inside the view
+    leave the resident set (the pages it only shares with its neighbours stay), the bytes read back unchanged; a
+    view that is not one run of bytes, or not of a file mapping, is left alone."""
+    data = np.random.default_rng(0).integers(0, 256, 64 * 4096, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data.tobytes())
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    view = mapped[4096 + 100 : 40 * 4096 + 50].reshape(-1, 2)
+    assert int(mapped.sum()) == int(data.sum())  # every page read
+    before = _resident_kib(path)
+    assert before >= 64 * 4
+    assert drop_file_pages(view, whole=False)
+    after = _resident_kib(path)
+    assert before - after == (40 - 2) * 4  # pages 2..39: the whole ones inside the view
+    assert np.array_equal(np.asarray(view).ravel(), data[4096 + 100 : 40 * 4096 + 50])
+    assert not drop_file_pages(mapped[::2], whole=False) and not drop_file_pages(np.zeros(8), whole=False)
+
+
 @needs_fbgemm
 def test_dyn_int8_head_matches_its_weight_and_ignores_the_batch() -> None:
     g = torch.Generator().manual_seed(3)
