@@ -58,8 +58,8 @@ def pack_gguf(parts: Sequence[tuple[str, np.ndarray]]) -> torch.Tensor:
         raise ValueError(f"pack_gguf: input size {k} is not a positive multiple of {packing.GROUP}")
     n = sum(data.shape[0] for _, data in parts)
     kind0 = parts[0][0]
-    out = torch.empty(n // packing.TILE_ROWS, k // native.PACKED_UNIT_K.get(kind0, packing.GROUP),
-                      native.PACKED_TILE_BYTES[kind0], dtype=torch.uint8)
+    out = packing.tile_buffer(n // packing.TILE_ROWS, k // native.PACKED_UNIT_K.get(kind0, packing.GROUP),
+                              native.PACKED_TILE_BYTES[kind0])
     at = 0
     for kind, data in parts:
         blocks = data if data.strides[1] == 1 else np.ascontiguousarray(data)

@@ -161,7 +161,7 @@ class Q8Linear:
         if gguf_pack.enabled() and n % 16 == 0 and rows % 16 == 0:  # the same rounding and tiles, in C
             head = cls.__new__(cls)
             head.out_features, head.in_features = n, k
-            head.tiles = torch.empty(n // 16, k // 32, packing.Q8_TILE_BYTES, dtype=torch.uint8)
+            head.tiles = packing.tile_buffer(n // 16, k // 32, packing.Q8_TILE_BYTES)
             for lo in range(0, n, rows):
                 part = (gguf_quants.dequantize(w.kind, w.data[lo : lo + rows]) if isinstance(w, RawBlocks)
                         else w.float().contiguous().numpy())

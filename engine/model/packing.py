@@ -34,6 +34,14 @@ def pack_tiles(nibbles: np.ndarray, s: np.ndarray, z: np.ndarray) -> torch.Tenso
     return torch.from_numpy(out)
 
 
+def tile_buffer(*shape: int) -> torch.Tensor:
+    """An uninitialized uint8 buffer for a layer's tiles. Allocated by numpy, which asks Linux for transparent huge
+    pages on large arrays (``madvise(MADV_HUGEPAGE)``; this host's THP setting is "madvise", so nothing else gets
+    them) where ``torch.empty`` does not: a step streams every tile once, and on 4 KB pages the TLB misses cost the
+    1B Q4_0 model's batch 1 about a quarter of its speed (21.8 tok/s against 27-30 on numpy's buffers)."""
+    return torch.from_numpy(np.empty(shape, dtype=np.uint8))
+
+
 def _tile_nibbles(nibbles: np.ndarray) -> np.ndarray:
     """``N x G x 16`` nibble bytes in GGUF Q4 order -> ``N/16 x G x 256``, the tiles' chunks (``pack_tiles``)."""
     n, g, _ = nibbles.shape

@@ -380,7 +380,9 @@ def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch
             return _blocks_linear([w], _block_form(w.kind, quant, w.shape[0], act), bias, quant, act)
         takes = act == torch.float32 or (act == torch.bfloat16 and w.kind == "BF16")
         if w.kind in packing.HALF_KINDS and takes and native.available() and w.shape[1] % 16 == 0:
-            return HalfLinear(w.kind, w.data.view(np.uint16), bias)  # the file's 16 bits, not a float32 copy
+            half = HalfLinear(w.kind, w.data.view(np.uint16), bias)  # the file's 16 bits, not a float32 copy
+            drop_file_pages(w.data, whole=False)  # as _blocks_linear does: tiles are a copy
+            return half
         w = w.dequantize()
     if not bits and act == torch.bfloat16 and w.device.type == "cpu" and native.available() and w.shape[1] % 16 == 0:
         # A bfloat16 model's projections on the kernels rather than torch's bfloat16 matmul, whose sums for a row
