@@ -314,3 +314,31 @@ def test_a_gguf_model_gives_the_same_logits_packed_in_c_as_in_numpy(mix: str, ti
         a, b = all_logits(fast, ids), all_logits(slow, ids)
     assert torch.isfinite(a).all()
     assert torch.equal(a, b)
+
+
+def _thp_eligible(address: int) -> bool | None:
+    """``THPeligible`` of the mapping holding ``address`` (``/proc/self/smaps``), None where it is not shown."""
+    inside = False
+    with open("/proc/self/smaps", encoding="utf-8") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("THPeligible:"):
+                return head[1] == "1"
+    return None
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="no transparent huge pages here")
+def test_the_tiles_buffers_may_take_huge_pages() -> None:
+    """Tiles are streamed once a step: their buffers are asked for transparent huge pages (numpy's allocation does
+    ask; under THP "madvise" torch's does not), and so are the tiles ``pack_gguf`` and the head make."""
+    from tickloom.engine.model import packing
+
+    buf = packing.tile_buffer(64, 1 << 20)
+    assert _thp_eligible(buf.data_ptr() + buf.numel() // 2)  # the middle: the aligned part is a mapping of its own
+    tiles = gguf_pack.pack_gguf([("Q4_0", gguf_blocks("Q4_0", 1024, 8192, seed=1))])  # 5 MB of tiles
+    assert _thp_eligible(tiles.data_ptr() + tiles.numel() // 2)
