@@ -17,15 +17,15 @@ The LM head of a quantized model has its own forms (``engine.model.head``).
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tickloom.engine.model import gguf_pack, gguf_quants, int4pack, native, packing
+from tickloom.engine.model.file_pages import drop_file_pages
 from tickloom.engine.model.quant_grouped import GroupedInt8Linear, HalfLinear, SplitLinear, WideIntLinear
 
 QUANT_SETTINGS: dict[str, tuple[int, int]] = {
@@ -480,30 +480,6 @@ class Embedding:
     def nbytes(self) -> int:
         """Bytes held in memory (mapped file rows count only as they are read)."""
         return _nbytes(self.table)
-
-
-def drop_file_pages(arr: np.ndarray, whole: bool = True) -> bool:
-    """``madvise(MADV_DONTNEED)`` the read-only file mapping ``arr`` is a view of, all of it (``whole``) or the
-    whole pages inside ``arr``'s bytes: they leave this process's resident set and come back from the page cache
-    when read. Anything not such a view is left alone (on anonymous or writable memory the call would discard
-    data), and so is a view that is not one run of bytes."""
-    base: Any = arr
-    while isinstance(base, np.ndarray):
-        if isinstance(base, np.memmap) and isinstance(base.base, mmap.mmap):
-            if base.mode != "r" or not hasattr(mmap, "MADV_DONTNEED"):
-                return False
-            if whole:
-                base.base.madvise(mmap.MADV_DONTNEED)
-                return True
-            if not arr.flags.c_contiguous:
-                return False
-            at = arr.ctypes.data - np.frombuffer(base.base, dtype=np.uint8).ctypes.data
-            start, end = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE, (at + arr.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-            if end > start:
-                base.base.madvise(mmap.MADV_DONTNEED, start, end - start)
-            return True
-        base = base.base
-    return False
 
 
 def check_quant(quant: str, dtype: torch.dtype, device: torch.device) -> None:
