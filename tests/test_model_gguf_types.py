@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as reference
 
 from tickloom.engine.model import gguf_quants, native
+from tickloom.engine.model.embedding import Embedding
 from tickloom.engine.model.quant import (
-    Embedding,
     GroupedInt8Linear,
     HalfLinear,
     Int4Linear,

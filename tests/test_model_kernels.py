@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tickloom.engine.model import int4pack
+from tickloom.engine.model.embedding import Embedding
 from tickloom.engine.model.file_pages import drop_file_pages
 from tickloom.engine.model.head import DynInt8Linear, fbgemm_available, int8_rows
 from tickloom.engine.model.kv_cache import PagedKVCache, zeroed_pool
 from tickloom.engine.model.llama import apply_rope, norm_weight2, rms_norm, rope_tables
 from tickloom.engine.model.quant import (
-    Embedding,
     RawBlocks,
     gguf_q8_0,
 )

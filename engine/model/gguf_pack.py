@@ -26,6 +26,14 @@ def enabled() -> bool:
     return native.available()
 
 
+def packs(parts: Sequence[tuple[str, np.ndarray]]) -> bool:
+    """Whether ``pack_gguf`` makes these parts' tiles here: the kernels run (``enabled``), every part's type makes
+    the same tiles, and every part's rows come in sixteens. The one test every layer that packs in C asks."""
+    bits = {tile_bits(kind) for kind, _ in parts}
+    return (enabled() and len(bits) == 1 and None not in bits
+            and all(data.shape[0] % packing.TILE_ROWS == 0 for _, data in parts))
+
+
 def tile_bits(kind: str) -> int | None:
     """The tiles (4, 5, 6 or 8 bits) ``pack_gguf`` makes of GGUF type ``kind``, or None when it takes no such type."""
     return next((bits for bits, kinds in TILE_KINDS.items() if kind in kinds), None)

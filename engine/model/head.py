@@ -146,10 +146,8 @@ class Q8Linear:
     def from_weight(cls, w: Weight, chunk: int = 4096) -> Q8Linear:
         """Q8_0 and Q5_0 blocks as they are (their scales are float16 already); any other weight rounded to 8 bits
         per 32, GGUF blocks ``chunk`` rows at a time (a Q4_K_M file's Q6_K head is never whole in float32)."""
-        if isinstance(w, RawBlocks) and w.kind == "Q8_0" and w.shape[0] % 16 == 0 and gguf_pack.enabled():
-            head = cls.__new__(cls)  # the file's blocks straight into the tiles, in C
-            head.tiles, (head.out_features, head.in_features) = gguf_pack.pack_gguf([(w.kind, w.data)]), w.shape
-            return head
+        if isinstance(w, RawBlocks) and w.kind == "Q8_0" and gguf_pack.packs([(w.kind, w.data)]):
+            return cls.of_tiles(gguf_pack.pack_gguf([(w.kind, w.data)]))  # the file's blocks, in C
         if isinstance(w, RawBlocks) and w.kind == "Q8_0":
             d8, q8 = gguf_q8_0(w.data)
             return cls(q8.reshape(q8.shape[0], -1), d8)
@@ -159,15 +157,13 @@ class Q8Linear:
         n, k = w.shape
         rows = chunk if isinstance(w, RawBlocks) else n
         if gguf_pack.enabled() and n % 16 == 0 and rows % 16 == 0:  # the same rounding and tiles, in C
-            head = cls.__new__(cls)
-            head.out_features, head.in_features = n, k
-            head.tiles = packing.tile_buffer(n // 16, k // 32, packing.Q8_TILE_BYTES)
+            tiles = packing.tile_buffer(n // 16, k // 32, packing.Q8_TILE_BYTES)
             for lo in range(0, n, rows):
                 part = (gguf_quants.dequantize(w.kind, w.data[lo : lo + rows]) if isinstance(w, RawBlocks)
                         else w.float().contiguous().numpy())
                 native.pack_q8_from_float(np.ascontiguousarray(part, dtype=np.float32),
-                                          head.tiles[lo // 16 : (lo + part.shape[0]) // 16])
-            return head
+                                          tiles[lo // 16 : (lo + part.shape[0]) // 16])
+            return cls.of_tiles(tiles)
         q = np.empty((n, k), dtype=np.int8)
         step = np.empty((n, k // 32), dtype=np.float32)
         for lo in range(0, n, rows):
@@ -182,6 +178,14 @@ class Q8Linear:
                 torch.int8).reshape(m, k).numpy()
             step[lo : lo + m] = s.numpy()
         return cls(q, step)
+
+    @classmethod
+    def of_tiles(cls, tiles: torch.Tensor) -> Q8Linear:
+        """The head of ``packing.pack_q8_tiles``' tiles as they are (``N/16 x K/32 x 576``)."""
+        head = cls.__new__(cls)
+        head.tiles = tiles
+        head.out_features, head.in_features = packing.TILE_ROWS * tiles.shape[0], packing.GROUP * tiles.shape[1]
+        return head
 
     def dequantize(self) -> torch.Tensor:
         t = self.tiles.numpy()

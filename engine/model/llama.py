@@ -21,12 +21,12 @@ from tickloom.engine.model import native
 from tickloom.engine.model.arch import ArchOptions, arch_options, expected_shapes
 from tickloom.engine.model.batch import AttnGroup, StepBatch
 from tickloom.engine.model.config import ModelConfig
+from tickloom.engine.model.embedding import Embedding
 from tickloom.engine.model.fused import FusedLayers
 from tickloom.engine.model.head import head_linear
 from tickloom.engine.model.kv_cache import PagedKVCache
 from tickloom.engine.model.quant import (
     DenseLinear,
-    Embedding,
     Int4Linear,
     Linear,
     RawBlocks,

@@ -329,6 +329,8 @@ def _blocks_linear(run: list[RawBlocks], form: str, bias: torch.Tensor | None, q
 
 def _blocks_layer(run: list[RawBlocks], form: str, bias: torch.Tensor | None, quant: str,
                   act: torch.dtype) -> Linear:
+    if form in ("int5", "int6"):
+        return WideIntLinear.from_gguf([(w.kind, w.data) for w in run], bias, act)
     if _packs_in_c(form, run, act):  # the file's blocks straight into the kernels' tiles
         tiles = gguf_pack.pack_gguf([(w.kind, w.data) for w in run])
         if form == "int4":
@@ -338,8 +340,6 @@ def _blocks_layer(run: list[RawBlocks], form: str, bias: torch.Tensor | None, qu
         fields = [gguf_quants.int4_fields(w.kind, w.data) for w in run]
         nibbles, s, z = (np.concatenate([f[i] for f in fields]) for i in range(3))
         return Int4Linear(nibbles, s, z, 32, bias, act)
-    if form in ("int5", "int6"):
-        return WideIntLinear.from_gguf([(w.kind, w.data) for w in run], bias, act)
     if form == "grouped":
         parts = [gguf_quants.int8_fields(w.kind, w.data) for w in run]
         group = min(p[3] for p in parts)  # 32-groups split into 16s where a Q6_K part has them: the same weights
@@ -357,12 +357,11 @@ def _blocks_layer(run: list[RawBlocks], form: str, bias: torch.Tensor | None, qu
 
 
 def _packs_in_c(form: str, run: list[RawBlocks], act: torch.dtype) -> bool:
-    """Whether ``run`` becomes its layer's tiles by ``gguf_pack`` (in C, part by part, each part's rows in
-    sixteens): as int4 on the kernel (bfloat16), or grouped Q8_0. (The 5- and 6-bit forms:
-    ``WideIntLinear.from_gguf``.)"""
-    if not gguf_pack.enabled() or any(w.shape[0] % packing.TILE_ROWS for w in run):
-        return False
-    return act == torch.bfloat16 if form == "int4" else form == "grouped" and all(w.kind == "Q8_0" for w in run)
+    """Whether ``run`` becomes its layer's tiles by ``gguf_pack`` (in C, part by part): as int4 on the kernel
+    (bfloat16), 5 or 6 bits (``WideIntLinear.from_gguf`` packs them), or grouped Q8_0."""
+    takes = {"int4": act == torch.bfloat16, "int5": True, "int6": True,
+             "grouped": all(w.kind == "Q8_0" for w in run)}
+    return takes.get(form, False) and gguf_pack.packs([(w.kind, w.data) for w in run])
 
 
 def quantize_linear(w: Weight, bias: torch.Tensor | None, quant: str, act: torch.dtype) -> Linear:
@@ -408,7 +407,7 @@ def join_linear(ws: list[Weight], biases: list[torch.Tensor] | None, quant: str,
     if len(blocks) == len(ws):
         if quant != "none" and len({(w.kind, w.shape[1]) for w in blocks}) == 1:
             form = _block_form(blocks[0].kind, quant, sum(w.shape[0] for w in blocks), act)
-            if _packs_in_c(form, blocks, act) or (form in ("int5", "int6") and gguf_pack.enabled()):
+            if _packs_in_c(form, blocks, act):
                 return _blocks_linear(blocks, form, bias, quant, act)  # the joined layer, without a copy of the bytes
         joined = RawBlocks.concat(blocks)
         if joined is not None:
@@ -427,59 +426,6 @@ def join_linear(ws: list[Weight], biases: list[torch.Tensor] | None, quant: str,
     floats = [w.dequantize() if isinstance(w, RawBlocks) else w for w in ws]
     dense = torch.cat([f.to(act) if quant == "none" else f.float() for f in floats])
     return quantize_linear(dense, bias, quant, act)
-
-
-class Embedding:
-    """Token lookup: a dense table, or a GGUF type's rows (Q8_0, Q4_K, ..., F16, BF16) dequantized per lookup.
-
-    The rows stay where the loader found them: when that is a read-only mapping of the GGUF file, only the
-    rows looked up are resident (``release_pages`` drops the rest, which the loader read while packing)."""
-
-    __slots__ = ("blocks", "dtype", "half", "table")
-
-    def __init__(self, w: Weight, dtype: torch.dtype) -> None:
-        self.table: torch.Tensor | None = None
-        self.blocks: RawBlocks | None = None
-        self.half: HalfLinear | None = None  # a tied head's bfloat16 tiles, when the rows are read from them
-        if isinstance(w, RawBlocks) and (w.kind in gguf_quants.INT_KINDS or w.kind in packing.HALF_KINDS):
-            self.blocks = w
-        else:
-            self.table = (w.dequantize() if isinstance(w, RawBlocks) else w).to(dtype)
-        self.dtype = dtype
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.table is not None:
-            return F.embedding(ids, self.table)
-        if self.half is not None:
-            bits = packing.half_tile_rows(self.half.tiles, ids.cpu().numpy())
-            return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(device=ids.device,
-                                                                                  dtype=self.dtype)
-        assert self.blocks is not None
-        rows = torch.from_numpy(gguf_quants.dequantize(self.blocks.kind, self.blocks.data[ids.cpu().numpy()]))
-        return rows.reshape(ids.shape[0], -1).to(device=ids.device, dtype=self.dtype)
-
-    def weight(self) -> Weight:
-        """The table as a weight (for a tied head)."""
-        if self.table is not None:
-            return self.table
-        assert self.blocks is not None
-        return self.blocks
-
-    def read_rows_from(self, head: Linear) -> None:
-        """A tied head that holds the table's values as bfloat16 tiles (a bfloat16 model's, ``HalfLinear``) serves
-        the lookups too, and the table goes: one copy of the weights, not two (56 MiB on SmolLM2-135M)."""
-        if (isinstance(head, HalfLinear) and head.kind == "BF16" and self.dtype == torch.bfloat16
-                and self.table is not None and head.bias is None):
-            self.half, self.table = head, None
-
-    def release_pages(self) -> None:
-        """Drop this process's resident pages of the file mapping the rows live in (none if they are a copy)."""
-        if self.blocks is not None:
-            drop_file_pages(self.blocks.data)
-
-    def nbytes(self) -> int:
-        """Bytes held in memory (mapped file rows count only as they are read)."""
-        return _nbytes(self.table)
 
 
 def check_quant(quant: str, dtype: torch.dtype, device: torch.device) -> None:

@@ -66,7 +66,7 @@ class GroupedInt8Linear:
     @classmethod
     def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None,
                          act: torch.dtype = torch.bfloat16, use_native: bool | None = None) -> GroupedInt8Linear:
-        if kind == "Q8_0" and use_native is not False and blocks.shape[0] % 16 == 0 and gguf_pack.enabled():
+        if kind == "Q8_0" and use_native is not False and gguf_pack.packs([(kind, blocks)]):
             return cls.from_q8_tiles(gguf_pack.pack_gguf([(kind, blocks)]), bias, act)
         q, s, z, group = gguf_quants.int8_fields(kind, blocks)
         return cls(q, s, z, group, bias, act, False if group != packing.GROUP else use_native)
@@ -197,16 +197,14 @@ class WideIntLinear:
         for kind, _ in parts:
             if (kind == "Q6_K") != six or kind not in gguf_quants.WIDE_KINDS:
                 raise ValueError(f"{kind} does not join {parts[0][0]} in a 5- or 6-bit layer")
-        if six and gguf_pack.enabled() and all(data.shape[0] % packing.TILE_ROWS == 0 for _, data in parts):
-            tiles = gguf_pack.pack_gguf(parts)  # the file's blocks straight into the tiles, in C
-            return cls(tiles, (packing.TILE_ROWS * tiles.shape[0], 256 * tiles.shape[1]), 6, bias, act)
+        if gguf_pack.packs(parts):  # the file's blocks straight into the tiles, in C
+            tiles = gguf_pack.pack_gguf(parts)
+            unit = 256 if six else packing.GROUP  # Q6_K's tiles come in super-blocks of 256 inputs
+            return cls(tiles, (packing.TILE_ROWS * tiles.shape[0], unit * tiles.shape[1]), 6 if six else 5, bias, act)
         if six:
             fields = [gguf_quants.q6_fields(data) for _, data in parts]
             q, sc, d = (np.concatenate([f[i] for f in fields]) for i in range(3))
             return cls.six(q, sc, d, bias, act)
-        if gguf_pack.enabled() and all(data.shape[0] % packing.TILE_ROWS == 0 for _, data in parts):
-            tiles = gguf_pack.pack_gguf(parts)  # the file's blocks straight into the tiles, in C
-            return cls(tiles, (packing.TILE_ROWS * tiles.shape[0], packing.GROUP * tiles.shape[1]), 5, bias, act)
         qs: list[np.ndarray] = []
         ss: list[np.ndarray] = []
         zs: list[np.ndarray] = []
