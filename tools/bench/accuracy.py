@@ -209,9 +209,9 @@ class LlamaCppLogits:
     """llama.cpp on the same GGUF: all-position logits of one sequence, and greedy decoding."""
 
     def __init__(self, gguf: Any, n_ctx: int = 1024) -> None:
-        from tickloom.tools.bench.llamacpp import LlamaCppRunner
+        from tickloom.tools.bench.llamacpp import runner_for
 
-        self.runner = LlamaCppRunner(gguf)
+        self.runner, self.note = runner_for(gguf)
         self.lc = self.runner.lc
         p = self.lc.llama_context_default_params()
         p.n_ctx = p.n_batch = p.n_ubatch = n_ctx
@@ -328,6 +328,8 @@ def measure(model: str = "smollm2-135m", new_tokens: int = NEW_TOKENS, prompts: 
         notes.append(f"llama.cpp skipped: {model} has no GGUF file")
     else:
         lc = LlamaCppLogits(source)
+        if lc.note:
+            notes.append(lc.note)
         runners.append(("llama.cpp", lc.logits, lc.greedy))
     tallies = {name: PathTally() for name, _, _ in runners}
     try:

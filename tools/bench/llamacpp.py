@@ -24,15 +24,19 @@ def available() -> bool:
 
 
 class LlamaCppRunner:
-    """One model, a context per (threads, batch)."""
+    """One model, a context per (threads, batch). ``extra_buffers``: llama.cpp's default, weights repacked into
+    its extra buffer types (interleaved rows for its AVX kernels, AMX tiles where the CPU has AMX); off only where
+    that faults (``runner_for``)."""
 
-    def __init__(self, gguf: Path) -> None:
+    def __init__(self, gguf: Path, extra_buffers: bool = True) -> None:
         import llama_cpp
 
         self.lc: Any = llama_cpp
         llama_cpp.llama_backend_init()
         llama_cpp.llama_log_set(QUIET_LOG, ctypes.c_void_p())
-        self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
+        params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = extra_buffers
+        self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp cannot load {gguf}")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
@@ -92,12 +96,53 @@ def QUIET_LOG(level: int, text: bytes, data: int) -> None:
     return None
 
 
+def runner_for(gguf: Path) -> tuple[LlamaCppRunner, str | None]:
+    """A runner for ``gguf`` with llama.cpp's defaults where they run, and a note when they do not.
+
+    Why the probe: on an Intel host with AMX (this project's VM moved to one), llama-cpp-python 0.3.36 built with
+    its native flags puts Q4_0, Q8_0 and K-quant weights in its AMX buffer, and its first batched matmul dies in
+    ``ggml_backend_amx_mul_mat`` on a general-protection fault at ``ldtilecfg`` (the process's AMX permission
+    granted or not), which would take the whole bench down with it. One prompt is decoded in a child process
+    first; if the child dies by a signal, llama.cpp runs without its extra buffer types (``use_extra_bufts``
+    false: its plain AVX512 kernels, no repacking), and the note says so beside its figures."""
+    if extra_buffers_work(gguf):
+        return LlamaCppRunner(gguf), None
+    return LlamaCppRunner(gguf, extra_buffers=False), (
+        f"llama.cpp: its extra buffer types (weight repacking, AMX) crash on {gguf.name} on this CPU; "
+        "measured without them (use_extra_bufts=False)")
+
+
+_PROBE = """
+import sys
+from tickloom.tools.bench.llamacpp import LlamaCppRunner
+r = LlamaCppRunner(sys.argv[1])
+r.decode([[1] * 16, [2] * 16], 2, 1)
+"""
+
+
+def extra_buffers_work(gguf: Path) -> bool:
+    """Whether llama.cpp with its defaults survives loading ``gguf`` and decoding a batch, in a child process."""
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(gguf)], capture_output=True, text=True)
+    return probe_outcome(out.returncode, out.stderr)
+
+
+def probe_outcome(returncode: int, stderr: str) -> bool:
+    """True for a clean exit, False for a death by a signal (a fault in llama.cpp's code); any other failure is an
+    error of its own, raised with the child's last lines."""
+    if returncode == 0:
+        return True
+    if returncode < 0:
+        return False
+    tail = "\n".join(stderr.strip().splitlines()[-5:])
+    raise RuntimeError(f"llama.cpp probe failed (exit {returncode}):\n{tail}")
+
+
 _CHILD = """
 import json, sys, time
 t = time.perf_counter()
 import llama_cpp
 from tickloom.tools.bench.llamacpp import LlamaCppRunner
-r = LlamaCppRunner(sys.argv[1])
+r = LlamaCppRunner(sys.argv[1], extra_buffers=sys.argv[2] == "1")
 import ctypes, llama_cpp as lc
 p = lc.llama_context_default_params(); p.n_ctx = 4096; p.n_threads = p.n_threads_batch = 1
 ctx = lc.llama_init_from_model(r.model, p)
@@ -107,7 +152,8 @@ print(json.dumps({"load_s": load, "rss": rss}))
 """
 
 
-def footprint(gguf: Path) -> dict[str, float]:
+def footprint(gguf: Path, extra_buffers: bool = True) -> dict[str, float]:
     """llama.cpp's load time (import + model + a 4096-token context) and RSS, in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(gguf)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(gguf), "1" if extra_buffers else "0"],
+                         capture_output=True, text=True, check=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -235,9 +235,11 @@ def run_llamacpp(args: argparse.Namespace) -> list[dict[str, Any]]:
         if gguf is None:
             print(f"{name}: not a GGUF model, skipped (llama.cpp runs GGUF files)", flush=True)
             continue
-        theirs = bench_llamacpp.LlamaCppRunner(gguf) if have else None
+        theirs, note = bench_llamacpp.runner_for(gguf) if have else (None, None)
+        if note:
+            print(note, flush=True)
         if theirs is not None:
-            fp = bench_llamacpp.footprint(gguf)
+            fp = bench_llamacpp.footprint(gguf, extra_buffers=note is None)
             print(f"llama.cpp: RSS {fp['rss'] / 2**20:.0f} MiB, load {fp['load_s']:.2f} s", flush=True)
         for setting in args.settings:
             d, q = setting.split("+") if setting != "default" else (None, None)
