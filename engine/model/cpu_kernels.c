@@ -224,14 +224,14 @@ static inline __attribute__((always_inline)) void q4_blocks(const uint8_t *w, co
    Weights: w[n, k] = d[n, g] * q[n, k], q int8, g = k / 32 (GGUF Q8_0 exactly). Tiles of 576 bytes, one per (16
    output rows, group of 32 inputs): 8 chunks of 64 bytes (chunk t, byte 4r + c: q[16b + r, 32g + 4t + c]), then d
    for the 16 rows (float16), then sum_k q[n, k] over the group for the 16 rows (int16). VPDPBUSD wants one side
-   unsigned: the activations go in as qx + 128 (bytes xor 0x80), and 128 * sum q comes off once per group. The
-   output is float32 (logits). */
+   unsigned: the activations go in as qx + 128 (bytes xor 0x80, flipped once after `prepare`, not per row and
+   chunk: a broadcast from memory is a load, the xor was one vector op beside each VPDPBUSD), and 128 * sum q
+   comes off once per group. The output is float32. */
 
 static inline __attribute__((always_inline)) void q8_block_rows(
     const uint8_t *w, const int8_t *qx, const float *dx, float *y, int64_t m_rows, int64_t n, int64_t k,
     int64_t block, int64_t m0, int mt) {
     const int64_t groups = k / 32;
-    const __m512i flip = _mm512_set1_epi32((int)0x80808080u);
     const int chains = mt >= 4 ? 1 : (mt == 1 ? 4 : 2);
     __m512 acc[MT];
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
@@ -249,9 +249,8 @@ static inline __attribute__((always_inline)) void q8_block_rows(
                 __m512i wq = _mm512_loadu_si512((const void *)(tile + 64 * t));
                 for (int i = 0; i < mt; i++) {
                     const int8_t *xq = xp + (m0 + i) * k + 32 * g + 4 * t;
-                    __m512i xu = _mm512_xor_si512(_mm512_set1_epi32(*(const int32_t *)xq), flip);
                     int c = i * chains + t % chains;
-                    part[c] = _mm512_dpbusd_epi32(part[c], xu, wq);
+                    part[c] = _mm512_dpbusd_epi32(part[c], _mm512_set1_epi32(*(const int32_t *)xq), wq);
                 }
             }
             for (int i = 0; i < mt; i++) {
@@ -274,6 +273,9 @@ int q8_matmul(const uint16_t *x, const uint8_t *w, float *y, int64_t m_rows, int
     int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(((uintptr_t)(qx + 2 * m_rows * k) + 63) & ~(uintptr_t)63);
     prepare(x, m_rows, k, 2, 0, qx, dx, NULL, NULL, NULL);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t i = 0; i < 2 * m_rows * k; i += 64) /* 2 M K bytes, a multiple of 64 (K % 32 == 0) */
+        _mm512_storeu_si512((void *)(qx + i), _mm512_xor_si512(_mm512_loadu_si512((const void *)(qx + i)), flip));
     const int64_t blocks = n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
