@@ -16,7 +16,6 @@ from tickloom.engine.model.quant import (
     Int4Linear,
     Int8Linear,
     RawBlocks,
-    gguf_q4_fields,
     join_linear,
     quantize_linear,
 )
@@ -93,8 +92,6 @@ def _q4_blocks(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_gguf_q4_blocks_pack_exactly(kind: str, use_native: bool) -> None:
     rows, w = _q4_blocks(kind, 48, 128, seed=3)
-    _, m, q = gguf_q4_fields(rows, kind)
-    assert q.shape == (48, 4, 32) and (m is None) == (kind == "Q4_0")
     assert torch.equal(RawBlocks(kind, rows, (48, 128)).dequantize(), w)
     lin = Int4Linear.from_gguf_blocks(rows, kind, use_native=use_native)
     assert lin.group == 32

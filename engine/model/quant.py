@@ -244,20 +244,6 @@ class Int4Linear:
         return _nbytes(self.tiles, self.packed, self.scales_zeros, self.bias)
 
 
-def gguf_q4_fields(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """(d ``N x G``, m ``N x G`` or None, q ``N x G x 32`` uint8 in 0..15) of Q4_0 (18-byte blocks: fp16 d,
-    16 bytes) or Q4_1 (20-byte blocks: fp16 d, fp16 m, 16 bytes) rows. Byte ``j`` of a block holds element
-    ``j`` in its low nibble and element ``j + 16`` in its high nibble."""
-    size = {"Q4_0": 18, "Q4_1": 20}[kind]
-    n = blocks.shape[0]
-    b = np.ascontiguousarray(blocks).reshape(n, -1, size)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0]
-    m = b[..., 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else None
-    qs = b[..., size - 16 :]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-    return d, m, q
-
-
 def gguf_q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(d ``N x G`` float32, q ``N x G x 32`` int8) of Q8_0 rows (34-byte blocks: fp16 d, 32 int8)."""
     n = blocks.shape[0]
