@@ -15,6 +15,10 @@ from typing import Any
 import numpy as np
 
 INSTALL_HINT = "pip install 'tickloom[bench]'  (llama-cpp-python; it compiles llama.cpp, several minutes)"
+NO_AMX_BUILD = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+                "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON' pip install --force-reinstall "
+                "--no-deps --no-cache-dir --no-binary llama-cpp-python llama-cpp-python")
+"""llama.cpp built for AVX512 without AMX: its repacked kernels, on a CPU where its AMX path faults."""
 
 
 def available() -> bool:
@@ -104,12 +108,14 @@ def runner_for(gguf: Path) -> tuple[LlamaCppRunner, str | None]:
     ``ggml_backend_amx_mul_mat`` on a general-protection fault at ``ldtilecfg`` (the process's AMX permission
     granted or not), which would take the whole bench down with it. One prompt is decoded in a child process
     first; if the child dies by a signal, llama.cpp runs without its extra buffer types (``use_extra_bufts``
-    false: its plain AVX512 kernels, no repacking), and the note says so beside its figures."""
+    false: its plain AVX512 kernels, no repacking: at batch 32 a fraction of its speed), and the note says so
+    beside its figures, with the build that keeps the repacking (``NO_AMX_BUILD``, what the README's figures on
+    such a host use)."""
     if extra_buffers_work(gguf):
         return LlamaCppRunner(gguf), None
     return LlamaCppRunner(gguf, extra_buffers=False), (
         f"llama.cpp: its extra buffer types (weight repacking, AMX) crash on {gguf.name} on this CPU; "
-        "measured without them (use_extra_bufts=False)")
+        f"measured without them (use_extra_bufts=False); to keep its repacking, build it without AMX: {NO_AMX_BUILD}")
 
 
 _PROBE = """
