@@ -19,6 +19,7 @@ from tickloom.engine.model.quant import (
     join_linear,
     quantize_linear,
 )
+from tickloom.engine.model.quant_grouped import GroupedInt8Linear
 from tickloom.engine.model.tiny import write_tiny_model
 
 
@@ -169,3 +170,25 @@ async def test_quantized_engine_run_replays(tmp_path: Path) -> None:
             params = SamplingParams(max_tokens=6, temperature=0.8, seed=i, ignore_eos=True)
             nursery.start_soon(engine.complete, [5 + i, 9, 11 + i], params)
     assert_replays(log)
+
+
+def test_a_layer_takes_one_kernels_weight_not_both_nor_neither() -> None:
+    made = Int4Linear.from_float(torch.randn(16, 64), 32, use_native=False)
+    assert made.packed is not None and made.scales_zeros is not None and made.tiles is None
+    tiles = torch.zeros(1, 2, 320, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not both"):
+        Int4Linear(64, 16, 32, None, torch.bfloat16, tiles=tiles, packed=made.packed, scales_zeros=made.scales_zeros)
+    with pytest.raises(ValueError, match="not both"):
+        Int4Linear(64, 16, 32, None, torch.bfloat16)
+    with pytest.raises(ValueError, match="not both"):  # torch's form needs its scales too
+        Int4Linear(64, 16, 32, None, torch.bfloat16, packed=made.packed)
+    assert Int4Linear.from_tiles(tiles, None).tiles is tiles
+    q, s = torch.zeros(2, 32, 16, dtype=torch.int8), torch.ones(2, 16)
+    with pytest.raises(ValueError, match="not both"):
+        GroupedInt8Linear(64, 16, 32, None, torch.float32, tiles=tiles, q=q, s=s)
+    with pytest.raises(ValueError, match="not both"):
+        GroupedInt8Linear(64, 16, 32, None, torch.float32)
+    with pytest.raises(ValueError, match="not both"):
+        GroupedInt8Linear(64, 16, 32, None, torch.float32, q=q)
+    layer = GroupedInt8Linear(64, 16, 32, None, torch.float32, q=q, s=s)
+    assert (layer.in_features, layer.out_features, layer.tiles) == (64, 16, None)

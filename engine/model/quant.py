@@ -146,20 +146,27 @@ class Int4Linear:
 
     __slots__ = ("act", "bias", "group", "in_features", "out_features", "packed", "passes", "scales_zeros", "tiles")
 
-    def __init__(self, nibbles: np.ndarray, s: np.ndarray, z: np.ndarray, group: int, bias: torch.Tensor | None,
-                 act: torch.dtype, use_native: bool | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, group: int, bias: torch.Tensor | None, act: torch.dtype,
+                 *, tiles: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+                 scales_zeros: torch.Tensor | None = None) -> None:
+        """The layer from its weight as one kernel takes it: tickloom's ``tiles`` (``packing.pack_tiles``'), or
+        torch's ``packed`` nibbles and ``scales_zeros``. ``from_fields`` and the other constructors make them."""
+        if (tiles is not None) == (packed is not None) or (packed is None) != (scales_zeros is None):
+            raise ValueError("int4: give the kernel's tiles, or torch's packed nibbles and scales, not both")
+        self.in_features, self.out_features, self.group, self.act = in_features, out_features, group, act
+        self.bias = None if bias is None else bias.to(act)
+        self.tiles, self.packed, self.scales_zeros = tiles, packed, scales_zeros
+        self.passes = 1  # the activations' 8-bit passes on tickloom's kernel; LayerWeights sets 2
+
+    @classmethod
+    def from_fields(cls, nibbles: np.ndarray, s: np.ndarray, z: np.ndarray, group: int, bias: torch.Tensor | None,
+                    act: torch.dtype, use_native: bool | None = None) -> Int4Linear:
         """``nibbles``: ``N x K/32 x 16`` bytes in GGUF order (byte ``j`` of block ``b`` holds input ``32 b + j`` in
-        its low nibble and ``32 b + 16 + j`` in its high one); ``s``, ``z``: ``N x K/group`` float32."""
+        its low nibble and ``32 b + 16 + j`` in its high one); ``s``, ``z``: ``N x K/group`` float32. Packed for
+        tickloom's kernel where it runs (``use_native`` None), else for torch's."""
         n, k = nibbles.shape[0], 32 * nibbles.shape[1]
         if nibbles.shape[2] != 16 or k % group or s.shape != (n, k // group) or z.shape != s.shape:
             raise ValueError(f"int4: bad shapes nibbles {nibbles.shape}, s {s.shape}, z {z.shape}, group {group}")
-        self.group, self.act = group, act
-        self.bias = None if bias is None else bias.to(act)
-        self.out_features, self.in_features = n, k
-        self.tiles: torch.Tensor | None = None
-        self.passes = 1  # the activations' 8-bit passes on tickloom's kernel; LayerWeights sets 2
-        self.packed: torch.Tensor | None = None
-        self.scales_zeros: torch.Tensor | None = None
         can = group == packing.GROUP and act == torch.bfloat16 and n % packing.TILE_ROWS == 0
         if use_native is None:
             use_native = can and native.available()
@@ -167,13 +174,13 @@ class Int4Linear:
             if not can:
                 raise ValueError(f"the native int4 kernel takes groups of 32, bfloat16 and rows in 16s "
                                  f"(group {group}, {act}, {n} rows)")
-            self.tiles = packing.pack_tiles(nibbles, s, z)
-        else:  # torch's form: w = (q - 8) * scale + zero, as K/group x N x 2 (built in numpy: 4x torch's stack)
-            stacked = np.empty((k // group, n, 2), dtype=np.float32)
-            stacked[..., 0] = s.T
-            stacked[..., 1] = (z + 8.0 * s).T
-            self.scales_zeros = torch.from_numpy(stacked).to(act)
-            self.packed = int4pack.pack_nibbles(nibbles)
+            return cls(k, n, group, bias, act, tiles=packing.pack_tiles(nibbles, s, z))
+        # torch's form: w = (q - 8) * scale + zero, as K/group x N x 2 (built in numpy: 4x torch's stack)
+        stacked = np.empty((k // group, n, 2), dtype=np.float32)
+        stacked[..., 0] = s.T
+        stacked[..., 1] = (z + 8.0 * s).T
+        return cls(k, n, group, bias, act, packed=int4pack.pack_nibbles(nibbles),
+                   scales_zeros=torch.from_numpy(stacked).to(act))
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group: int, bias: torch.Tensor | None = None,
@@ -185,24 +192,20 @@ class Int4Linear:
         scale = ((hi - lo) / 15.0).clamp(min=1e-12)
         q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, -1, 2, 16)
         nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).numpy()
-        return cls(nibbles, scale.numpy(), lo.numpy(), group, bias, act, use_native)
+        return cls.from_fields(nibbles, scale.numpy(), lo.numpy(), group, bias, act, use_native)
 
     @classmethod
     def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None,
                          act: torch.dtype = torch.bfloat16, use_native: bool | None = None) -> Int4Linear:
         """``blocks``: a GGUF Q4_0, Q4_1 or Q4_K tensor's raw bytes, ``N x row bytes`` uint8. The nibbles are
         rearranged as bytes (Q4_K's into Q4_0's order), never widened; Q4_K's ``s = d sc``, ``z = -dmin m``."""
-        return cls(*gguf_quants.int4_fields(kind, blocks), 32, bias, act, use_native)
+        return cls.from_fields(*gguf_quants.int4_fields(kind, blocks), 32, bias, act, use_native)
 
     @classmethod
     def from_tiles(cls, tiles: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear:
-        """The layer ``__init__`` makes on tickloom's kernel (bfloat16 activations), from its weight as it is:
-        ``packing.pack_tiles``' (``gguf_pack.pack_gguf`` packs a GGUF file's blocks so)."""
-        layer = cls.__new__(cls)
-        layer.group, layer.act, layer.passes, layer.packed, layer.scales_zeros = 32, torch.bfloat16, 1, None, None
-        layer.bias = None if bias is None else bias.to(torch.bfloat16)
-        layer.tiles, layer.out_features, layer.in_features = tiles, 16 * tiles.shape[0], 32 * tiles.shape[1]
-        return layer
+        """On tickloom's kernel (bfloat16 activations), from ``packing.pack_tiles``' tiles (``gguf_pack.pack_gguf``
+        packs a GGUF file's blocks so)."""
+        return cls(32 * tiles.shape[1], 16 * tiles.shape[0], 32, bias, torch.bfloat16, tiles=tiles)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``N x K`` weight this layer multiplies by."""
@@ -325,7 +328,7 @@ def _blocks_layer(run: list[RawBlocks], form: str, bias: torch.Tensor | None, qu
     if form == "int4":
         fields = [gguf_quants.int4_fields(w.kind, w.data) for w in run]
         nibbles, s, z = (np.concatenate([f[i] for f in fields]) for i in range(3))
-        return Int4Linear(nibbles, s, z, 32, bias, act)
+        return Int4Linear.from_fields(nibbles, s, z, 32, bias, act)
     if form == "grouped":
         parts = [gguf_quants.int8_fields(w.kind, w.data) for w in run]
         group = min(p[3] for p in parts)  # 32-groups split into 16s where a Q6_K part has them: the same weights
@@ -335,7 +338,7 @@ def _blocks_layer(run: list[RawBlocks], form: str, bias: torch.Tensor | None, qu
         if any(p[2] is not None for p in parts):
             zeros = np.concatenate([np.repeat(np.zeros_like(p[1]) if p[2] is None else p[2], p[3] // group, axis=1)
                                     for p in parts])
-        return GroupedInt8Linear(q, scales, zeros, group, bias, act)
+        return GroupedInt8Linear.from_fields(q, scales, zeros, group, bias, act)
     joined = RawBlocks.concat(run) if len(run) > 1 else run[0]
     if form == "rows" and joined is not None:
         return Int8Linear.from_q8_0(joined.data, bias, act)

@@ -42,26 +42,39 @@ class GroupedInt8Linear:
 
     __slots__ = ("act", "bias", "group", "in_features", "out_features", "q", "s", "tiles", "z")
 
-    def __init__(self, q: np.ndarray, s: np.ndarray, z: np.ndarray | None, group: int, bias: torch.Tensor | None,
-                 act: torch.dtype, use_native: bool | None = None) -> None:
-        """``q``: ``N x K`` int8; ``s``, ``z`` (or None): ``N x K/group`` float32."""
+    def __init__(self, in_features: int, out_features: int, group: int, bias: torch.Tensor | None, act: torch.dtype,
+                 *, tiles: torch.Tensor | None = None, q: torch.Tensor | None = None, s: torch.Tensor | None = None,
+                 z: torch.Tensor | None = None) -> None:
+        """The layer from its weight as one path takes it: the 8-bit kernel's ``tiles`` (``packing.pack_q8_tiles``',
+        which hold the scales), or torch's ``q`` and ``s``; ``z`` (``K/group x N`` float32) either way, or None.
+        ``from_fields`` and the other constructors make them."""
+        if (tiles is not None) == (q is not None) or (q is None) != (s is None):
+            raise ValueError("grouped int8: give the kernel's tiles, or torch's integers and scales, not both")
+        self.in_features, self.out_features, self.group, self.act = in_features, out_features, group, act
+        self.bias = None if bias is None else bias.to(act)
+        self.tiles, self.q, self.s, self.z = tiles, q, s, z
+
+    @classmethod
+    def from_fields(cls, q: np.ndarray, s: np.ndarray, z: np.ndarray | None, group: int, bias: torch.Tensor | None,
+                    act: torch.dtype, use_native: bool | None = None) -> GroupedInt8Linear:
+        """``q``: ``N x K`` int8; ``s``, ``z`` (or None): ``N x K/group`` float32. Packed for the 8-bit kernel where
+        it runs (``use_native`` None) and the groups are 32, else kept for torch."""
         n, k = q.shape
         if k % group or s.shape != (n, k // group) or (z is not None and z.shape != s.shape):
             raise ValueError(f"grouped int8: bad shapes q {q.shape}, s {s.shape}, group {group}")
-        self.out_features, self.in_features, self.group, self.act = n, k, group, act
-        self.bias = None if bias is None else bias.to(act)
         can = group == packing.GROUP and n % packing.TILE_ROWS == 0
         if use_native is None:
             use_native = can and native.available()
         if use_native and not can:
             raise ValueError(f"the native 8-bit kernel takes groups of 32 and rows in 16s (group {group}, {n} rows)")
-        self.tiles = packing.pack_q8_tiles(np.ascontiguousarray(q), s) if use_native else None
-        self.q = None if use_native else torch.from_numpy(
-            np.ascontiguousarray(q.reshape(n, k // group, group).transpose(1, 2, 0)))
-        # the kernel's tiles hold the scales (as float16): a float32 copy beside them would be 12% of a Q8_0
-        # layer's memory, read by nothing
-        self.s = None if use_native else torch.from_numpy(np.ascontiguousarray(s.T, dtype=np.float32))
-        self.z = None if z is None else torch.from_numpy(np.ascontiguousarray(z.T, dtype=np.float32))
+        zt = None if z is None else torch.from_numpy(np.ascontiguousarray(z.T, dtype=np.float32))
+        if use_native:
+            # the kernel's tiles hold the scales (as float16): a float32 copy beside them would be 12% of a Q8_0
+            # layer's memory, read by nothing
+            return cls(k, n, group, bias, act, tiles=packing.pack_q8_tiles(np.ascontiguousarray(q), s), z=zt)
+        qt = torch.from_numpy(np.ascontiguousarray(q.reshape(n, k // group, group).transpose(1, 2, 0)))
+        return cls(k, n, group, bias, act, q=qt, s=torch.from_numpy(np.ascontiguousarray(s.T, dtype=np.float32)),
+                   z=zt)
 
     @classmethod
     def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None,
@@ -69,18 +82,15 @@ class GroupedInt8Linear:
         if kind == "Q8_0" and use_native is not False and gguf_pack.packs([(kind, blocks)]):
             return cls.from_q8_tiles(gguf_pack.pack_gguf([(kind, blocks)]), bias, act)
         q, s, z, group = gguf_quants.int8_fields(kind, blocks)
-        return cls(q, s, z, group, bias, act, False if group != packing.GROUP else use_native)
+        return cls.from_fields(q, s, z, group, bias, act, False if group != packing.GROUP else use_native)
 
     @classmethod
     def from_q8_tiles(cls, tiles: torch.Tensor, bias: torch.Tensor | None = None,
                       act: torch.dtype = torch.bfloat16) -> GroupedInt8Linear:
-        """The layer ``__init__`` makes on the 8-bit kernel with no offset (GGUF Q8_0's), from its weight as it is:
-        ``packing.pack_q8_tiles``' (``gguf_pack.pack_gguf`` packs a file's Q8_0 blocks so)."""
-        layer = cls.__new__(cls)
-        layer.out_features, layer.in_features = packing.TILE_ROWS * tiles.shape[0], packing.GROUP * tiles.shape[1]
-        layer.group, layer.act, layer.tiles, layer.q, layer.s, layer.z = packing.GROUP, act, tiles, None, None, None
-        layer.bias = None if bias is None else bias.to(act)
-        return layer
+        """On the 8-bit kernel with no offset (GGUF Q8_0's), from ``packing.pack_q8_tiles``' tiles
+        (``gguf_pack.pack_gguf`` packs a file's Q8_0 blocks so)."""
+        return cls(packing.GROUP * tiles.shape[1], packing.TILE_ROWS * tiles.shape[0], packing.GROUP, bias, act,
+                   tiles=tiles)
 
     def _columns(self, lo: int, hi: int) -> torch.Tensor:
         """Output rows ``lo:hi`` of the float32 weight as ``K x (hi - lo)``, computed as
