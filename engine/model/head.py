@@ -138,22 +138,28 @@ class Q8Linear:
 
     __slots__ = ("in_features", "out_features", "tiles")
 
-    def __init__(self, q: np.ndarray, d: np.ndarray) -> None:
-        self.out_features, self.in_features = q.shape
-        self.tiles = packing.pack_q8_tiles(q, d)
+    def __init__(self, tiles: torch.Tensor) -> None:
+        """The head of ``packing.pack_q8_tiles``' tiles as they are (``N/16 x K/32 x 576``)."""
+        self.tiles = tiles
+        self.out_features, self.in_features = packing.TILE_ROWS * tiles.shape[0], packing.GROUP * tiles.shape[1]
+
+    @classmethod
+    def from_fields(cls, q: np.ndarray, d: np.ndarray) -> Q8Linear:
+        """``q`` ``N x K`` int8, ``d`` ``N x K/32`` float32: packed into the kernel's tiles."""
+        return cls(packing.pack_q8_tiles(q, d))
 
     @classmethod
     def from_weight(cls, w: Weight, chunk: int = 4096) -> Q8Linear:
         """Q8_0 and Q5_0 blocks as they are (their scales are float16 already); any other weight rounded to 8 bits
         per 32, GGUF blocks ``chunk`` rows at a time (a Q4_K_M file's Q6_K head is never whole in float32)."""
         if isinstance(w, RawBlocks) and w.kind == "Q8_0" and gguf_pack.packs([(w.kind, w.data)]):
-            return cls.of_tiles(gguf_pack.pack_gguf([(w.kind, w.data)]))  # the file's blocks, in C
+            return cls(gguf_pack.pack_gguf([(w.kind, w.data)]))  # the file's blocks, in C
         if isinstance(w, RawBlocks) and w.kind == "Q8_0":
             d8, q8 = gguf_q8_0(w.data)
-            return cls(q8.reshape(q8.shape[0], -1), d8)
+            return cls.from_fields(q8.reshape(q8.shape[0], -1), d8)
         if isinstance(w, RawBlocks) and w.kind == "Q5_0":
             q5, d5, _, _ = gguf_quants.int8_fields(w.kind, w.data)
-            return cls(q5, d5)
+            return cls.from_fields(q5, d5)
         n, k = w.shape
         rows = chunk if isinstance(w, RawBlocks) else n
         if gguf_pack.enabled() and n % 16 == 0 and rows % 16 == 0:  # the same rounding and tiles, in C
@@ -163,7 +169,7 @@ class Q8Linear:
                         else w.float().contiguous().numpy())
                 native.pack_q8_from_float(np.ascontiguousarray(part, dtype=np.float32),
                                           tiles[lo // 16 : (lo + part.shape[0]) // 16])
-            return cls.of_tiles(tiles)
+            return cls(tiles)
         q = np.empty((n, k), dtype=np.int8)
         step = np.empty((n, k // 32), dtype=np.float32)
         for lo in range(0, n, rows):
@@ -177,15 +183,7 @@ class Q8Linear:
             q[lo : lo + m] = torch.round(groups / s.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(
                 torch.int8).reshape(m, k).numpy()
             step[lo : lo + m] = s.numpy()
-        return cls(q, step)
-
-    @classmethod
-    def of_tiles(cls, tiles: torch.Tensor) -> Q8Linear:
-        """The head of ``packing.pack_q8_tiles``' tiles as they are (``N/16 x K/32 x 576``)."""
-        head = cls.__new__(cls)
-        head.tiles = tiles
-        head.out_features, head.in_features = packing.TILE_ROWS * tiles.shape[0], packing.GROUP * tiles.shape[1]
-        return head
+        return cls.from_fields(q, step)
 
     def dequantize(self) -> torch.Tensor:
         t = self.tiles.numpy()
