@@ -162,13 +162,14 @@ class Q8Linear:
             return cls.from_fields(q5, d5)
         n, k = w.shape
         rows = chunk if isinstance(w, RawBlocks) else n
-        if gguf_pack.enabled() and n % 16 == 0 and rows % 16 == 0:  # the same rounding and tiles, in C
-            tiles = packing.tile_buffer(n // 16, k // 32, packing.Q8_TILE_BYTES)
+        t = packing.TILE_ROWS
+        if gguf_pack.enabled() and n % t == 0 and rows % t == 0:  # the same rounding and tiles, in C
+            tiles = packing.tile_buffer(n // t, k // packing.GROUP, packing.Q8_TILE_BYTES)
             for lo in range(0, n, rows):
                 part = (gguf_quants.dequantize(w.kind, w.data[lo : lo + rows]) if isinstance(w, RawBlocks)
                         else w.float().contiguous().numpy())
                 native.pack_q8_from_float(np.ascontiguousarray(part, dtype=np.float32),
-                                          tiles[lo // 16 : (lo + part.shape[0]) // 16])
+                                          tiles[lo // t : (lo + part.shape[0]) // t])
             return cls(tiles)
         q = np.empty((n, k), dtype=np.int8)
         step = np.empty((n, k // 32), dtype=np.float32)

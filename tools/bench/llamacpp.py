@@ -36,6 +36,7 @@ class LlamaCppRunner:
         import llama_cpp
 
         self.lc: Any = llama_cpp
+        self.extra_buffers = extra_buffers
         llama_cpp.llama_backend_init()
         llama_cpp.llama_log_set(QUIET_LOG, ctypes.c_void_p())
         params = llama_cpp.llama_model_default_params()
@@ -104,7 +105,7 @@ def runner_for(gguf: Path) -> tuple[LlamaCppRunner, str | None]:
     """A runner for ``gguf`` with llama.cpp's defaults where they run, and a note when they do not.
 
     Why the probe: on an Intel host with AMX (this project's VM moved to one), llama-cpp-python 0.3.36 built with
-    its native flags puts Q4_0, Q8_0 and K-quant weights in its AMX buffer, and its first batched matmul dies in
+    its native flags puts quantized weights in its AMX buffer, and its first batched matmul dies in
     ``ggml_backend_amx_mul_mat`` on a general-protection fault at ``ldtilecfg`` (the process's AMX permission
     granted or not), which would take the whole bench down with it. One prompt is decoded in a child process
     first; if the child dies by a signal, llama.cpp runs without its extra buffer types (``use_extra_bufts``

@@ -239,7 +239,7 @@ def run_llamacpp(args: argparse.Namespace) -> list[dict[str, Any]]:
         if note:
             print(note, flush=True)
         if theirs is not None:
-            fp = bench_llamacpp.footprint(gguf, extra_buffers=note is None)
+            fp = bench_llamacpp.footprint(gguf, extra_buffers=theirs.extra_buffers)
             print(f"llama.cpp: RSS {fp['rss'] / 2**20:.0f} MiB, load {fp['load_s']:.2f} s", flush=True)
         for setting in args.settings:
             d, q = setting.split("+") if setting != "default" else (None, None)
